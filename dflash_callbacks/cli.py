@@ -1,0 +1,33 @@
+"""`dflash-callbacks extract | score | compare | watch | demo`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command -> (module, function adding its arguments, function running it, help)
+COMMANDS = {
+    "extract": ("dflash_callbacks.cache.extract", "add_extract_arguments", "run_extract",
+                "cache a target's greedy completions and hidden states for a task set"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash-callbacks", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, add_arguments, run, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        getattr(importlib.import_module(module), add_arguments)(p)
+        p.set_defaults(run=(module, run))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module, run = args.run
+    return int(getattr(importlib.import_module(module), run)(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

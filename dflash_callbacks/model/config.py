@@ -1,0 +1,185 @@
+"""The drafter's configuration, parsed from the published `config.json` layout.
+
+Published DFlash drafters are `model_type: qwen3` configs with a `dflash_config`
+section. Fields have been seen in more than one place (`block_size` at the top level
+or inside `dflash_config`, `rope_theta` or `rope_parameters`); `DrafterConfig.from_dict`
+accepts every placement and `to_dict` writes the published one back.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The layer ids the published code derives when a config does not list them:
+    evenly spread over target layers 1 .. num_target_layers - 3 (one layer: the middle)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
+    max_position_embeddings: int = 40960
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 1e6})
+    num_target_layers: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # other keys of config.json, written back unchanged
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}"
+            )
+        for i, kind in enumerate(self.layer_types):
+            if kind not in LAYER_TYPES:
+                raise ValueError(f"layer_types[{i}] is {kind!r}; expected one of {list(LAYER_TYPES)}")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be at least 2, got {self.block_size}")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids is empty")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
+
+    @property
+    def num_target_features(self) -> int:
+        """Width of the drafter's context input: one target hidden state per layer id."""
+        return len(self.target_layer_ids) * self.hidden_size
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "DrafterConfig":
+        d = copy.deepcopy(raw)
+        dflash = d.pop("dflash_config", None) or {}
+
+        def take(name: str, default: Any = KeyError) -> Any:
+            # dflash_config wins over the top level where both are present.
+            if name in dflash:
+                d.pop(name, None)
+                return dflash.pop(name)
+            if name in d:
+                return d.pop(name)
+            if default is KeyError:
+                raise ValueError(f"drafter config has no {name!r} (looked at the top level and in dflash_config)")
+            return default
+
+        num_layers = d.pop("num_hidden_layers", None)
+        if num_layers is None:
+            raise ValueError("drafter config has no 'num_hidden_layers'")
+        num_target_layers = take("num_target_layers", None)
+        layer_ids = take("target_layer_ids", None)
+        if layer_ids is None:
+            if num_target_layers is None:
+                raise ValueError("drafter config has neither target_layer_ids nor num_target_layers")
+            layer_ids = build_target_layer_ids(num_target_layers, num_layers)
+        mask_token_id = take("mask_token_id")
+        block_size = take("block_size")
+
+        rope = d.pop("rope_parameters", None) or d.pop("rope_scaling", None) or {}
+        rope = dict(rope)
+        if "rope_theta" in d:
+            rope.setdefault("rope_theta", d.pop("rope_theta"))
+        rope.setdefault("rope_theta", 1e6)
+        rope.setdefault("rope_type", rope.pop("type", "default"))
+
+        hidden = d.pop("hidden_size")
+        heads = d.pop("num_attention_heads")
+        cfg = cls(
+            hidden_size=hidden,
+            intermediate_size=d.pop("intermediate_size"),
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=d.pop("num_key_value_heads", heads),
+            head_dim=d.pop("head_dim", None) or hidden // heads,
+            block_size=int(block_size),
+            mask_token_id=int(mask_token_id),
+            target_layer_ids=[int(i) for i in layer_ids],
+            vocab_size=d.pop("vocab_size"),
+            rms_norm_eps=d.pop("rms_norm_eps", 1e-6),
+            attention_bias=d.pop("attention_bias", False),
+            hidden_act=d.pop("hidden_act", "silu"),
+            layer_types=list(d.pop("layer_types", None) or []),
+            sliding_window=d.pop("sliding_window", None),
+            max_position_embeddings=d.pop("max_position_embeddings", 40960),
+            rope_parameters=rope,
+            num_target_layers=num_target_layers,
+        )
+        d.pop("use_sliding_window", None)
+        if dflash:
+            d["dflash_config"] = dflash  # unknown dflash_config keys survive a round trip
+        cfg.extra = d
+        return cfg
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "DrafterConfig":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no drafter config at {path}: a drafter folder holds config.json and *.safetensors")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from e
+        return cls.from_dict(raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The published layout: model_type qwen3, block_size at the top level,
+        mask_token_id and target_layer_ids inside dflash_config."""
+        out = copy.deepcopy(self.extra)
+        dflash = dict(out.pop("dflash_config", {}))
+        dflash.update(mask_token_id=self.mask_token_id, target_layer_ids=list(self.target_layer_ids))
+        out.update(
+            architectures=out.get("architectures", ["DFlashDraftModel"]),
+            model_type="qwen3",
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            block_size=self.block_size,
+            vocab_size=self.vocab_size,
+            rms_norm_eps=self.rms_norm_eps,
+            attention_bias=self.attention_bias,
+            hidden_act=self.hidden_act,
+            layer_types=list(self.layer_types),
+            sliding_window=self.sliding_window,
+            use_sliding_window="sliding_attention" in self.layer_types,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_parameters=dict(self.rope_parameters),
+            dflash_config=dflash,
+        )
+        if self.num_target_layers is not None:
+            out["num_target_layers"] = self.num_target_layers
+        return out

@@ -1,0 +1,249 @@
+"""The DFlash drafter: a small block-diffusion model conditioned on target hidden states.
+
+Architecture (the published one, written from its description):
+
+    ctx   = hidden_norm(fc(concat of target hidden states at target_layer_ids))   [b, C, H]
+    x     = noise embedding of the block: embed([anchor, MASK, ..., MASK])        [b, Q, H]
+    every layer (Qwen3-style pre-norm):
+        h = input_layernorm(x)
+        q = q_norm(q_proj(h))                        queries from the block only
+        k = k_norm(k_proj([ctx ; h])), v = v_proj([ctx ; h])
+                                                     keys/values: context then block
+        RoPE at the context positions and the block positions
+        x = x + o_proj(attention(q, k, v, mask))
+        x = x + mlp(post_attention_layernorm(x))
+    out   = norm(x)                                                                [b, Q, H]
+
+The context enters every layer un-normed (only `hidden_norm` after `fc`), the block
+through the layer's `input_layernorm`. `sliding_attention` layers additionally hide
+keys at positions `<= q_pos - sliding_window` (the transformers convention).
+
+The drafter has no embedding and no LM head: the target's are used (see TargetHead).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+
+from .config import DrafterConfig
+
+
+def qwen3_config(config: DrafterConfig) -> Qwen3Config:
+    """A transformers Qwen3Config for the parts reused from transformers (RMSNorm, MLP, RoPE)."""
+    return Qwen3Config(
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        hidden_act=config.hidden_act,
+        rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_parameters=dict(config.rope_parameters),
+        vocab_size=config.vocab_size,
+    )
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for positions. The frequencies come from transformers' RoPE code (every
+    rope_type it knows) and are held outside the module's buffers, so they stay fp32
+    when the drafter is cast to bf16 and are never part of a state dict."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        with torch.device("cpu"):  # also when the drafter is built on the meta device
+            rope = Qwen3RotaryEmbedding(qwen3_config(config))
+        self.inv_freq = rope.inv_freq.detach().clone().float()  # a plain tensor, not a buffer
+        self.attention_scaling = rope.attention_scaling
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self.inv_freq.to(position_ids.device)
+        freqs = position_ids[..., None].float() * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [b, heads, n, d]; cos/sin [b, n, d]."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+def as_additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean (True = attend) or additive float mask -> additive float mask."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return mask.to(dtype)
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, config: DrafterConfig, layer_idx: int):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
+        H, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(H, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(H, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(H, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, H, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        sliding = config.layer_types[layer_idx] == "sliding_attention"
+        self.sliding_window = config.sliding_window if sliding else None
+
+    def _kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, n, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, n, self.n_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x, ctx, rope_ctx, rope_block, mask):
+        """x [b, Q, H] (normed block), ctx [b, C, H]; mask additive [b|1, 1|heads, Q, C+Q] or None."""
+        b, q_len, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, q_len, self.n_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, *rope_block)
+        k_ctx, v_ctx = self._kv(ctx, *rope_ctx)
+        k_blk, v_blk = self._kv(x, *rope_block)
+        k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: DrafterConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(qwen3_config(config))
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, x, ctx, rope_ctx, rope_block, mask):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_ctx, rope_block, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """The DFlash drafter. `state_dict()` keys are the published ones
+    (`fc.weight`, `hidden_norm.weight`, `layers.{i}.…`, `norm.weight`)."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.config = config
+        H = config.hidden_size
+        self.fc = nn.Linear(config.num_target_features, H, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(H, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(H, eps=config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+        self.reset_parameters()
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    def reset_parameters(self, std: float | None = None) -> None:
+        """Linear weights ~ N(0, initializer_range), biases and norms as in a fresh Qwen3."""
+        std = self.config.extra.get("initializer_range", 0.02) if std is None else std
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, Qwen3RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def forward(
+        self,
+        target_hidden: torch.Tensor,
+        noise_embedding: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Normed hidden states of the block positions.
+
+        target_hidden   [b, C, n_layers*H]  target features of the context
+        noise_embedding [b, Q, H]           target embeddings of the block tokens
+        position_ids    [b|1, C+Q]          positions of the context, then of the block
+        attention_mask  [b|1, 1|heads, Q, C+Q] (or [Q, C+Q]) boolean (True = attend) or
+                        additive float; None: every query sees the whole context and block.
+        Returns [b, Q, H].
+        """
+        b, C, F_in = target_hidden.shape
+        Q = noise_embedding.shape[1]
+        if F_in != self.config.num_target_features:
+            raise ValueError(
+                f"target_hidden has {F_in} features; this drafter expects "
+                f"{len(self.config.target_layer_ids)} layers x {self.config.hidden_size} = "
+                f"{self.config.num_target_features}"
+            )
+        if position_ids.shape[-1] != C + Q:
+            raise ValueError(f"position_ids has length {position_ids.shape[-1]}; expected context + block = {C + Q}")
+        position_ids = position_ids.expand(b, C + Q)
+        x = noise_embedding
+        ctx = self.hidden_norm(self.fc(target_hidden))
+        cos, sin = self.rotary_emb(position_ids, x.dtype)
+        rope_ctx, rope_block = (cos[:, :C], sin[:, :C]), (cos[:, C:], sin[:, C:])
+        masks = self._layer_masks(attention_mask, position_ids, C, Q, x.dtype)
+        for layer in self.layers:
+            x = layer(x, ctx, rope_ctx, rope_block, masks[layer.self_attn.sliding_window])
+        return self.norm(x)
+
+    def _layer_masks(self, attention_mask, position_ids, C, Q, dtype) -> dict:
+        """Additive masks keyed by sliding window (None = full attention)."""
+        base = None
+        if attention_mask is not None:
+            if attention_mask.shape[-2:] != (Q, C + Q):
+                raise ValueError(
+                    f"attention_mask ends in {tuple(attention_mask.shape[-2:])}; expected (block {Q}, context+block {C + Q})"
+                )
+            base = as_additive_mask(attention_mask, dtype)
+            while base.dim() < 4:
+                base = base.unsqueeze(0)
+        masks = {None: base}
+        for window in {layer.self_attn.sliding_window for layer in self.layers} - {None}:
+            q_pos = position_ids[:, C:, None]
+            k_pos = position_ids[:, None, :]
+            outside = (q_pos - k_pos >= window).unsqueeze(1)  # [b, 1, Q, C+Q]
+            window_mask = torch.zeros(outside.shape, dtype=dtype, device=outside.device)
+            window_mask.masked_fill_(outside, float("-inf"))
+            masks[window] = window_mask if base is None else base + window_mask
+        return masks
+
+    @classmethod
+    def from_state_dict(cls, config: DrafterConfig, state_dict, *, dtype=None, device=None) -> "DFlashDrafter":
+        """A drafter holding exactly `state_dict` (published keys). Missing, unexpected
+        or mis-shaped tensors raise one error listing each with expected and found shape."""
+        with torch.device("meta"):
+            model = cls(config)
+        check_state_dict(model.state_dict(), state_dict)
+        model.load_state_dict(state_dict, strict=True, assign=True)
+        model = model.to(device=device, dtype=dtype)
+        return model.eval()
+
+
+def check_state_dict(expected: dict, found: dict) -> None:
+    problems = []
+    for key, tensor in expected.items():
+        if key not in found:
+            problems.append(f"missing tensor {key!r} (expected shape {list(tensor.shape)})")
+        elif tuple(found[key].shape) != tuple(tensor.shape):
+            problems.append(
+                f"tensor {key!r} has shape {list(found[key].shape)}; expected {list(tensor.shape)}"
+            )
+    problems += [f"unexpected tensor {key!r} (shape {list(found[key].shape)})" for key in found if key not in expected]
+    if problems:
+        shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+        raise ValueError("drafter weights do not match the config:\n  " + "\n  ".join(shown))

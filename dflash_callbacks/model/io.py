@@ -1,0 +1,127 @@
+"""Reading and writing drafter folders in the published layout.
+
+A drafter folder is `config.json` + `*.safetensors` (one file, or shards listed in
+`model.safetensors.index.json`) with the un-prefixed published keys. Snapshots written
+during training are the same layout plus a `snapshot.json`, so any published-format
+loader reads them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import DrafterConfig
+from .drafter import DFlashDrafter
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The weight files of a folder: the shards named by its index, else model.safetensors,
+    else every *.safetensors."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no 'weight_map' object")
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shards that do not exist: {missing}")
+        return files
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {folder}")
+    return files
+
+
+def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(folder):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                if key in state:
+                    raise ValueError(f"tensor {key!r} appears in more than one file of {folder}")
+                state[key] = f.get_tensor(key)
+    return state
+
+
+def read_config(folder: Path) -> DrafterConfig:
+    """config.json, or for a snapshot written without one, snapshot.json's 'config'."""
+    if (folder / "config.json").is_file():
+        return DrafterConfig.from_file(folder / "config.json")
+    snapshot = folder / "snapshot.json"
+    if snapshot.is_file():
+        return DrafterConfig.from_dict(json.loads(snapshot.read_text())["config"])
+    raise FileNotFoundError(
+        f"no config.json in {folder}: a drafter folder holds config.json and *.safetensors "
+        f"(found: {sorted(p.name for p in folder.iterdir())})"
+    )
+
+
+def load_drafter(
+    source: str | os.PathLike | Mapping[str, torch.Tensor],
+    *,
+    config: DrafterConfig | None = None,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+) -> DFlashDrafter:
+    """Load a drafter from a published checkpoint folder, a snapshot folder, or a state
+    dict (then `config` is required). `dtype=None` keeps the stored dtype. Returns the
+    model in eval mode."""
+    if isinstance(source, Mapping):
+        if config is None:
+            raise ValueError("loading a drafter from a state dict needs its DrafterConfig (config=...)")
+        return DFlashDrafter.from_state_dict(config, dict(source), dtype=dtype, device=device)
+    folder = Path(source)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"drafter folder {folder} does not exist")
+    config = config or read_config(folder)
+    try:
+        return DFlashDrafter.from_state_dict(config, read_state_dict(folder), dtype=dtype, device=device)
+    except ValueError as e:
+        raise ValueError(f"{folder}: {e}") from None
+
+
+def save_drafter(
+    folder: str | os.PathLike,
+    config: DrafterConfig,
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    extra_files: Mapping[str, dict] | None = None,
+) -> Path:
+    """Write config.json + model.safetensors (+ extra JSON files) to `folder`, atomically:
+    everything goes to a temporary sibling that is renamed into place, so a reader never
+    sees half a folder. An existing folder of that name is replaced."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.parent / f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        tensors = {k: v.detach().contiguous() for k, v in state_dict.items()}
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+        for name, payload in (extra_files or {}).items():
+            (tmp / name).write_text(json.dumps(payload, indent=2) + "\n")
+        if folder.exists():
+            old = folder.parent / f".{folder.name}.old-{uuid.uuid4().hex[:8]}"
+            folder.rename(old)
+            tmp.rename(folder)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder

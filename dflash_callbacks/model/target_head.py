@@ -1,0 +1,103 @@
+"""The target's input embedding and LM head, read straight from its safetensors files.
+
+Scoring a drafter needs only these two matrices of the (large) target. They are read
+tensor by tensor from the shard that holds them; no other tensor of the target is
+read and the target model is never instantiated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from .io import INDEX_FILE, safetensors_files
+
+EMBED_KEYS = (
+    "model.embed_tokens.weight",
+    "model.language_model.embed_tokens.weight",
+    "language_model.model.embed_tokens.weight",
+    "embed_tokens.weight",
+)
+LM_HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight")
+
+
+def tie_word_embeddings(config: dict) -> bool:
+    """Multimodal wrappers keep the text model's settings in text_config."""
+    if "tie_word_embeddings" in config:
+        return bool(config["tie_word_embeddings"])
+    return bool(config.get("text_config", {}).get("tie_word_embeddings", False))
+
+
+def locate_keys(folder: Path) -> dict[str, Path]:
+    """Which file holds each tensor name: from the shard index when there is one,
+    else from the headers of the folder's safetensors files (headers only)."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        return {key: folder / name for key, name in json.loads(index.read_text())["weight_map"].items()}
+    where = {}
+    for file in safetensors_files(folder):
+        with safe_open(str(file), framework="pt") as f:
+            where.update((key, file) for key in f.keys())
+    return where
+
+
+class TargetHead(nn.Module):
+    """`embed_tokens` (nn.Embedding [V, H]) and `lm_head` (nn.Linear H -> V, no bias)."""
+
+    def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
+        super().__init__()
+        if embed_weight.shape[1] != lm_head_weight.shape[1]:
+            raise ValueError(
+                f"embedding width {embed_weight.shape[1]} != LM head width {lm_head_weight.shape[1]}"
+            )
+        self.embed_tokens = nn.Embedding.from_pretrained(embed_weight, freeze=True)
+        self.lm_head = nn.Linear(lm_head_weight.shape[1], lm_head_weight.shape[0], bias=False)
+        self.lm_head.weight = nn.Parameter(lm_head_weight, requires_grad=False)
+        self.source: str | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.lm_head.weight.shape[1]
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        target_path: str | os.PathLike,
+        *,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+    ) -> "TargetHead":
+        folder = Path(target_path)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"target folder {folder} does not exist")
+        config_file = folder / "config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        where = locate_keys(folder)
+        embed_key = next((k for k in EMBED_KEYS if k in where), None)
+        if embed_key is None:
+            raise KeyError(f"no input embedding in {folder}; looked for {list(EMBED_KEYS)}")
+        head_key = next((k for k in LM_HEAD_KEYS if k in where), None)
+        if head_key is None and not tie_word_embeddings(config):
+            raise KeyError(
+                f"no LM head in {folder}: none of {list(LM_HEAD_KEYS)} is stored and config.json "
+                f"does not set tie_word_embeddings: true"
+            )
+
+        def read(key: str) -> torch.Tensor:
+            with safe_open(str(where[key]), framework="pt", device="cpu") as f:
+                return f.get_tensor(key).to(device=device, dtype=dtype)
+
+        embed = read(embed_key)
+        head_weight = read(head_key) if head_key is not None else embed
+        head = cls(embed, head_weight)
+        head.source = str(folder)
+        return head.eval()

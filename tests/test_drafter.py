@@ -1,0 +1,192 @@
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash_callbacks import DFlashDrafter, DrafterConfig, load_drafter, save_drafter
+from dflash_callbacks.model.config import build_target_layer_ids
+
+
+def test_reproduces_reference_forward(zlab_tiny):
+    drafter = load_drafter(zlab_tiny)
+    io = load_file(str(zlab_tiny / "reference_io.safetensors"))
+    with torch.no_grad():
+        out = drafter(io["target_hidden"], io["noise_embedding"], io["position_ids"])
+    assert out.shape == io["expected"].shape
+    torch.testing.assert_close(out, io["expected"], atol=1e-5, rtol=0)
+
+
+def test_norm_weights_are_loaded(zlab_tiny):
+    # The fixture perturbs norm weights, so a loader that drops them would differ.
+    drafter = load_drafter(zlab_tiny)
+    stored = load_file(str(zlab_tiny / "model.safetensors"))
+    assert not torch.allclose(stored["norm.weight"], torch.ones_like(stored["norm.weight"]))
+    torch.testing.assert_close(drafter.norm.weight.detach(), stored["norm.weight"], atol=0, rtol=0)
+
+
+def tiny_config(**overrides) -> DrafterConfig:
+    raw = dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, block_size=4, mask_token_id=99, target_layer_ids=[0, 2],
+        vocab_size=100, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        max_position_embeddings=512,
+    )
+    raw.update(overrides)
+    return DrafterConfig(**raw)
+
+
+def block_mask(anchors, block, ctx_len):
+    """[Q, C+Q] boolean: block i sees context [0, a_i) and itself."""
+    q = len(anchors) * block
+    mask = torch.zeros(q, ctx_len + q, dtype=torch.bool)
+    for i, a in enumerate(anchors):
+        rows = slice(i * block, (i + 1) * block)
+        mask[rows, :a] = True
+        mask[rows, ctx_len + i * block: ctx_len + (i + 1) * block] = True
+    return mask
+
+
+@pytest.mark.parametrize("layer_types,window", [(None, None), (["sliding_attention", "full_attention"], 5)])
+@pytest.mark.parametrize("mask_kind", ["bool", "additive"])
+def test_one_forward_over_two_blocks_equals_two_forwards(layer_types, window, mask_kind):
+    torch.manual_seed(0)
+    cfg = tiny_config(layer_types=layer_types or [], sliding_window=window)
+    drafter = DFlashDrafter(cfg).eval()
+    T, B = 20, cfg.block_size
+    ctx = torch.randn(1, T, cfg.num_target_features)
+    anchors = [9, 14]
+    noise = [torch.randn(1, B, cfg.hidden_size) for _ in anchors]
+    with torch.no_grad():
+        separate = [
+            drafter(ctx[:, :a], n, torch.arange(a + B)[None]) for a, n in zip(anchors, noise)
+        ]
+        positions = torch.cat([torch.arange(T)] + [torch.arange(a, a + B) for a in anchors])[None]
+        mask = block_mask(anchors, B, T)
+        if mask_kind == "additive":
+            mask = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+        together = drafter(ctx, torch.cat(noise, dim=1), positions, attention_mask=mask)
+    torch.testing.assert_close(together, torch.cat(separate, dim=1), atol=1e-5, rtol=1e-5)
+
+
+def test_sliding_window_hides_far_context():
+    torch.manual_seed(0)
+    cfg = tiny_config(layer_types=["sliding_attention"] * 2, sliding_window=4)
+    drafter = DFlashDrafter(cfg).eval()
+    ctx = torch.randn(1, 12, cfg.num_target_features)
+    noise = torch.randn(1, 4, cfg.hidden_size)
+    pos = torch.arange(16)[None]
+    changed = ctx.clone()
+    changed[:, :5] = torch.randn(1, 5, cfg.num_target_features)  # positions <= 12 - 4 - ... out of every window
+    with torch.no_grad():
+        a, b = drafter(ctx, noise, pos), drafter(changed, noise, pos)
+    torch.testing.assert_close(a, b)
+    changed[:, 11] += 1.0  # inside the window of the first block query
+    with torch.no_grad():
+        assert not torch.allclose(drafter(changed, noise, pos), a)
+
+
+def test_no_mask_equals_all_visible_mask():
+    torch.manual_seed(1)
+    cfg = tiny_config()
+    drafter = DFlashDrafter(cfg).eval()
+    ctx, noise = torch.randn(2, 7, cfg.num_target_features), torch.randn(2, 4, cfg.hidden_size)
+    pos = torch.arange(11)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(
+            drafter(ctx, noise, pos), drafter(ctx, noise, pos, attention_mask=torch.ones(4, 11, dtype=torch.bool))
+        )
+
+
+def test_bf16_keeps_fp32_rope_and_stays_close(zlab_tiny):
+    io = load_file(str(zlab_tiny / "reference_io.safetensors"))
+    drafter = load_drafter(zlab_tiny, dtype=torch.bfloat16)
+    assert drafter.fc.weight.dtype == torch.bfloat16
+    assert drafter.rotary_emb.inv_freq.dtype == torch.float32
+    with torch.no_grad():
+        out = drafter(*(io[k].to(torch.bfloat16) if k != "position_ids" else io[k]
+                        for k in ("target_hidden", "noise_embedding", "position_ids")))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), io["expected"], atol=0.1, rtol=0.05)
+
+
+def test_config_placements_are_equivalent(zlab_tiny):
+    raw = json.loads((zlab_tiny / "config.json").read_text())
+    base = DrafterConfig.from_dict(raw)
+    moved = json.loads(json.dumps(raw))
+    moved["dflash_config"]["block_size"] = moved.pop("block_size")
+    moved["mask_token_id"] = moved["dflash_config"].pop("mask_token_id")
+    moved["target_layer_ids"] = moved["dflash_config"].pop("target_layer_ids")
+    moved["rope_theta"] = moved.pop("rope_parameters")["rope_theta"]
+    other = DrafterConfig.from_dict(moved)
+    for name in ("block_size", "mask_token_id", "target_layer_ids", "rope_parameters"):
+        assert getattr(other, name) == getattr(base, name), name
+    assert DrafterConfig.from_dict(base.to_dict()) == base
+    out = base.to_dict()
+    assert out["block_size"] == 8 and out["dflash_config"]["mask_token_id"] == 299
+
+
+def test_target_layer_ids_derived_like_published_code(zlab_tiny):
+    raw = json.loads((zlab_tiny / "config.json").read_text())
+    del raw["dflash_config"]["target_layer_ids"]
+    raw["num_target_layers"], raw["num_hidden_layers"] = 36, 5
+    raw["layer_types"] = ["full_attention"] * 5
+    assert DrafterConfig.from_dict(raw).target_layer_ids == [1, 9, 17, 25, 33]
+    assert build_target_layer_ids(10, 1) == [5]
+    del raw["num_target_layers"]
+    with pytest.raises(ValueError, match="neither target_layer_ids nor num_target_layers"):
+        DrafterConfig.from_dict(raw)
+
+
+def copy_fixture(zlab_tiny, tmp_path):
+    folder = tmp_path / "drafter"
+    folder.mkdir()
+    shutil.copy(zlab_tiny / "config.json", folder)
+    shutil.copy(zlab_tiny / "model.safetensors", folder)
+    return folder
+
+
+def test_missing_config_names_the_folder(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="no config.json in .*config.json and \\*.safetensors"):
+        load_drafter(tmp_path)
+
+
+def test_missing_and_misshaped_tensors_are_named(zlab_tiny, tmp_path):
+    folder = copy_fixture(zlab_tiny, tmp_path)
+    state = load_file(str(folder / "model.safetensors"))
+    del state["layers.1.mlp.up_proj.weight"]
+    state["fc.weight"] = state["fc.weight"][:, :128].contiguous()
+    state["lm_head.weight"] = torch.zeros(3, 3)
+    save_file(state, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError) as err:
+        load_drafter(folder)
+    msg = str(err.value)
+    assert "missing tensor 'layers.1.mlp.up_proj.weight' (expected shape [96, 64])" in msg
+    assert "tensor 'fc.weight' has shape [64, 128]; expected [64, 192]" in msg
+    assert "unexpected tensor 'lm_head.weight' (shape [3, 3])" in msg
+    assert str(folder) in msg
+
+
+def test_unknown_layer_type_lists_legal_values(zlab_tiny, tmp_path):
+    folder = copy_fixture(zlab_tiny, tmp_path)
+    raw = json.loads((folder / "config.json").read_text())
+    raw["layer_types"][1] = "linear_attention"
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=r"layer_types\[1\] is 'linear_attention'; expected one of \['full_attention', 'sliding_attention'\]"):
+        load_drafter(folder)
+
+
+def test_save_then_load_round_trip_and_state_dict_source(zlab_tiny, tmp_path):
+    drafter = load_drafter(zlab_tiny)
+    io = load_file(str(zlab_tiny / "reference_io.safetensors"))
+    out = save_drafter(tmp_path / "snap", drafter.config, drafter.state_dict(), extra_files={"snapshot.json": {"step": 3}})
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "snapshot.json"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left behind
+    args = (io["target_hidden"], io["noise_embedding"], io["position_ids"])
+    with torch.no_grad():
+        for again in (load_drafter(out), load_drafter(drafter.state_dict(), config=drafter.config)):
+            torch.testing.assert_close(again(*args), io["expected"], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="needs its DrafterConfig"):
+        load_drafter(drafter.state_dict())

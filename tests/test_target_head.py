@@ -1,0 +1,94 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+import dflash_callbacks.model.target_head as target_head_module
+from dflash_callbacks import TargetHead
+
+
+def tiny_target(tied: bool) -> Qwen3ForCausalLM:
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, tie_word_embeddings=tied,
+    )
+    return Qwen3ForCausalLM(config).eval()
+
+
+@pytest.fixture
+def read_keys(monkeypatch):
+    """Every tensor name whose data TargetHead reads (the real safe_open runs underneath)."""
+    keys = []
+    real_safe_open = target_head_module.safe_open
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            self.inner = real_safe_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.handle = self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+        def keys(self):
+            return self.handle.keys()
+
+        def get_tensor(self, key):
+            keys.append(key)
+            return self.handle.get_tensor(key)
+
+    monkeypatch.setattr(target_head_module, "safe_open", Recording)
+    return keys
+
+
+@pytest.mark.parametrize("layout", ["single", "sharded", "tied"])
+def test_reads_exactly_embedding_and_lm_head(tmp_path, layout, read_keys):
+    model = tiny_target(tied=layout == "tied")
+    model.save_pretrained(tmp_path, max_shard_size="20KB" if layout == "sharded" else "5GB")
+    index = tmp_path / "model.safetensors.index.json"
+    if layout == "sharded":
+        weight_map = json.loads(index.read_text())["weight_map"]
+        assert len(set(weight_map.values())) >= 3
+        needed = {weight_map["model.embed_tokens.weight"], weight_map["lm_head.weight"]}
+        for shard in set(weight_map.values()) - needed:
+            (tmp_path / shard).unlink()  # shards holding neither tensor are not needed at all
+    head = TargetHead.from_pretrained(tmp_path)
+    assert torch.equal(head.embed_tokens.weight, model.get_input_embeddings().weight)
+    assert torch.equal(head.lm_head.weight, model.lm_head.weight)
+    assert head.vocab_size == 96 and head.hidden_size == 32
+    expected = ["model.embed_tokens.weight"] + ([] if layout == "tied" else ["lm_head.weight"])
+    assert read_keys == expected
+
+
+def test_multimodal_key_variant_and_dtype(tmp_path):
+    model = tiny_target(tied=False)
+    state = {
+        "model.language_model.embed_tokens.weight": model.model.embed_tokens.weight.detach(),
+        "lm_head.weight": model.lm_head.weight.detach(),
+        "model.visual.patch.weight": torch.zeros(4, 4),
+    }
+    save_file(state, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"tie_word_embeddings": False}}))
+    head = TargetHead.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert head.embed_tokens.weight.dtype == torch.bfloat16
+    assert torch.equal(head.embed_tokens.weight, model.model.embed_tokens.weight.detach().to(torch.bfloat16))
+
+
+def test_missing_lm_head_without_tying_is_an_error(tmp_path):
+    model = tiny_target(tied=False)
+    save_file({"model.embed_tokens.weight": model.model.embed_tokens.weight.detach()}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
+    with pytest.raises(KeyError, match="no LM head .* tie_word_embeddings: true"):
+        TargetHead.from_pretrained(tmp_path)
+
+
+def test_missing_folder_and_missing_weights(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        TargetHead.from_pretrained(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors weights"):
+        TargetHead.from_pretrained(tmp_path)
