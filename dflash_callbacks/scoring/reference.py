@@ -1,0 +1,33 @@
+"""The naive scorer: one drafter forward per anchor, full logits, `metrics.streaks`.
+
+Slow and memory-hungry on purpose: it is the plain definition the batched scorer
+(`scorer.score_task`) is tested and benchmarked against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ScoringConfig
+from .metrics import streaks
+from .scorer import TaskStreaks, anchor_range, block_inputs
+
+
+@torch.no_grad()
+def score_task_naive(drafter, head, task, config: ScoringConfig, block_size: int) -> TaskStreaks:
+    device, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
+    anchors = anchor_range(task.prompt_len, task.num_tokens, config.window)
+    input_ids = task.input_ids.to(device)
+    parts: dict[str, list[torch.Tensor]] = {}
+    for a in anchors:
+        tokens, labels, valid = block_inputs(input_ids, torch.tensor([a], device=device), block_size, drafter.mask_token_id)
+        hidden = drafter(
+            task.hidden[:a].to(device=device, dtype=dtype)[None],
+            head.embed_tokens(tokens).to(dtype),
+            torch.arange(a + block_size, device=device)[None],
+        )
+        logits = head.lm_head(hidden[:, 1:]).float()  # [1, B-1, V]
+        result = streaks(logits, labels, ddtree_budgets=config.ddtree_budgets, topk=config.topk, valid=valid)
+        for method, value in result.items():
+            parts.setdefault(method, []).append(value.cpu())
+    return TaskStreaks(task.name, anchors[0], {m: torch.cat(v) for m, v in parts.items()})
