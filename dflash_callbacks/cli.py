@@ -10,6 +10,12 @@ import sys
 COMMANDS = {
     "extract": ("dflash_callbacks.cache.extract", "add_extract_arguments", "run_extract",
                 "cache a target's greedy completions and hidden states for a task set"),
+    "score": ("dflash_callbacks.scoring.cli", "add_score_arguments", "run_score",
+              "score a drafter folder (and a baseline) on a cache; print the per-task table"),
+    "compare": ("dflash_callbacks.scoring.cli", "add_compare_arguments", "run_compare",
+                "compare two saved reports"),
+    "watch": ("dflash_callbacks.callbacks.watch", "add_watch_arguments", "run_watch",
+              "score the snapshots a training run writes (DrafterEvalCallback(runner='external'))"),
 }
 
 

@@ -104,14 +104,19 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x, ctx, rope_ctx, rope_block, mask):
-        """x [b, Q, H] (normed block), ctx [b, C, H]; mask additive [b|1, 1|heads, Q, C+Q] or None."""
+    def context_kv(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Keys and values of the context [b, C, H]; they do not depend on the block."""
+        return self._kv(ctx, cos, sin)
+
+    def forward(self, x, context_kv, rope_block, mask):
+        """x [b, Q, H] (normed block), context_kv from `context_kv`; mask additive
+        [b|1, 1|heads, Q, C+Q] or None."""
         b, q_len, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, q_len, self.n_heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, *rope_block)
-        k_ctx, v_ctx = self._kv(ctx, *rope_ctx)
+        k_ctx, v_ctx = context_kv
         k_blk, v_blk = self._kv(x, *rope_block)
-        k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
+        k, v = torch.cat([k_ctx.expand(b, -1, -1, -1), k_blk], dim=2), torch.cat([v_ctx.expand(b, -1, -1, -1), v_blk], dim=2)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads
         )
@@ -126,8 +131,8 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, x, ctx, rope_ctx, rope_block, mask):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_ctx, rope_block, mask)
+    def forward(self, x, context_kv, rope_block, mask):
+        x = x + self.self_attn(self.input_layernorm(x), context_kv, rope_block, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -181,24 +186,45 @@ class DFlashDrafter(nn.Module):
                         additive float; None: every query sees the whole context and block.
         Returns [b, Q, H].
         """
-        b, C, F_in = target_hidden.shape
-        Q = noise_embedding.shape[1]
-        if F_in != self.config.num_target_features:
+        C = target_hidden.shape[1]
+        if position_ids.shape[-1] != C + noise_embedding.shape[1]:
             raise ValueError(
-                f"target_hidden has {F_in} features; this drafter expects "
+                f"position_ids has length {position_ids.shape[-1]}; expected context + block = "
+                f"{C} + {noise_embedding.shape[1]}"
+            )
+        context = self.encode_context(target_hidden, position_ids[..., :C])
+        return self.decode_blocks(context, noise_embedding, position_ids, attention_mask)
+
+    def encode_context(self, target_hidden: torch.Tensor, position_ids: torch.Tensor) -> list:
+        """Per layer, the keys and values of the context: hidden_norm(fc(target_hidden)),
+        projected, k-normed and rotated at `position_ids` [b|1, C]. Blocks decoded
+        against it share it, so a scorer computes it once per task and layer."""
+        if target_hidden.shape[-1] != self.config.num_target_features:
+            raise ValueError(
+                f"target_hidden has {target_hidden.shape[-1]} features; this drafter expects "
                 f"{len(self.config.target_layer_ids)} layers x {self.config.hidden_size} = "
                 f"{self.config.num_target_features}"
             )
-        if position_ids.shape[-1] != C + Q:
-            raise ValueError(f"position_ids has length {position_ids.shape[-1]}; expected context + block = {C + Q}")
+        ctx = self.hidden_norm(self.fc(target_hidden))
+        cos, sin = self.rotary_emb(position_ids.expand(ctx.shape[0], -1), ctx.dtype)
+        return [layer.self_attn.context_kv(ctx, cos, sin) for layer in self.layers]
+
+    def decode_blocks(
+        self,
+        context: list,
+        noise_embedding: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`forward` after `encode_context`; position_ids still cover context + block."""
+        b, Q = noise_embedding.shape[:2]
+        C = context[0][0].shape[2] if context else 0
         position_ids = position_ids.expand(b, C + Q)
         x = noise_embedding
-        ctx = self.hidden_norm(self.fc(target_hidden))
-        cos, sin = self.rotary_emb(position_ids, x.dtype)
-        rope_ctx, rope_block = (cos[:, :C], sin[:, :C]), (cos[:, C:], sin[:, C:])
+        rope_block = self.rotary_emb(position_ids[:, C:], x.dtype)
         masks = self._layer_masks(attention_mask, position_ids, C, Q, x.dtype)
-        for layer in self.layers:
-            x = layer(x, ctx, rope_ctx, rope_block, masks[layer.self_attn.sliding_window])
+        for layer, context_kv in zip(self.layers, context):
+            x = layer(x, context_kv, rope_block, masks[layer.self_attn.sliding_window])
         return self.norm(x)
 
     def _layer_masks(self, attention_mask, position_ids, C, Q, dtype) -> dict:

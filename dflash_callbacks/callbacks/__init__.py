@@ -1,0 +1,3 @@
+from .eval_callback import DrafterEvalCallback
+
+__all__ = ["DrafterEvalCallback"]

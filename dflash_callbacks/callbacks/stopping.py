@@ -1,0 +1,375 @@
+r"""
+TrailingBaselineStop
+^^^^^^^^^^^^^^^^^^^^
+
+Stop training when the drafter keeps trailing the baseline drafter with no prospect of catching up.
+
+The evaluation callback (``DrafterEvalCallback``) scores snapshots in the background on rank 0 and, on the
+training thread, calls ``on_dflash_report(trainer, pl_module, report, baseline)`` on every callback that has
+it. This callback reads one monitored number from each report, keeps the history, and decides.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks.callback import Callback
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+if TYPE_CHECKING:
+    from dflash_callbacks.scoring.report import EvalReport
+
+MONITOR_FORMS = ("vanilla/{live,dense}", "ddtree@N/{live,dense}", "top@K/{live,dense}")
+_MONITOR_RE = re.compile(r"^(vanilla|ddtree@[1-9][0-9]*|top@[1-9][0-9]*)/(live|dense)$")
+ACTIONS = ("stop", "warn")
+MIN_PROJECTION_POINTS = 3
+PROJECTION_CURVE = "a+b*log(step)"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What :meth:`TrailingBaselineStop.decide` concluded from a history.
+
+    ``stop``: the policy says stop. ``reason``: a human-readable explanation (also when not stopping).
+    ``wait_count``: consecutive trailing reports at the end of the history (after the grace period).
+    ``projected``: the projected value at the horizon, when a projection was made.
+    """
+
+    stop: bool
+    reason: str
+    wait_count: int = 0
+    projected: float | None = None
+
+
+def validate_monitor(monitor: str) -> str:
+    """Return ``monitor`` if it reads ``METHOD/AGGREGATE`` (e.g. ``"ddtree@8/live"``), else raise ``ValueError``."""
+    if not isinstance(monitor, str) or not _MONITOR_RE.match(monitor):
+        raise ValueError(
+            f"`monitor` must be METHOD/AGGREGATE, one of {', '.join(MONITOR_FORMS)} "
+            f"(N, K positive integers, e.g. 'ddtree@8/live'), got {monitor!r}"
+        )
+    return monitor
+
+
+def fit_projection(steps: Sequence[float], values: Sequence[float]) -> tuple[float, float]:
+    """Least-squares fit of ``value = a + b * log(step)``; returns ``(a, b)``.
+
+    Needs positive steps and at least two distinct ones, else ``ValueError``.
+    """
+    if len(steps) != len(values):
+        raise ValueError(f"steps and values differ in length: {len(steps)} vs {len(values)}")
+    if any(s <= 0 for s in steps):
+        raise ValueError(f"steps must be positive for a log fit, got {list(steps)}")
+    if len(set(steps)) < 2:
+        raise ValueError(f"a fit needs at least 2 distinct steps, got {list(steps)}")
+    xs = [math.log(s) for s in steps]
+    x_mean, y_mean = sum(xs) / len(xs), sum(values) / len(values)
+    sxx = sum((x - x_mean) ** 2 for x in xs)
+    sxy = sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, values))
+    b = sxy / sxx
+    return y_mean - b * x_mean, b
+
+
+def projected_value(a: float, b: float, step: float) -> float:
+    """The fitted curve ``a + b * log(step)`` at ``step`` (> 0)."""
+    return a + b * math.log(step)
+
+
+class TrailingBaselineStop(Callback):
+    r"""Stop training when the drafter trails the baseline for ``patience`` reports in a row.
+
+    A report *trails* when ``ours < threshold(baseline)``, where ``threshold`` is ``min_ratio * baseline``
+    (ratio mode) or ``baseline + min_delta`` (delta mode), both on the monitored number of the two reports
+    (mean over tasks). Equal to the threshold (up to float rounding) is not trailing; a non-finite ``ours``
+    trails.
+
+    Args:
+        monitor: ``METHOD/AGGREGATE``: METHOD is ``vanilla``, ``ddtree@N`` or ``top@K``; AGGREGATE is
+            ``live`` or ``dense``.
+        min_ratio: ours / baseline must be ``>= min_ratio`` (> 0, e.g. 0.9).
+        min_delta: ours - baseline must be ``>= min_delta`` (any finite number, e.g. -0.5).
+            Give at most one of ``min_ratio``/``min_delta``. With neither, ``min_ratio=1.0``: the drafter
+            trails whenever it is below the baseline. That default is strict, so pair it with
+            ``grace_steps`` or ``projection`` in real runs.
+        patience: consecutive trailing reports (>= 1) before acting. A report at or above the threshold
+            resets the count.
+        grace_steps: reports with ``step < grace_steps`` are kept in the history (and feed the projection)
+            but are never decided on and never count toward ``patience``.
+        projection: when ``True``, a trailing run is only stopped when the curve fitted to the last
+            ``projection_window`` reports does not reach the threshold by the end of training.
+            The curve is ``value = a + b * log(step)`` (least squares). Acceptance length versus step
+            rises fast and then saturates; a log curve keeps rising, so it is over-optimistic compared to
+            the saturating truth and a "will not reach it" verdict is conservative. Rules:
+
+            * fewer than 3 usable reports (positive, distinct steps, finite values) in the window: the
+              projection cannot conclude and the callback does **not** stop (it waits for more reports);
+            * the horizon is ``trainer.max_steps``, or, when that is unset, the trainer's
+              ``estimated_stepping_batches`` (from ``max_epochs``); with no finite horizon, a rising curve
+              (``b > 0``) eventually reaches any threshold, so only a flat or falling curve stops.
+        projection_window: how many of the latest reports the fit uses (>= 3).
+        action: ``"stop"`` sets ``trainer.should_stop``; ``"warn"`` only warns with the reason.
+        sync_every_n_steps: on multi-process runs, every this many global steps all ranks receive rank 0's
+            pending decision (``trainer.strategy.broadcast``), so a stop lands within
+            ``sync_every_n_steps`` steps of the report. A single process stops at the report itself.
+        verbose: log a status line for every report that does not stop training.
+
+    Attributes:
+        history: ``[(step, value), ...]`` of our monitored value, sorted by step.
+        wait_count: consecutive trailing reports at the end of the history.
+        stop_reason: why training was (or, with ``action="warn"``, would be) stopped; ``None`` before.
+        stopped_step: ``trainer.global_step`` when ``trainer.should_stop`` was set (0 if never). The reason
+            names the report's (snapshot's) step, which is earlier because scoring runs in the background.
+
+    Decisions are made from the history by :meth:`decide` against the current baseline value, so a
+    resumed run (see ``state_dict``) continues the same count.
+    """
+
+    def __init__(
+        self,
+        monitor: str = "ddtree@8/live",
+        min_ratio: float | None = None,
+        min_delta: float | None = None,
+        patience: int = 3,
+        grace_steps: int = 0,
+        projection: bool = False,
+        projection_window: int = 5,
+        action: str = "stop",
+        sync_every_n_steps: int = 1,
+        verbose: bool = True,
+    ) -> None:
+        super().__init__()
+        self.monitor = validate_monitor(monitor)
+        if min_ratio is not None and min_delta is not None:
+            raise ValueError(f"give one of `min_ratio` or `min_delta`, not both (got {min_ratio} and {min_delta})")
+        if min_delta is None and min_ratio is None:
+            min_ratio = 1.0
+        if min_ratio is not None and not (math.isfinite(min_ratio) and min_ratio > 0):
+            raise ValueError(f"`min_ratio` must be a finite number > 0, got {min_ratio}")
+        if min_delta is not None and not math.isfinite(min_delta):
+            raise ValueError(f"`min_delta` must be a finite number, got {min_delta}")
+        _check_int("patience", patience, 1)
+        _check_int("grace_steps", grace_steps, 0)
+        _check_int("projection_window", projection_window, MIN_PROJECTION_POINTS)
+        _check_int("sync_every_n_steps", sync_every_n_steps, 1)
+        if action not in ACTIONS:
+            raise ValueError(f"`action` can be {', '.join(map(repr, ACTIONS))}, got {action!r}")
+        self.min_ratio = min_ratio
+        self.min_delta = min_delta
+        self.patience = patience
+        self.grace_steps = grace_steps
+        self.projection = bool(projection)
+        self.projection_window = projection_window
+        self.action = action
+        self.sync_every_n_steps = sync_every_n_steps
+        self.verbose = verbose
+
+        self.history: list[tuple[int, float]] = []
+        self.wait_count = 0
+        self.stop_reason: str | None = None
+        self.stopped_step = 0
+        self.last_decision: Decision | None = None
+        self._pending: str | None = None  # rank 0: a stop reason not yet broadcast
+        self._last_sync_step: int | None = None
+        self._warned_no_baseline = False
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(monitor=self.monitor)
+
+    # ----- pure pieces -------------------------------------------------------------------------------
+
+    def threshold(self, baseline_value: float) -> float:
+        """The value ours must reach: ``min_ratio * baseline`` or ``baseline + min_delta``."""
+        if self.min_delta is not None:
+            return baseline_value + self.min_delta
+        return self.min_ratio * baseline_value
+
+    def is_trailing(self, ours: float, baseline_value: float) -> bool:
+        """``ours < threshold(baseline_value)``, float rounding aside (1e-9 relative counts as equal, so
+        ``0.9 x 5.2`` does not make 4.68 trail); a non-finite ``ours`` trails."""
+        thr = self.threshold(baseline_value)
+        return not math.isfinite(ours) or (ours < thr and not math.isclose(ours, thr, rel_tol=1e-9, abs_tol=1e-12))
+
+    def describe_threshold(self, baseline_value: float) -> str:
+        """E.g. ``"0.9 x baseline 5.20 = 4.68"`` or ``"baseline 5.20 - 0.5 = 4.70"``."""
+        thr = self.threshold(baseline_value)
+        if self.min_delta is not None:
+            sign = "-" if self.min_delta < 0 else "+"
+            return f"baseline {baseline_value:.2f} {sign} {abs(self.min_delta):g} = {thr:.2f}"
+        return f"{self.min_ratio:g} x baseline {baseline_value:.2f} = {thr:.2f}"
+
+    def decide(
+        self, history: Sequence[Sequence[float]], baseline_value: float, max_steps: int | None = None
+    ) -> Decision:
+        """Decide from ``history`` (``(step, value)`` pairs) against ``baseline_value``.
+
+        ``max_steps`` is the projection horizon (``None`` or ``<= 0``: unknown). Pure: reads only the
+        constructor settings.
+        """
+        ordered = sorted((int(s), float(v)) for s, v in history)
+        eligible = [(s, v) for s, v in ordered if s >= self.grace_steps]
+        if not eligible:
+            return Decision(False, f"no report at or after grace_steps={self.grace_steps} yet")
+        thr = self.threshold(baseline_value)
+        wait = 0
+        for _, value in reversed(eligible):
+            if not self.is_trailing(value, baseline_value):
+                break
+            wait += 1
+        last_step, last_value = eligible[-1]
+        if wait == 0:
+            return Decision(
+                False, f"{self.monitor} {last_value:.2f} >= {self.describe_threshold(baseline_value)}: not trailing"
+            )
+        trailing = f"{self.monitor} {last_value:.2f} < {self.describe_threshold(baseline_value)}"
+        if wait < self.patience:
+            return Decision(False, f"{trailing}: trailing {wait}/{self.patience} reports", wait)
+        trailing += f" for {wait} reports in a row (steps {eligible[-wait][0]}-{last_step})"
+        if not self.projection:
+            return Decision(True, trailing, wait)
+
+        stop, projection, projected = self._projection(ordered, thr, last_step, max_steps)
+        return Decision(stop, trailing + projection, wait, projected)
+
+    def _projection(
+        self, ordered: list[tuple[int, float]], thr: float, last_step: int, max_steps: int | None
+    ) -> tuple[bool, str, float | None]:
+        """(stop, explanation, projected value) from the curve fitted to the last ``projection_window`` reports."""
+        points = {s: v for s, v in ordered[-self.projection_window :] if s > 0 and math.isfinite(v)}
+        if len(points) < MIN_PROJECTION_POINTS:
+            text = f", but the projection needs {MIN_PROJECTION_POINTS} reports with positive steps and finite values"
+            return False, f"{text}, has {len(points)}: not stopping yet", None
+        a, b = fit_projection(list(points), list(points.values()))
+        if max_steps is None or max_steps <= 0:
+            if b > 0:
+                text = f"; projection {PROJECTION_CURVE} still rises (b={b:.3f}) with no known last step: not stopping"
+                return False, text, None
+            return True, f"; projection {PROJECTION_CURVE} does not rise (b={b:.3f}), never reaching {thr:.2f}", None
+        projected = projected_value(a, b, max(max_steps, last_step))
+        reaches = projected >= thr or math.isclose(projected, thr, rel_tol=1e-9)
+        verdict = f">= {thr:.2f}: not stopping" if reaches else f"< {thr:.2f}"
+        text = f"; projection {PROJECTION_CURVE} reaches {projected:.2f} by max_steps={max_steps} {verdict}"
+        return not reaches, text, projected
+
+    # ----- hooks -------------------------------------------------------------------------------------
+
+    def on_dflash_report(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        report: EvalReport,
+        baseline: EvalReport | None,
+    ) -> None:
+        """Record ``report`` and decide. Called on rank 0 only, on the training thread.
+
+        Without a baseline the value is recorded but nothing is decided (warned once). On a single process
+        a stop sets ``trainer.should_stop`` at once; on several, it waits for the next sync in
+        :meth:`on_train_batch_end`.
+        """
+        step = trainer.global_step if report.step is None else int(report.step)
+        self._record(step, self._read(report, "report"))
+        if baseline is None:
+            if not self._warned_no_baseline:
+                rank_zero_warn(f"TrailingBaselineStop: no baseline report, {self.monitor} is recorded but not judged")
+                self._warned_no_baseline = True
+            return
+        base = self._read(baseline, "baseline report")
+        if not math.isfinite(base):
+            rank_zero_warn(f"TrailingBaselineStop: the baseline's {self.monitor} is {base}, not judging step {step}")
+            return
+
+        decision = self.decide(self.history, base, _horizon(trainer))
+        self.last_decision = decision
+        self.wait_count = decision.wait_count
+        if not decision.stop:
+            if self.verbose:
+                rank_zero_info(f"dflash: step {step}: {decision.reason}")
+            return
+        if self.action == "warn":
+            self.stop_reason = f"dflash: trailing the baseline at step {step} (action='warn', not stopping): "
+            self.stop_reason += decision.reason
+            rank_zero_warn(self.stop_reason)
+            return
+        reason = f"dflash: stopping at step {step}: {decision.reason}"
+        rank_zero_info(reason)
+        if trainer.world_size > 1:
+            self._pending = reason
+        else:
+            self._apply(trainer, reason)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Multi-process runs: every ``sync_every_n_steps`` global steps, broadcast rank 0's pending stop."""
+        if trainer.world_size <= 1:
+            return
+        step = trainer.global_step
+        if step % self.sync_every_n_steps or step == self._last_sync_step:
+            return
+        self._last_sync_step = step
+        reason = trainer.strategy.broadcast(self._pending, src=0)
+        self._pending = None
+        if reason is not None:
+            self._apply(trainer, reason)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "history": [[s, v] for s, v in self.history],
+            "wait_count": self.wait_count,
+            "stopped_step": self.stopped_step,
+            "stop_reason": self.stop_reason,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the history and counters. A stop that was pending but not yet broadcast is not restored:
+        resuming is a deliberate choice to go on, and the next trailing report decides again."""
+        self.history = [(int(s), float(v)) for s, v in state_dict["history"]]
+        self.wait_count = int(state_dict["wait_count"])
+        self.stopped_step = int(state_dict["stopped_step"])
+        self.stop_reason = state_dict["stop_reason"]
+
+    # ----- helpers -----------------------------------------------------------------------------------
+
+    def _read(self, report: EvalReport, what: str) -> float:
+        try:
+            return float(report.value(self.monitor))
+        except KeyError as e:
+            raise RuntimeError(
+                f"TrailingBaselineStop monitors {self.monitor!r}, which the {what} at step {report.step} lacks: "
+                f"{e.args[0]}"
+            ) from e
+
+    def _record(self, step: int, value: float) -> None:
+        self.history = sorted([(s, v) for s, v in self.history if s != step] + [(step, value)])
+
+    def _apply(self, trainer: pl.Trainer, reason: str) -> None:
+        trainer.should_stop = True
+        self.stopped_step = trainer.global_step
+        self.stop_reason = reason
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}")
+
+
+def _horizon(trainer: pl.Trainer) -> int | None:
+    """The last training step: ``max_steps``, else the trainer's estimate from ``max_epochs``; ``None`` if unknown."""
+    if trainer.max_steps is not None and trainer.max_steps > 0:
+        return trainer.max_steps
+    try:
+        estimate = trainer.estimated_stepping_batches
+    except MisconfigurationException:
+        return None
+    return int(estimate) if math.isfinite(estimate) and estimate > 0 else None

@@ -1,0 +1,95 @@
+import json
+
+import pytest
+import torch
+
+from dflash_callbacks.cache.format import HiddenStateCache
+from dflash_callbacks.scoring.config import ScoringConfig
+from dflash_callbacks.scoring.reference import score_task_naive
+from dflash_callbacks.scoring.report import EvalReport, comparison_table
+from dflash_callbacks.scoring.scorer import anchor_range, block_attention_mask, score_drafter, score_task
+
+from synthetic import build_world
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A random drafter (one sliding, one full layer), a random head, a 3-task cache."""
+    w = build_world(tmp_path_factory.mktemp("world"))
+    return w.drafter, w.head, HiddenStateCache(w.cache)
+
+
+def test_anchor_range_and_mask():
+    assert list(anchor_range(5, 12)) == [5, 6, 7, 8, 9, 10]
+    assert list(anchor_range(5, 12, window=3)) == [5, 6, 7]
+    mask = block_attention_mask(torch.tensor([2, 4]), 2, 4)
+    expected = torch.tensor([
+        [1, 1, 0, 0, 1, 1, 0, 0],
+        [1, 1, 0, 0, 1, 1, 0, 0],
+        [1, 1, 1, 1, 0, 0, 1, 1],
+        [1, 1, 1, 1, 0, 0, 1, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(mask, expected)
+
+
+@pytest.mark.parametrize("anchors_per_forward,window", [(1, None), (4, 10), (64, None)])
+def test_batched_equals_naive_anchor_by_anchor(world, anchors_per_forward, window):
+    drafter, head, cache = world
+    config = ScoringConfig(ddtree_budgets=[1, 4, 8, 32], topk=[2, 5], window=window,
+                           anchors_per_forward=anchors_per_forward, vocab_chunk=5, device="cpu")
+    seen_nonzero = set()
+    for name in cache.task_names:
+        task = cache.task(name)
+        fast = score_task(drafter, head, task, config, block_size=6)
+        slow = score_task_naive(drafter, head, task, config, block_size=6)
+        assert fast.first_anchor == slow.first_anchor == task.prompt_len
+        assert set(fast.streaks) == set(config.methods) == set(slow.streaks)
+        for method in config.methods:
+            assert torch.equal(fast.streaks[method], slow.streaks[method]), (name, method)
+            if fast.streaks[method].any():
+                seen_nonzero.add(method)
+    assert {"vanilla", "ddtree@4", "ddtree@32", "top@5"} <= seen_nonzero  # the comparison is not vacuous
+
+
+def test_other_block_size_is_scored_recorded_and_warned(world):
+    drafter, head, cache = world
+    config = ScoringConfig(ddtree_budgets=[4], block_size=4, device="cpu")
+    with pytest.warns(UserWarning, match="block size 4 but the drafter was built for 6"):
+        report = score_drafter(drafter, cache, head, config)
+    assert report.block_size == 4 and report.drafter_block_size == 6
+    task = cache.task("long")
+    slow = score_task_naive(drafter, head, task, config, block_size=4)
+    curve = report.tasks["long"]["vanilla"]["curve"]
+    assert len(curve) == 3
+    assert report.tasks["long"]["vanilla"]["dense"] == pytest.approx(float(slow.streaks["vanilla"].double().mean() + 1))
+
+
+def test_report_shape_json_round_trip_and_table(world, tmp_path):
+    drafter, head, cache = world
+    report = score_drafter(drafter, cache, head, ScoringConfig(ddtree_budgets=[4, 8], topk=[3], device="cpu"), step=7, name="rand")
+    raw = json.loads(report.to_json(tmp_path / "r.json"))
+    assert raw["step"] == 7 and raw["drafter"] == "rand" and raw["block_size"] == 6
+    assert raw["cache"] == {"path": str(cache.path), "fingerprint": cache.fingerprint}
+    assert set(raw["tasks"]) == {"long", "short", "one_anchor"}
+    entry = raw["tasks"]["short"]["ddtree@8"]
+    assert set(entry) >= {"dense", "live", "curve"} and len(entry["curve"]) == 5
+    assert 1 <= entry["live"] <= 6 and entry["anchors"] == 25 - 1 - 3
+    assert raw["tasks"]["one_anchor"]["vanilla"]["anchors"] == 1
+    for method in ("vanilla", "ddtree@4", "ddtree@8", "top@3"):
+        mean = sum(raw["tasks"][t][method]["live"] for t in raw["tasks"]) / 3
+        assert raw["mean"][method]["live"] == pytest.approx(mean)
+    again = EvalReport.load(tmp_path / "r.json")
+    assert again.to_dict() == report.to_dict()
+    table = comparison_table(report, again)
+    assert "| **mean** |" in table and "+0.00 | 100% |" in table
+
+
+def test_scoring_config_rejects_impossible_values():
+    with pytest.raises(ValueError, match=r"ddtree_budgets must be integers in \[1, 1024\]; got 0"):
+        ScoringConfig(ddtree_budgets=[0])
+    with pytest.raises(ValueError, match="backend must be one of"):
+        ScoringConfig(backend="cuda")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        ScoringConfig(dtype="int8")
+    with pytest.raises(ValueError, match="block_size must be None or an integer >= 2"):
+        ScoringConfig(block_size=1)
