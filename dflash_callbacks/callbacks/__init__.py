@@ -1,3 +1,4 @@
 from .eval_callback import DrafterEvalCallback
+from .stopping import TrailingBaselineStop
 
-__all__ = ["DrafterEvalCallback"]
+__all__ = ["DrafterEvalCallback", "TrailingBaselineStop"]

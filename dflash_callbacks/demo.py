@@ -1,0 +1,212 @@
+"""`dflash-callbacks demo`: train a toy drafter on the CPU with both callbacks attached.
+
+The toy world (`dflash_callbacks.toy`) gives a tiny real Qwen3 target trained on the
+Python standard library. The demo
+1. builds (once, cached under `out/world/`) the coding10 cache of that target and a
+   cache of training text (the target's own greedy continuations of code snippets);
+2. uses the toy baseline drafter (shipped in the package; rebuilt here if missing);
+3. trains a new drafter with a deliberately weak recipe (one layer, a low learning
+   rate), with DrafterEvalCallback scoring snapshots in the background and
+   TrailingBaselineStop stopping the run once it keeps trailing the baseline;
+4. prints a table per report, logs to W&B (offline by default) and to CSV, and writes
+   `out/live_tau.png`: live tau of ours against the baseline, per method.
+
+Every setting is a `key=value` override of `DemoConfig` (e.g. `train.max_steps=300`,
+`eval.every_n_train_steps=25`, `stop.patience=2`, `wandb=online`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .config import EvalConfig, StopConfig, build_eval_callback, build_stop_callback, load_config
+from .scoring.config import ScoringConfig
+from .scoring.report import EvalReport, comparison_table
+
+TOY_BASELINE_DIR = Path(__file__).resolve().parent / "toy" / "assets" / "baseline"
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclass
+class TrainConfig:
+    """A drafter training recipe on the toy world."""
+
+    max_steps: int = 600
+    lr: float = 1e-3
+    layers: int = 1
+    block_size: int = 8
+    blocks_per_sequence: int = 16
+    batch_size: int = 4
+    sequences: int = 128  # training sequences (target continuations of stdlib snippets)
+    seq_len: int = 160
+    seed: int = 0
+
+
+def weak_recipe() -> TrainConfig:
+    return TrainConfig(max_steps=600, lr=3e-4, layers=1)
+
+
+def baseline_recipe() -> TrainConfig:
+    return TrainConfig(max_steps=1500, lr=2e-3, layers=2)
+
+
+@dataclass
+class DemoConfig:
+    out: str = "runs/demo"
+    wandb: str = "offline"  # offline | online | disabled
+    wandb_project: str = "dflash-callbacks-demo"
+    train: TrainConfig = field(default_factory=weak_recipe)
+    eval: EvalConfig = field(default_factory=lambda: EvalConfig(
+        cache="toy", target="toy", baseline="toy", every_n_train_steps=50, busy="queue", max_pending=2,
+        scoring=ScoringConfig(ddtree_budgets=[4, 8], topk=[4], device="cpu"),
+    ))
+    stop: StopConfig = field(default_factory=lambda: StopConfig(
+        monitor="ddtree@8/live", min_ratio=0.9, patience=3, grace_steps=150, projection=True,
+    ))
+
+
+def training_data(world: Path, train: TrainConfig):
+    from torch.utils.data import DataLoader
+
+    from .toy.world import build_toy_training_cache
+    from .training import CacheSequences, collate_sequences
+
+    folder = world / f"train-{train.sequences}x{train.seq_len}"
+    build_toy_training_cache(folder, n_sequences=train.sequences, seq_len=train.seq_len)
+    data = CacheSequences(folder)
+    return DataLoader(data, batch_size=train.batch_size, shuffle=True, collate_fn=collate_sequences,
+                      generator=torch.Generator().manual_seed(train.seed), num_workers=0)
+
+
+def toy_module(train: TrainConfig):
+    from .toy.world import toy_drafter_config, toy_target_path
+    from .training import DFlashTrainingModule
+
+    torch.manual_seed(train.seed)
+    config = toy_drafter_config(block_size=train.block_size, num_layers=train.layers)
+    return DFlashTrainingModule(config, toy_target_path(), lr=train.lr, blocks_per_sequence=train.blocks_per_sequence,
+                                seed=train.seed)
+
+
+def build_toy_baseline(out: str | os.PathLike, world: str | os.PathLike, train: TrainConfig | None = None) -> Path:
+    """Train the toy baseline drafter (the stronger recipe) and save it in the published layout."""
+    import lightning.pytorch as pl
+
+    from .model import save_drafter
+
+    train = train or baseline_recipe()
+    module = toy_module(train)
+    trainer = pl.Trainer(max_steps=train.max_steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_model_summary=False, enable_progress_bar=True)
+    trainer.fit(module, training_data(Path(world), train))
+    return save_drafter(out, module.drafter.config, module.drafter.state_dict())
+
+
+def resolve_world(cfg: DemoConfig) -> tuple[str, str, str | None]:
+    """Fill in `toy` for the cache, target and baseline."""
+    from .toy.world import build_toy_cache, toy_target_path
+
+    world = Path(cfg.out) / "world"
+    target = str(toy_target_path()) if cfg.eval.target == "toy" else cfg.eval.target
+    cache = cfg.eval.cache
+    if cache == "toy":
+        cache = str(world / f"coding10-b{cfg.train.block_size}")
+        if not (Path(cache) / "manifest.json").is_file():
+            build_toy_cache(cache, block_size=cfg.train.block_size, progress=True)
+    baseline = cfg.eval.baseline
+    if baseline == "toy":
+        baseline = str(TOY_BASELINE_DIR)
+        if not (TOY_BASELINE_DIR / "model.safetensors").is_file():
+            print(f"no shipped toy baseline; training one into {world / 'baseline'} (once)")
+            baseline = str(world / "baseline")
+            if not (Path(baseline) / "model.safetensors").is_file():
+                build_toy_baseline(baseline, world)
+    return cache, target, baseline
+
+
+def plot_live_tau(reports: list[EvalReport], baseline: EvalReport | None, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = reports[0].methods
+    fig, axes = plt.subplots(1, len(methods), figsize=(4 * len(methods), 3.2), squeeze=False)
+    steps = [r.step for r in reports]
+    for ax, method in zip(axes[0], methods):
+        ax.plot(steps, [r.value(f"{method}/live") for r in reports], marker="o", label="ours")
+        if baseline is not None:
+            ax.axhline(baseline.value(f"{method}/live"), color="k", linestyle="--", label="baseline")
+        ax.set_title(f"{method} live tau")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("tokens per target forward")
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run_demo(cfg: DemoConfig) -> dict:
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+
+    if cfg.wandb not in WANDB_MODES:
+        raise ValueError(f"wandb must be one of {list(WANDB_MODES)}; got {cfg.wandb!r}")
+    started = time.time()
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg.eval.cache, cfg.eval.target, cfg.eval.baseline = resolve_world(cfg)
+    cfg.eval.dirpath = cfg.eval.dirpath or str(out / "dflash")
+    cfg.eval.baseline_cache_dir = cfg.eval.baseline_cache_dir or str(out / "baseline-reports")
+    eval_cb, stop_cb = build_eval_callback(cfg.eval), build_stop_callback(cfg.stop)
+
+    def show(report: EvalReport, baseline: EvalReport | None) -> None:
+        print("\n" + comparison_table(report, baseline) + "\n", flush=True)
+
+    eval_cb.subscribe(show)
+    loggers = [CSVLogger(out, name="csv")]
+    if cfg.wandb != "disabled":
+        from lightning.pytorch.loggers import WandbLogger
+
+        loggers.append(WandbLogger(project=cfg.wandb_project, save_dir=str(out), offline=cfg.wandb == "offline"))
+    trainer = pl.Trainer(
+        max_steps=cfg.train.max_steps, accelerator="cpu", logger=loggers,
+        callbacks=[eval_cb] + ([stop_cb] if stop_cb else []), enable_checkpointing=False,
+        enable_model_summary=False, log_every_n_steps=10, default_root_dir=str(out),
+    )
+    trainer.fit(toy_module(cfg.train), training_data(out / "world", cfg.train))
+    if cfg.wandb != "disabled":
+        import wandb
+
+        wandb.finish()
+    summary = {
+        "steps": trainer.global_step, "max_steps": cfg.train.max_steps,
+        "reports": [r.step for r in eval_cb.reports], "stop_reason": getattr(stop_cb, "stop_reason", None),
+        "seconds": time.time() - started, "results": str(Path(cfg.eval.dirpath) / "results.jsonl"),
+    }
+    if eval_cb.reports:
+        summary["plot"] = str(plot_live_tau(eval_cb.reports, eval_cb.baseline_report, out / "live_tau.png"))
+    print(f"\ntrained {summary['steps']} of {cfg.train.max_steps} steps in {summary['seconds']:.0f} s; "
+          f"{len(eval_cb.reports)} reports in {summary['results']}")
+    if summary["stop_reason"]:
+        print(summary["stop_reason"])
+    if "plot" in summary:
+        print(f"live tau curves: {summary['plot']}")
+    return summary
+
+
+def add_demo_arguments(p) -> None:
+    p.add_argument("overrides", nargs="*", help="key=value settings of DemoConfig, e.g. train.max_steps=300")
+
+
+def run_demo_cli(args) -> int:
+    run_demo(load_config(DemoConfig, None, args.overrides))
+    return 0
+

@@ -1,0 +1,12 @@
+"""The demo as a script: train a toy drafter on the CPU with both callbacks attached.
+
+    python examples/train_toy_drafter.py [key=value ...]     (same as `dflash-callbacks demo`)
+"""
+
+import sys
+
+from dflash_callbacks.config import load_config
+from dflash_callbacks.demo import DemoConfig, run_demo
+
+if __name__ == "__main__":
+    run_demo(load_config(DemoConfig, None, sys.argv[1:]))
