@@ -42,7 +42,7 @@ from ..scoring.config import ScoringConfig
 from ..scoring.report import EvalReport, comparable
 from .evaluator import EvaluatorSpec
 from .runners import BASELINE, RUNNERS, BackgroundRunner, Outcome
-from .snapshot import capture
+from .snapshot import capture, is_sharded
 
 BUSY_POLICIES = ("skip", "queue")
 ON_ERROR = ("warn", "raise")
@@ -90,6 +90,22 @@ def read_results(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             continue
     return records
+
+
+def repair_results(path: Path) -> None:
+    """Cut a torn last line (a crash in the middle of an append) off results.jsonl, so the
+    next append starts on a line of its own and every line stays parseable."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    data = path.read_bytes()
+    if data.endswith(b"\n"):
+        return
+    keep = data.rfind(b"\n") + 1
+    with open(path, "r+b") as f:
+        f.truncate(keep)
+        f.flush()
+        os.fsync(f.fileno())
+    rank_zero_warn(f"dflash: {path} ended in a torn line (a crash while appending); dropped its {len(data) - keep} bytes")
 
 
 def append_result(path: Path, record: dict) -> None:
@@ -205,6 +221,7 @@ class DrafterEvalCallback(Callback):
         if not trainer.is_global_zero:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        repair_results(self.results_path)
         for record in read_results(self.results_path):
             if record.get("step") is not None and "tasks" in record:
                 self._scored.add(int(record["step"]))
@@ -234,6 +251,19 @@ class DrafterEvalCallback(Callback):
             raise FileNotFoundError(f"baseline {self.baseline_source} does not exist (a drafter folder or a report JSON)")
         if block < 2:
             raise ValueError(f"block size {block} is too small to draft anything")
+        # A block drafts block-1 tokens; the deepest depth is only measured where an anchor has
+        # block-1 labels after it, i.e. a completion of at least `block` tokens (anchor P).
+        entries = [cache.entry(n) for n in self.scoring.tasks or cache.task_names]
+        lengths = {e["name"]: e["num_tokens"] - e["prompt_len"] for e in entries}
+        if not lengths:
+            raise ValueError(f"the cache {self.cache} holds no task to score")
+        longest = max(lengths, key=lengths.get)
+        if block > lengths[longest]:
+            raise ValueError(
+                f"block size {block} is larger than the cache {self.cache} allows: a block drafts {block - 1} tokens, "
+                f"but the longest completion ({longest!r}, {lengths[longest]} tokens) has labels for at most "
+                f"{lengths[longest] - 1}; use a block size <= {lengths[longest]} or a cache with longer completions"
+            )
 
     # ------------------------------------------------------------------ training hooks
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -248,12 +278,12 @@ class DrafterEvalCallback(Callback):
             self._staging = None
 
     def on_train_end(self, trainer, pl_module) -> None:
+        step = trainer.global_step
+        if self.wait_on_end and step > 0 and step != self._last_capture_step:
+            self._snapshot(trainer, pl_module, step, force=True)  # every rank: a sharded gather is collective
         if self._runner is None:
             return
         if self.wait_on_end:
-            step = trainer.global_step
-            if step > 0 and step != self._last_capture_step:
-                self._snapshot(trainer, pl_module, step, force=True)
             self._runner.close(wait=True, timeout=self.wait_timeout)
             self._runner.wait_external(self.wait_timeout)
         else:
@@ -268,19 +298,23 @@ class DrafterEvalCallback(Callback):
 
     # ------------------------------------------------------------------ snapshots
     def _snapshot(self, trainer, pl_module, step: int, force: bool = False) -> None:
+        """Rank 0 decides whether to snapshot; with sharded (FSDP) weights every rank
+        takes part in the gather, so the decision is broadcast first."""
         self._last_capture_step = step
-        if step in self._scored:
-            return  # scored before a resume
-        if trainer.is_global_zero and not force:
-            bound = 1 if self.busy == "skip" else self.max_pending
-            if self._runner.pending >= bound:
+        module = resolve_drafter(pl_module, self.drafter)
+        skip = False
+        if trainer.is_global_zero:
+            skip = step in self._scored  # scored before a resume
+            if not skip and not force and self._runner.pending >= (1 if self.busy == "skip" else self.max_pending):
                 self.skipped += 1
-                return
+                skip = True
+        sharded = is_sharded(module)
+        if sharded and trainer.world_size > 1:
+            skip = trainer.strategy.broadcast(skip, src=0)
+        if skip or not (trainer.is_global_zero or sharded):
+            return
         try:
-            snapshot = capture(
-                resolve_drafter(pl_module, self.drafter), self._config, step, trainer.current_epoch,
-                is_rank_zero=trainer.is_global_zero,
-            )
+            snapshot = capture(module, self._config, step, trainer.current_epoch, is_rank_zero=trainer.is_global_zero)
         except Exception as e:
             self._fail(trainer, step, f"taking the snapshot failed: {type(e).__name__}: {e}")
             return
