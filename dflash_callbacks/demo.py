@@ -27,6 +27,7 @@ import torch
 from .config import EvalConfig, StopConfig, build_eval_callback, build_stop_callback, load_config
 from .scoring.config import ScoringConfig
 from .scoring.report import EvalReport, comparison_table
+from .toy.threads import torch_threads
 
 TOY_BASELINE_DIR = Path(__file__).resolve().parent / "toy" / "assets" / "baseline"
 WANDB_MODES = ("offline", "online", "disabled")
@@ -42,7 +43,7 @@ class TrainConfig:
     block_size: int = 8
     blocks_per_sequence: int = 16
     batch_size: int = 4
-    sequences: int = 128  # training sequences (target continuations of stdlib snippets)
+    sequences: int = 256  # training sequences (target continuations of stdlib snippets)
     seq_len: int = 160
     seed: int = 0
 
@@ -52,7 +53,7 @@ def weak_recipe() -> TrainConfig:
 
 
 def baseline_recipe() -> TrainConfig:
-    return TrainConfig(max_steps=1500, lr=2e-3, layers=2)
+    return TrainConfig(max_steps=1200, lr=2e-3, layers=2)
 
 
 @dataclass
@@ -100,10 +101,11 @@ def build_toy_baseline(out: str | os.PathLike, world: str | os.PathLike, train: 
     from .model import save_drafter
 
     train = train or baseline_recipe()
-    module = toy_module(train)
-    trainer = pl.Trainer(max_steps=train.max_steps, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_model_summary=False, enable_progress_bar=True)
-    trainer.fit(module, training_data(Path(world), train))
+    with torch_threads(1):
+        module = toy_module(train)
+        trainer = pl.Trainer(max_steps=train.max_steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                             enable_model_summary=False, enable_progress_bar=True)
+        trainer.fit(module, training_data(Path(world), train))
     return save_drafter(out, module.drafter.config, module.drafter.state_dict())
 
 
@@ -154,6 +156,11 @@ def plot_live_tau(reports: list[EvalReport], baseline: EvalReport | None, path: 
 
 
 def run_demo(cfg: DemoConfig) -> dict:
+    with torch_threads(1):  # toy models: one intra-op thread for training, one core left for scoring
+        return _run_demo(cfg)
+
+
+def _run_demo(cfg: DemoConfig) -> dict:
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import CSVLogger
 

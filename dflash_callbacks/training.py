@@ -74,8 +74,9 @@ class DFlashTrainingModule(pl.LightningModule):
                                    "weight_decay": weight_decay, "warmup_steps": warmup_steps,
                                    "blocks_per_sequence": blocks_per_sequence, "gamma": gamma, "seed": seed})
         self.drafter = DFlashDrafter(config)
-        self.head = TargetHead.from_pretrained(target)  # frozen: the target's embedding and LM head
-        self.head.requires_grad_(False)
+        # the target's embedding and LM head, frozen (train mode only spares Lightning's
+        # eval-mode warning: neither has dropout)
+        self.head = TargetHead.from_pretrained(target).requires_grad_(False).train()
         self.gamma = gamma or default_gamma(config.block_size)
         self.register_buffer("weights", depth_weights(config.block_size, self.gamma), persistent=False)
         self.generator = torch.Generator().manual_seed(seed)

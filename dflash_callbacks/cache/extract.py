@@ -1,0 +1,291 @@
+"""Extract a hidden-state cache from a target model with transformers.
+
+For each task: the prompt (through the target's chat template, unless disabled), the
+target's greedy completion (`generate(do_sample=False)`, KV cache, stop at EOS or after
+`max_new_tokens`), then one forward over prompt + completion with
+`output_hidden_states=True`, keeping `hidden_states[i + 1]` for each layer id `i` (the
+published convention: layer id i = output of decoder layer i), concatenated along the
+feature dimension, in the dtype the target runs in.
+
+Extraction resumes: tasks already in the cache folder (same prompt, file intact) are
+skipped, and a killed run leaves no half-written file behind (see format.py).
+
+    python -m dflash_callbacks.cache.extract --target DIR --out DIR --tasks coding10 --layer-ids 1,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.generation.streamers import BaseStreamer
+
+from .format import (
+    DTYPES,
+    CacheError,
+    HiddenStateCache,
+    TargetInfo,
+    check_task_file,
+    dtype_name,
+    new_manifest,
+    open_for_writing,
+    write_task,
+)
+from .tasks import Task, load_tasks
+
+log = logging.getLogger(__name__)
+
+
+def resolve_tasks(tasks: str | os.PathLike | Sequence[Task]) -> list[Task]:
+    """A task-set name or YAML path -> its tasks; a list of Task is checked for duplicates."""
+    if isinstance(tasks, (str, os.PathLike)):
+        return load_tasks(tasks)
+    tasks = list(tasks)
+    names = [t.name for t in tasks]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"duplicate task names {duplicates}")
+    if not tasks:
+        raise ValueError("no tasks to extract")
+    return tasks
+
+
+def check_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
+    layer_ids = [int(i) for i in layer_ids]
+    if not layer_ids:
+        raise ValueError("layer_ids is empty: give the target layers the drafter reads, e.g. 1,16,31")
+    if len(set(layer_ids)) != len(layer_ids):
+        raise ValueError(f"layer_ids {layer_ids} has duplicates")
+    bad = [i for i in layer_ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(
+            f"layer ids {bad} are out of range for a target with {num_layers} decoder layers (valid: 0..{num_layers - 1})"
+        )
+    return layer_ids
+
+
+def load_target(path: str | os.PathLike, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) of a local transformers folder; nothing is downloaded."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"target {path} is not a folder: extraction reads a local transformers model folder")
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    return model.to(device).eval(), tokenizer
+
+
+def target_info(model, path: str | os.PathLike) -> TargetInfo:
+    config = model.config.get_text_config()
+    return TargetInfo(
+        path=str(Path(path).resolve()),
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        vocab_size=config.vocab_size,
+        dtype=dtype_name(model.dtype),
+    )
+
+
+def prompt_token_ids(tokenizer, prompt: str, chat_template: bool) -> list[int]:
+    if not chat_template:
+        return tokenizer(prompt).input_ids
+    if not tokenizer.chat_template:
+        raise ValueError("the target's tokenizer has no chat template; extract with chat_template=False (--no-chat-template)")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def stop_token_ids(model, tokenizer) -> tuple[list[int], int | None]:
+    """(EOS ids that end a completion, pad id) from the generation config, else the tokenizer."""
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    pad = model.generation_config.pad_token_id
+    if pad is None:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else None)
+    return eos, pad
+
+
+class TokenProgress(BaseStreamer):
+    """Advances a tqdm bar by one per generated token (the first put() is the prompt)."""
+
+    def __init__(self, bar: tqdm):
+        self.bar, self.seen_prompt = bar, False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.seen_prompt:
+            self.bar.update(1)
+        self.seen_prompt = True
+
+    def end(self) -> None:
+        pass
+
+
+@torch.no_grad()
+def greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos: list[int], pad: int | None, streamer=None):
+    """Greedy completion of `input_ids` [B, P] (no padding: equal-length prompts): [B, P + n].
+    Every logits processor that could bend greedy decoding is set to neutral explicitly,
+    so a target's generation_config cannot change the text."""
+    return model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        do_sample=False,
+        num_beams=1,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=0,
+        repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        use_cache=True,
+        eos_token_id=eos or None,
+        pad_token_id=pad,
+        streamer=streamer,
+    )
+
+
+@torch.no_grad()
+def target_hidden_states(model, input_ids: torch.Tensor, layer_ids: Sequence[int]) -> torch.Tensor:
+    """`input_ids` [B, T] -> [B, T, len(layer_ids) * H]: hidden_states[i + 1] for each layer id i.
+    Logits are computed for the last position only where the model allows it ([T, V] is large)."""
+    only_last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    out = model(input_ids=input_ids, output_hidden_states=True, use_cache=False, **only_last)
+    return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+def extract_cache(
+    target: str | os.PathLike,
+    out: str | os.PathLike,
+    tasks: str | os.PathLike | Sequence[Task],
+    layer_ids: Sequence[int],
+    *,
+    max_new_tokens: int = 512,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    chat_template: bool = True,
+    block_size: int | None = None,
+    progress: bool = True,
+) -> HiddenStateCache:
+    """Extract (or finish extracting) the cache of `tasks` from the target folder `target`
+    into the folder `out`; returns the cache opened for reading.
+
+    `tasks`: a built-in task-set name ("coding10"), a task YAML file, or a list of Task.
+    `block_size`: recorded in the manifest as the block size the cache was made for.
+    A rerun skips tasks whose entry (same prompt) and file are intact; a folder holding a
+    cache made with other settings (target shape/dtype, layer ids, block size,
+    max_new_tokens, chat template) is refused.
+    """
+    tasks = resolve_tasks(tasks)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    dtype_name(dtype)  # refuse an unsupported dtype before loading anything
+    model, tokenizer = load_target(target, device=device, dtype=dtype)
+    info = target_info(model, target)
+    layer_ids = check_layer_ids(layer_ids, info.num_layers)
+    header = new_manifest(
+        info,
+        layer_ids,
+        block_size=block_size,
+        extraction={"max_new_tokens": max_new_tokens, "chat_template": chat_template},
+    )
+    manifest = open_for_writing(out, header)
+    done = {entry["name"]: entry for entry in manifest["tasks"]}
+    eos, pad = stop_token_ids(model, tokenizer)
+
+    for task in tqdm(tasks, desc="tasks", unit="task", disable=not progress):
+        entry = done.get(task.name)
+        if entry is not None and entry.get("prompt") == task.prompt:
+            try:
+                check_task_file(Path(out), entry)
+                log.info("%s: already in the cache, skipped", task.name)
+                continue
+            except CacheError as e:
+                log.warning("%s: re-extracting, %s", task.name, e)
+        prompt_ids = torch.tensor([prompt_token_ids(tokenizer, task.prompt, chat_template)], device=model.device)
+        with tqdm(total=max_new_tokens, desc=task.name, unit="tok", leave=False, disable=not progress) as bar:
+            ids = greedy_generate(model, prompt_ids, max_new_tokens, eos, pad, streamer=TokenProgress(bar))
+        hidden = target_hidden_states(model, ids, layer_ids)
+        write_task(out, task.name, ids[0].cpu(), hidden[0].cpu(), prompt_ids.shape[1], prompt=task.prompt)
+        log.info("%s: extracted %d prompt + %d completion tokens", task.name, prompt_ids.shape[1], ids.shape[1] - prompt_ids.shape[1])
+    return HiddenStateCache(out)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def parse_layer_ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--layer-ids takes comma-separated integers like 1,16,31, got {text!r}")
+
+
+def add_extract_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help="local folder of the target model (transformers format)")
+    parser.add_argument("--out", required=True, help="cache folder to create, or to finish after an interruption")
+    parser.add_argument("--tasks", default="coding10", help="built-in task set (coding10) or a task YAML file")
+    layers = parser.add_mutually_exclusive_group(required=True)
+    layers.add_argument("--layer-ids", type=parse_layer_ids, help="target layer ids to cache, e.g. 1,16,31")
+    layers.add_argument(
+        "--drafter", help="drafter folder or config.json: cache its target_layer_ids and record its block size"
+    )
+    parser.add_argument("--block-size", type=int, default=None, help="record the block size the cache is made for")
+    parser.add_argument("--max-new-tokens", type=int, default=512, help="completion length limit per task")
+    parser.add_argument("--device", default="cpu", help="torch device for the target, e.g. cuda or cuda:1")
+    parser.add_argument(
+        "--dtype", choices=list(DTYPES), default="float32", help="dtype the target runs and the cache is stored in"
+    )
+    parser.add_argument(
+        "--no-chat-template", dest="chat_template", action="store_false", help="feed prompts as raw text"
+    )
+
+
+def run_extract(args: argparse.Namespace) -> int:
+    """Run `extract` from parsed arguments; returns the exit status (errors are printed)."""
+    from ..model.config import DrafterConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # progress lines; a no-op if logging is set up
+    try:
+        layer_ids, block_size = args.layer_ids, args.block_size
+        if args.drafter is not None:
+            drafter = DrafterConfig.from_file(args.drafter)
+            layer_ids = drafter.target_layer_ids
+            block_size = block_size if block_size is not None else drafter.block_size
+            target = AutoConfig.from_pretrained(args.target, local_files_only=True).get_text_config()
+            if (target.hidden_size, target.vocab_size) != (drafter.hidden_size, drafter.vocab_size):
+                raise ValueError(
+                    f"target hidden size {target.hidden_size} / vocab size {target.vocab_size} != drafter "
+                    f"hidden_size {drafter.hidden_size} / vocab_size {drafter.vocab_size}: this drafter is for another target"
+                )
+        cache = extract_cache(
+            args.target,
+            args.out,
+            args.tasks,
+            layer_ids,
+            max_new_tokens=args.max_new_tokens,
+            device=args.device,
+            dtype=DTYPES[args.dtype],
+            chat_template=args.chat_template,
+            block_size=block_size,
+        )
+    except (ValueError, OSError) as e:
+        print(f"extract: error: {e}", file=sys.stderr)
+        return 2
+    print(f"cache {cache.path}: {len(cache)} tasks, layer ids {cache.layer_ids}, fingerprint {cache.fingerprint}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dflash_callbacks.cache.extract", description=__doc__.split("\n\n")[0])
+    add_extract_arguments(parser)
+    return run_extract(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

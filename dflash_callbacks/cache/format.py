@@ -1,0 +1,467 @@
+"""The hidden-state cache: a folder of one safetensors file per task plus `manifest.json`.
+
+    manifest.json
+      {"format": "dflash-hidden-cache", "version": 1,
+       "target": {"path": ..., "num_layers": 4, "hidden_size": 128, "vocab_size": 260,
+                  "dtype": "float32"},
+       "layer_ids": [1, 2],            # layer id i = hidden_states[i + 1] of the target
+       "block_size": 16 | null,        # the block size it was made for, if any
+       "extraction": {...},            # optional: settings the extractor used
+       "tasks": [{"name": "fizzbuzz", "file": "fizzbuzz.safetensors", "prompt_len": 52,
+                  "num_tokens": 180, "num_bytes": 92312, "sha256": "<64 hex>",
+                  "prompt": "..."}]}   # "prompt" optional
+    <task>.safetensors: input_ids [T] int64 (prompt then completion),
+                        hidden [T, len(layer_ids) * hidden_size] in the target's dtype
+
+Writers never leave half a file visible: each task file and every manifest update is
+written under a hidden temporary name and renamed into place. Readers validate the
+manifest on open and check a task file's size and sha256 the first time it is read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import warnings
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save as safetensors_bytes
+
+from .tasks import TASK_NAME
+
+FORMAT_NAME = "dflash-hidden-cache"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class CacheError(ValueError):
+    """A cache folder that cannot be read as it is: bad manifest, missing or damaged file."""
+
+
+class CacheMismatchError(ValueError):
+    """A valid cache that does not fit the drafter (layer ids, hidden size, vocabulary)."""
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What a cache records about the target it was extracted from."""
+
+    path: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    dtype: str  # a key of DTYPES
+
+
+@dataclass
+class CacheTask:
+    """One task of a cache: `input_ids` [T] int64 = prompt (first `prompt_len`) then the
+    target's greedy completion; `hidden` [T, n_layers * H], the target's hidden states."""
+
+    name: str
+    prompt_len: int
+    input_ids: torch.Tensor
+    hidden: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, value in DTYPES.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"unsupported dtype {dtype}; a cache holds one of {list(DTYPES)}")
+
+
+# ---------------------------------------------------------------- manifest validation
+
+
+def _kind_ok(value: Any, kind: str) -> bool:
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "int or null":
+        return value is None or _kind_ok(value, "int")
+    return isinstance(value, {"str": str, "list": list, "object": dict}[kind])
+
+
+def _field(obj: dict, key: str, kind: str, where: str, *, required: bool = True) -> Any:
+    """obj[key], checked to be of `kind`; errors name the field as `where.key`."""
+    if key not in obj:
+        if required:
+            raise CacheError(f"{where}: missing field {key!r}")
+        return None
+    value = obj[key]
+    if not _kind_ok(value, kind):
+        raise CacheError(f"{where}: field {key!r} must be {kind}, got {type(value).__name__} ({value!r:.60})")
+    return value
+
+
+def validate_manifest(raw: Any, where: str) -> dict:
+    """Checks every field of a parsed manifest; returns it unchanged. `where` (usually the
+    manifest's path) starts every error message."""
+    if not isinstance(raw, dict):
+        raise CacheError(f"{where}: the manifest must be a JSON object, got {type(raw).__name__}")
+    fmt = _field(raw, "format", "str", where)
+    if fmt != FORMAT_NAME:
+        raise CacheError(f"{where}: format is {fmt!r}, expected {FORMAT_NAME!r} (is this a hidden-state cache?)")
+    version = _field(raw, "version", "int", where)
+    if version != FORMAT_VERSION:
+        raise CacheError(
+            f"{where}: cache format version {version} is not supported (this reader knows version "
+            f"{FORMAT_VERSION}); re-extract the cache or use a matching dflash_callbacks"
+        )
+
+    target = _field(raw, "target", "object", where)
+    _field(target, "path", "str", f"{where}: target")
+    for key in ("num_layers", "hidden_size", "vocab_size"):
+        if _field(target, key, "int", f"{where}: target") < 1:
+            raise CacheError(f"{where}: target.{key} must be positive, got {target[key]}")
+    if _field(target, "dtype", "str", f"{where}: target") not in DTYPES:
+        raise CacheError(f"{where}: target.dtype {target['dtype']!r} is not one of {list(DTYPES)}")
+
+    layer_ids = _field(raw, "layer_ids", "list", where)
+    if not layer_ids:
+        raise CacheError(f"{where}: layer_ids is empty")
+    for i, layer in enumerate(layer_ids):
+        if not _kind_ok(layer, "int"):
+            raise CacheError(f"{where}: layer_ids[{i}] must be int, got {type(layer).__name__} ({layer!r})")
+        if not 0 <= layer < target["num_layers"]:
+            raise CacheError(f"{where}: layer id {layer} is outside the target's {target['num_layers']} layers")
+    if len(set(layer_ids)) != len(layer_ids):
+        raise CacheError(f"{where}: layer_ids {layer_ids} has duplicates")
+    block_size = _field(raw, "block_size", "int or null", where, required=False)
+    if block_size is not None and block_size < 2:
+        raise CacheError(f"{where}: block_size must be at least 2 or null, got {block_size}")
+    _field(raw, "extraction", "object", where, required=False)
+
+    names: set[str] = set()
+    files: set[str] = set()
+    for i, task in enumerate(_field(raw, "tasks", "list", where)):
+        at = f"{where}: tasks[{i}]"
+        if not isinstance(task, dict):
+            raise CacheError(f"{at} must be an object, got {type(task).__name__}")
+        name = _field(task, "name", "str", at)
+        file = _field(task, "file", "str", at)
+        prompt_len = _field(task, "prompt_len", "int", at)
+        num_tokens = _field(task, "num_tokens", "int", at)
+        num_bytes = _field(task, "num_bytes", "int", at)
+        sha = _field(task, "sha256", "str", at)
+        _field(task, "prompt", "str", at, required=False)
+        if not TASK_NAME.match(name):
+            raise CacheError(f"{at}: name {name!r} is not a valid task name")
+        if name in names:
+            raise CacheError(f"{at}: duplicate task name {name!r}")
+        if Path(file).name != file or file.startswith(".") or file in files:
+            raise CacheError(f"{at}: file {file!r} must be a distinct plain file name inside the cache folder")
+        if num_tokens < 1 or not 0 <= prompt_len <= num_tokens or num_bytes < 0:
+            raise CacheError(
+                f"{at} ({name}): need 0 <= prompt_len <= num_tokens, num_tokens >= 1 and num_bytes >= 0; "
+                f"got prompt_len={prompt_len}, num_tokens={num_tokens}, num_bytes={num_bytes}"
+            )
+        if not SHA256.match(sha):
+            raise CacheError(f"{at} ({name}): sha256 must be 64 lowercase hex digits, got {sha!r:.80}")
+        names.add(name)
+        files.add(file)
+    return raw
+
+
+def read_manifest(folder: str | os.PathLike) -> dict:
+    folder = Path(folder)
+    path = folder / MANIFEST
+    if not folder.is_dir():
+        raise FileNotFoundError(f"no cache folder at {folder}")
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{folder} has no {MANIFEST}, so it is not a hidden-state cache (make one with `dflash-callbacks extract`)"
+        )
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CacheError(f"{path} is not valid JSON: {e}") from e
+    return validate_manifest(raw, str(path))
+
+
+def fingerprint(manifest: dict) -> str:
+    """16 hex digits identifying a cache's content: every manifest field (the per-task
+    sha256s included) except target.path, so moving the target folder does not change it."""
+    content = json.loads(json.dumps(manifest))
+    content["target"].pop("path", None)
+    blob = json.dumps(content, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write under a hidden temporary name in the same folder, fsync, rename into place."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_manifest(folder: str | os.PathLike, manifest: dict) -> None:
+    path = Path(folder) / MANIFEST
+    validate_manifest(manifest, str(path))
+    _atomic_write(path, (json.dumps(manifest, indent=2) + "\n").encode())
+
+
+def new_manifest(
+    target: TargetInfo, layer_ids: list[int], *, block_size: int | None = None, extraction: dict | None = None
+) -> dict:
+    """The manifest of an empty cache; `extraction` records the extractor's settings."""
+    manifest = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "target": asdict(target),
+        "layer_ids": [int(i) for i in layer_ids],
+        "block_size": block_size,
+    }
+    if extraction is not None:
+        manifest["extraction"] = dict(extraction)
+    manifest["tasks"] = []
+    return manifest
+
+
+def open_for_writing(folder: str | os.PathLike, header: dict) -> dict:
+    """Create the cache folder with an empty manifest, or reopen an existing cache to add
+    tasks, provided it was made the same way (`header` is a `new_manifest(...)`: same target
+    shape and dtype, layer ids, block size and extraction settings). Removes temporary files
+    a killed writer left behind. Returns the manifest on disk."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob(".*.tmp-*"):
+        stale.unlink()
+    if not (folder / MANIFEST).exists():
+        write_manifest(folder, header)
+        return header
+    manifest = read_manifest(folder)
+    old_target = {k: v for k, v in manifest["target"].items() if k != "path"}
+    new_target = {k: v for k, v in header["target"].items() if k != "path"}
+    differences = [
+        f"{key} {theirs} != {mine}"
+        for key, theirs, mine in [
+            ("target", old_target, new_target),
+            ("layer ids", manifest["layer_ids"], header["layer_ids"]),
+            ("block size", manifest.get("block_size"), header.get("block_size")),
+            ("extraction settings", manifest.get("extraction"), header.get("extraction")),
+        ]
+        if theirs != mine
+    ]
+    if differences:
+        raise CacheError(
+            f"{folder} already holds a cache made differently (cache vs this run: {'; '.join(differences)}); "
+            f"write to another folder or delete this one"
+        )
+    return manifest
+
+
+def write_task(
+    folder: str | os.PathLike,
+    name: str,
+    input_ids: torch.Tensor,
+    hidden: torch.Tensor,
+    prompt_len: int,
+    *,
+    prompt: str | None = None,
+) -> dict:
+    """Store one task in a cache opened with `open_for_writing`: the file first (atomic),
+    then the manifest entry (replacing one of the same name; atomic). Returns the entry."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    target = manifest["target"]
+    width = len(manifest["layer_ids"]) * target["hidden_size"]
+    if not TASK_NAME.match(name):
+        raise ValueError(f"task name {name!r} is not usable as a file name")
+    if input_ids.ndim != 1 or input_ids.dtype.is_floating_point:
+        raise ValueError(f"{name}: input_ids must be a 1-D integer tensor, got {input_ids.dtype} {list(input_ids.shape)}")
+    num_tokens = input_ids.shape[0]
+    if tuple(hidden.shape) != (num_tokens, width):
+        raise ValueError(f"{name}: hidden must be [{num_tokens}, {width}] (tokens, layers * hidden), got {list(hidden.shape)}")
+    if hidden.dtype != DTYPES[target["dtype"]]:
+        raise ValueError(f"{name}: hidden is {hidden.dtype} but the cache holds {target['dtype']}")
+    if not 0 <= prompt_len <= num_tokens or num_tokens < 1:
+        raise ValueError(f"{name}: prompt_len {prompt_len} does not fit {num_tokens} tokens")
+
+    tensors = {"input_ids": input_ids.to(torch.int64).cpu().contiguous(), "hidden": hidden.cpu().contiguous()}
+    data = safetensors_bytes(tensors, metadata={"task": name})  # one key: byte-identical on every write
+    file = f"{name}.safetensors"
+    _atomic_write(folder / file, data)
+
+    entry = {
+        "name": name,
+        "file": file,
+        "prompt_len": int(prompt_len),
+        "num_tokens": int(num_tokens),
+        "num_bytes": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
+    if prompt is not None:
+        entry["prompt"] = prompt
+    others = [t for t in manifest["tasks"] if t["name"] != name]
+    if len(others) == len(manifest["tasks"]):
+        manifest["tasks"].append(entry)
+    else:
+        manifest["tasks"] = [entry if t["name"] == name else t for t in manifest["tasks"]]
+    write_manifest(folder, manifest)
+    return entry
+
+
+# ---------------------------------------------------------------- reading
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_task_file(folder: Path, entry: dict) -> Path:
+    """The task's file, after checking it exists, has the recorded size and sha256."""
+    path = folder / entry["file"]
+    if not path.is_file():
+        raise CacheError(f"task {entry['name']!r}: file {path} is missing (the manifest lists it)")
+    size = path.stat().st_size
+    if size != entry["num_bytes"]:
+        raise CacheError(
+            f"task {entry['name']!r}: file {path} is {size} bytes but the manifest says {entry['num_bytes']}: "
+            f"truncated or overwritten; re-extract this task"
+        )
+    digest = sha256_file(path)
+    if digest != entry["sha256"]:
+        raise CacheError(
+            f"task {entry['name']!r}: file {path} has sha256 {digest[:12]}… but the manifest says "
+            f"{entry['sha256'][:12]}…: the file is corrupt or was changed after extraction; re-extract this task"
+        )
+    return path
+
+
+class HiddenStateCache:
+    """A cache folder opened for reading. The manifest is validated here; task files are
+    opened only when a task is asked for (read with safetensors' memory-mapped `safe_open`),
+    and each file's size and sha256 are checked on its first read (or all at once by
+    `verify()`)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.manifest = read_manifest(self.path)
+        self.target = TargetInfo(**{f.name: self.manifest["target"][f.name] for f in fields(TargetInfo)})
+        self.layer_ids: list[int] = list(self.manifest["layer_ids"])
+        self.block_size: int | None = self.manifest.get("block_size")
+        self._entries = {entry["name"]: entry for entry in self.manifest["tasks"]}
+        self._verified: set[str] = set()
+
+    def __repr__(self) -> str:
+        return f"HiddenStateCache({str(self.path)!r}, tasks={len(self)}, layer_ids={self.layer_ids})"
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def task_names(self) -> list[str]:
+        return list(self._entries)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.target.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target.vocab_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.target.dtype]
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.manifest)
+
+    def entry(self, name: str) -> dict:
+        if name not in self._entries:
+            raise KeyError(f"no task {name!r} in the cache at {self.path}; it holds {self.task_names}")
+        return self._entries[name]
+
+    def _checked_file(self, name: str) -> Path:
+        entry = self.entry(name)
+        if name in self._verified:
+            return self.path / entry["file"]
+        path = check_task_file(self.path, entry)
+        self._verified.add(name)
+        return path
+
+    def task(self, name: str) -> CacheTask:
+        """The task's tokens and hidden states, checked against the manifest."""
+        entry = self.entry(name)
+        path = self._checked_file(name)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                missing = {"input_ids", "hidden"} - set(f.keys())
+                if missing:
+                    raise CacheError(f"task {name!r}: file {path} has no tensor(s) {sorted(missing)}")
+                input_ids, hidden = f.get_tensor("input_ids"), f.get_tensor("hidden")
+        except SafetensorError as e:
+            raise CacheError(f"task {name!r}: file {path} is not a readable safetensors file: {e}") from e
+        width = len(self.layer_ids) * self.hidden_size
+        T = entry["num_tokens"]
+        if input_ids.dtype != torch.int64 or tuple(input_ids.shape) != (T,):
+            raise CacheError(f"task {name!r}: {path} input_ids is {input_ids.dtype} {list(input_ids.shape)}, expected int64 [{T}]")
+        if hidden.dtype != self.dtype or tuple(hidden.shape) != (T, width):
+            raise CacheError(
+                f"task {name!r}: {path} hidden is {hidden.dtype} {list(hidden.shape)}, expected {self.dtype} [{T}, {width}]"
+            )
+        if T and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < self.vocab_size:
+            raise CacheError(f"task {name!r}: {path} holds token ids outside the vocabulary [0, {self.vocab_size})")
+        return CacheTask(name=name, prompt_len=entry["prompt_len"], input_ids=input_ids, hidden=hidden)
+
+    def tasks(self):
+        """Every task, in manifest order (one at a time, so memory holds one task)."""
+        for name in self.task_names:
+            yield self.task(name)
+
+    def verify(self) -> None:
+        """Check every task file now (existence, size, sha256, tensors); raises CacheError."""
+        for name in self.task_names:
+            self.task(name)
+
+    def check_compatible(self, drafter_config, block_size: int | None = None) -> None:
+        """Refuse a drafter this cache cannot feed: different layer ids, hidden size, vocabulary
+        (or target layer count, where the drafter config records one). Warn when the cache was
+        made for another block size than the one scored (`block_size`, default the drafter's)."""
+        cfg = drafter_config
+        problems = []
+        if list(cfg.target_layer_ids) != self.layer_ids:
+            problems.append(f"cache layer ids {self.layer_ids} != drafter target_layer_ids {list(cfg.target_layer_ids)}")
+        if cfg.hidden_size != self.hidden_size:
+            problems.append(f"cache hidden size {self.hidden_size} != drafter hidden_size {cfg.hidden_size}")
+        if cfg.vocab_size != self.vocab_size:
+            problems.append(f"cache vocab size {self.vocab_size} != drafter vocab_size {cfg.vocab_size}")
+        num_target_layers = getattr(cfg, "num_target_layers", None)
+        if num_target_layers is not None and num_target_layers != self.target.num_layers:
+            problems.append(
+                f"cache target has {self.target.num_layers} layers != drafter num_target_layers {num_target_layers}"
+            )
+        if problems:
+            raise CacheMismatchError(f"the cache at {self.path} does not fit the drafter: " + "; ".join(problems))
+        scored = block_size if block_size is not None else cfg.block_size
+        if self.block_size is not None and scored != self.block_size:
+            warnings.warn(
+                f"the cache at {self.path} was made for block size {self.block_size} but block size {scored} "
+                f"is being scored",
+                stacklevel=2,
+            )

@@ -1,0 +1,97 @@
+"""Task sets: the prompts a cache is extracted from.
+
+A task set is a YAML file with a `tasks` list; each task has a `name` (it also names
+the task's file in a cache, so letters, digits, `_`, `-` and `.` only) and a `prompt`
+(the user's request, sent through the target's chat template at extraction):
+
+    name: coding10
+    tasks:
+      - name: fizzbuzz
+        prompt: Write a Python function ...
+
+Built-in sets live in `dflash_callbacks/conf/tasks/` and are loaded by name.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+BUILTIN_DIR = Path(__file__).resolve().parents[1] / "conf" / "tasks"
+TASK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+TASK_KEYS = ("name", "prompt")
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    prompt: str
+
+
+def builtin_task_sets() -> list[str]:
+    """Names that `load_tasks` accepts in place of a path, e.g. ['coding10']."""
+    return sorted(p.stem for p in BUILTIN_DIR.glob("*.yaml"))
+
+
+def resolve_task_file(spec: str | Path) -> Path:
+    """A built-in set's name -> its YAML file; anything else must be an existing file."""
+    builtin = BUILTIN_DIR / f"{spec}.yaml"
+    if isinstance(spec, str) and TASK_NAME.match(spec) and builtin.is_file():
+        return builtin
+    path = Path(spec)
+    if path.is_file():
+        return path
+    raise FileNotFoundError(
+        f"unknown task set {str(spec)!r}: give a built-in name ({', '.join(builtin_task_sets())}) "
+        f"or the path of a YAML file with a 'tasks' list"
+    )
+
+
+def load_tasks(spec: str | Path) -> list[Task]:
+    """The tasks of a built-in set ("coding10") or of a YAML file, in file order.
+
+    Raises ValueError naming the file and the offending entry for: invalid YAML, no
+    `tasks` list, an entry that is not a mapping, a missing/unknown key, a name or
+    prompt that is not a string, an empty prompt, a name unfit for a file name, or a
+    duplicate name.
+    """
+    path = resolve_task_file(spec)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path} is not valid YAML: {e}") from e
+    if not isinstance(raw, dict) or not isinstance(raw.get("tasks"), list):
+        raise ValueError(f"{path}: expected a mapping with a 'tasks' list at the top level")
+    if not raw["tasks"]:
+        raise ValueError(f"{path}: the 'tasks' list is empty")
+
+    tasks: list[Task] = []
+    seen: set[str] = set()
+    for i, entry in enumerate(raw["tasks"]):
+        where = f"{path}: tasks[{i}]"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where} must be a mapping with keys {list(TASK_KEYS)}, got {type(entry).__name__}")
+        unknown = sorted(set(entry) - set(TASK_KEYS))
+        if unknown:
+            raise ValueError(f"{where} has unknown keys {unknown} (expected {list(TASK_KEYS)})")
+        for key in TASK_KEYS:
+            if key not in entry:
+                raise ValueError(f"{where} has no {key!r}")
+            if not isinstance(entry[key], str):
+                raise ValueError(f"{where}.{key} must be a string, got {type(entry[key]).__name__}")
+        name, prompt = entry["name"], entry["prompt"].strip()
+        if not TASK_NAME.match(name):
+            raise ValueError(
+                f"{where}.name {name!r} is not usable as a file name: use letters, digits, '_', '-' and '.', "
+                f"starting with a letter or digit"
+            )
+        if not prompt:
+            raise ValueError(f"{where} ({name}) has an empty prompt")
+        if name in seen:
+            raise ValueError(f"{where}: duplicate task name {name!r}")
+        seen.add(name)
+        tasks.append(Task(name=name, prompt=prompt))
+    return tasks
