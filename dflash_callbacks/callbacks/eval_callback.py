@@ -105,7 +105,8 @@ def repair_results(path: Path) -> None:
         f.truncate(keep)
         f.flush()
         os.fsync(f.fileno())
-    rank_zero_warn(f"dflash: {path} ended in a torn line (a crash while appending); dropped its {len(data) - keep} bytes")
+    rank_zero_warn(f"dflash: {path} ended in a torn line (a crash while appending); dropped its {len(data) - keep} "
+                   "bytes")
 
 
 def append_result(path: Path, record: dict) -> None:
@@ -197,6 +198,7 @@ class DrafterEvalCallback(Callback):
         self._runner: BackgroundRunner | None = None
         self._staging = None
         self._last_capture_step: int | None = None
+        self._last_taken_step: int | None = None  # last step actually snapshotted (not skipped)
         self._scored: set[int] = set()
         self._wandb_defined: set[int] = set()
 
@@ -279,7 +281,7 @@ class DrafterEvalCallback(Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         step = trainer.global_step
-        if self.wait_on_end and step > 0 and step != self._last_capture_step:
+        if self.wait_on_end and step > 0 and step != self._last_taken_step:  # also when skipped while busy
             self._snapshot(trainer, pl_module, step, force=True)  # every rank: a sharded gather is collective
         if self._runner is None:
             return
@@ -311,6 +313,8 @@ class DrafterEvalCallback(Callback):
         sharded = is_sharded(module)
         if sharded and trainer.world_size > 1:
             skip = trainer.strategy.broadcast(skip, src=0)
+        if not skip:
+            self._last_taken_step = step
         if skip or not (trainer.is_global_zero or sharded):
             return
         try:

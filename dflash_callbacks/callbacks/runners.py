@@ -221,9 +221,9 @@ class BackgroundRunner:
         snapshot.wait()
         if self.keep_last == 0:
             return None
-        folder = write_snapshot(self.snapshots_dir, snapshot)
-        prune_snapshots(self.snapshots_dir, self.keep_last)
-        return folder
+        # make room first, so that no more than keep_last snapshots (finished or being written) are ever on disk
+        prune_snapshots(self.snapshots_dir, self.keep_last - 1)
+        return write_snapshot(self.snapshots_dir, snapshot)
 
     @staticmethod
     def _attempt(step: int, fn) -> Outcome:

@@ -111,8 +111,13 @@ def list_snapshots(root: Path) -> list[tuple[int, Path]]:
 def prune_snapshots(root: Path, keep_last: int) -> list[Path]:
     """Delete all but the newest `keep_last` snapshots (and stale temporaries); returns what went."""
     removed = []
+    if not Path(root).is_dir():
+        return removed
     snapshots = list_snapshots(root)
-    for _, folder in snapshots[: max(0, len(snapshots) - keep_last)]:
+    # temporaries of a writer that was killed mid-write (save_drafter's .NAME.tmp-* and .NAME.old-*); the caller
+    # is the only writer, and it is not writing now
+    stale = sorted(Path(root).glob(".step-*.tmp-*")) + sorted(Path(root).glob(".step-*.old-*"))
+    for folder in [f for _, f in snapshots[: max(0, len(snapshots) - keep_last)]] + stale:
         shutil.rmtree(folder, ignore_errors=True)
         removed.append(folder)
     return removed

@@ -1,0 +1,314 @@
+"""A small, real training run of the DFlash drafter with the dflash callbacks attached.
+
+The reliability and distributed tests run this file as a subprocess, the way a user
+runs a training script:
+
+    python tests/scripts/train_run.py --world W --root R --max-steps 40 --every 2 \
+        [--devices 2 --strategy ddp|fsdp2] [--eval-cache C ...] [--stop-min-ratio 10] \
+        [--ckpt-every 3] [--resume CKPT] [--record]
+
+- `--world` is a folder made by `tests/synthetic.py:build_world` (built here if missing).
+- With `--strategy ddp` Lightning re-launches this script for rank 1 (gloo on CPU);
+  `fsdp2` uses Lightning's ModelParallelStrategy, whose `configure_model` applies
+  `fully_shard` to the drafter.
+- One DrafterEvalCallback per `--eval-cache` (the first writes to R/dflash, the next
+  to R/dflash-1, ...); all score the same snapshots of the drafter.
+- `--record` makes every rank write R/rank{N}.json after `fit` returns: the final step,
+  the stop decision, what each eval callback saw, and per-step invariants that were
+  checked on that rank (on ranks other than 0: no runner, no scoring thread).
+
+It also exports the pieces the in-process tests share with it (same module, data and
+hyperparameters): `shared_world`, `world_paths`, `make_module`, `make_loader`, `write_cache`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parents[1]
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from dflash_callbacks import DrafterConfig  # noqa: E402
+from dflash_callbacks.cache.format import HiddenStateCache, new_manifest, open_for_writing, write_task  # noqa: E402
+from dflash_callbacks.callbacks import DrafterEvalCallback, TrailingBaselineStop  # noqa: E402
+from dflash_callbacks.training import CacheSequences, DFlashTrainingModule, collate_sequences  # noqa: E402
+
+LR = 3e-3
+
+
+# ---------------------------------------------------------------- shared pieces
+
+
+def shared_world(base: Path) -> Path:
+    """`build_world` under `base`/world once (tests of one pytest session share it)."""
+    world, done = Path(base) / "world", Path(base) / "world.done"
+    if not done.is_file():
+        from synthetic import build_world
+
+        if world.exists():
+            import shutil
+
+            shutil.rmtree(world)  # a build interrupted earlier
+        build_world(world)
+        done.touch()
+    return world
+
+
+def world_paths(world: Path) -> dict:
+    world = Path(world)
+    return {"config": DrafterConfig.from_file(world / "baseline"), "target": world / "target",
+            "cache": world / "cache", "baseline": world / "baseline"}
+
+
+def make_module(world: Path, cls=DFlashTrainingModule) -> DFlashTrainingModule:
+    paths = world_paths(world)
+    torch.manual_seed(0)
+    return cls(paths["config"], paths["target"], lr=LR, warmup_steps=2)
+
+
+def make_loader(world: Path) -> DataLoader:
+    return DataLoader(CacheSequences(Path(world) / "cache"), batch_size=1, collate_fn=collate_sequences)
+
+
+def write_cache(world: Path, folder: Path, tasks: list[tuple[str, int, int]], corrupt: tuple[str, ...] = ()) -> Path:
+    """A cache that fits the world's drafter with random tokens: `tasks` are (name, tokens,
+    prompt length). The files of the tasks named in `corrupt` are overwritten with zeros
+    after writing (same size, so the manifest stays valid and only reading them fails)."""
+    info = HiddenStateCache(Path(world) / "cache")
+    open_for_writing(folder, new_manifest(info.target, info.layer_ids))
+    width = len(info.layer_ids) * info.hidden_size
+    for name, T, P in tasks:
+        g = torch.Generator().manual_seed(T)
+        write_task(folder, name, torch.randint(0, info.vocab_size - 1, (T,), generator=g),
+                   torch.randn(T, width, generator=g), P)
+    for name in corrupt:
+        path = Path(folder) / f"{name}.safetensors"
+        path.write_bytes(b"\0" * path.stat().st_size)
+    return Path(folder)
+
+
+# ---------------------------------------------------------------- callbacks of the script
+
+
+class FSDP2Module(DFlashTrainingModule):
+    """The training module with its drafter sharded by FSDP2 (ModelParallelStrategy).
+
+    Only the drafter's root is wrapped: DFlashDrafter computes the context keys and values
+    through `layer.self_attn.context_kv`, outside the layers' own forward, so per-layer
+    FSDP2 units would not be unsharded there."""
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(self.drafter, mesh=self.device_mesh["data_parallel"])
+
+
+class StepSleep(pl.Callback):
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        time.sleep(self.seconds)
+
+
+class Recorder(pl.Callback):
+    """Per-rank record of what the eval callbacks did, checked at every step."""
+
+    def __init__(self, evals: list[DrafterEvalCallback], stop: TrailingBaselineStop | None):
+        self.evals, self.stop = evals, stop
+        self.violations: list[str] = []
+        self.max_pending = [0] * len(evals)
+        self.steps_seen = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps_seen += 1
+        threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("dflash"))
+        for i, cb in enumerate(self.evals):
+            if trainer.global_rank != 0:
+                if cb._runner is not None or cb._staging is not None or cb.reports:
+                    self.violations.append(f"step {trainer.global_step}: eval callback {i} holds a runner or reports")
+                if threads:
+                    self.violations.append(f"step {trainer.global_step}: scoring threads {threads} on rank 1")
+            elif cb._runner is not None:
+                self.max_pending[i] = max(self.max_pending[i], cb._runner.pending)
+
+    def summary(self, trainer) -> dict:
+        return {
+            "rank": trainer.global_rank,
+            "pid": os.getpid(),
+            "world_size": trainer.world_size,
+            "global_step": trainer.global_step,
+            "steps_seen": self.steps_seen,
+            "should_stop": trainer.should_stop,
+            "stop_reason": None if self.stop is None else self.stop.stop_reason,
+            "stopped_step": None if self.stop is None else self.stop.stopped_step,
+            "violations": self.violations,
+            "evals": [
+                {"errors": cb.errors, "skipped": cb.skipped, "reports": [r.step for r in cb.reports],
+                 "baseline": cb.baseline_report is not None, "runner": cb._runner is not None,
+                 "max_pending": self.max_pending[i]}
+                for i, cb in enumerate(self.evals)
+            ],
+        }
+
+
+class CaptureCheck(pl.Callback):
+    """FSDP2: call `capture` on every rank (a collective) and compare rank 0's snapshot,
+    bit for bit, with (a) the published baseline folder the drafter was loaded from,
+    before any optimizer step, and (b) at `step`, the full tensors gathered parameter by
+    parameter with DTensor.full_tensor()."""
+
+    def __init__(self, baseline: Path, config: DrafterConfig, step: int):
+        self.baseline, self.config, self.step = baseline, config, step
+        self.out: dict = {}
+
+    def _capture(self, trainer, pl_module, step):
+        from dflash_callbacks.callbacks.snapshot import capture, is_sharded
+
+        drafter = pl_module.drafter
+        sharded = is_sharded(drafter)
+        snap = capture(drafter, self.config, step, trainer.current_epoch, is_rank_zero=trainer.global_rank == 0)
+        return sharded, snap
+
+    def on_train_start(self, trainer, pl_module):
+        from safetensors.torch import load_file
+
+        sharded, snap = self._capture(trainer, pl_module, 0)
+        entry = {"sharded": sharded, "none": snap is None}
+        if snap is not None:
+            published = load_file(str(self.baseline / "model.safetensors"))
+            entry.update(
+                same_keys=sorted(snap.state) == sorted(published),
+                bitwise=all(torch.equal(snap.state[k], published[k]) for k in published),
+                plain_cpu=all(type(t) is torch.Tensor and t.device.type == "cpu" for t in snap.state.values()),
+                dtypes_match=all(snap.state[k].dtype == published[k].dtype for k in published),
+            )
+        self.out["start"] = entry
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step != self.step or "step" in self.out:
+            return
+        sharded, snap = self._capture(trainer, pl_module, trainer.global_step)
+        full = {name: p.full_tensor() for name, p in pl_module.drafter.named_parameters()}  # every rank: collective
+        entry = {"sharded": sharded, "none": snap is None}
+        if snap is not None:
+            entry.update(same_keys=sorted(snap.state) == sorted(full),
+                         bitwise=all(torch.equal(snap.state[k], full[k]) for k in full),
+                         changed=any(not torch.equal(snap.state[k], self._initial[k]) for k in full))
+        self.out["step"] = entry
+
+    def setup(self, trainer, pl_module, stage):
+        from safetensors.torch import load_file
+
+        self._initial = load_file(str(self.baseline / "model.safetensors"))
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world", type=Path, required=True)
+    p.add_argument("--root", type=Path, required=True)
+    p.add_argument("--max-steps", type=int, default=20)
+    p.add_argument("--every", type=int, default=2)
+    p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--strategy", default="auto", choices=["auto", "ddp", "fsdp2"])
+    p.add_argument("--runner", default="thread")
+    p.add_argument("--busy", default="skip")
+    p.add_argument("--max-pending", type=int, default=1)
+    p.add_argument("--keep-last", type=int, default=2)
+    p.add_argument("--on-error", default="warn")
+    p.add_argument("--eval-cache", type=Path, action="append", help="one eval callback per cache (default: the world's)")
+    p.add_argument("--anchors-per-forward", type=int, default=64)
+    p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--stop-min-ratio", type=float, default=None, help="attach TrailingBaselineStop(min_ratio=...)")
+    p.add_argument("--stop-patience", type=int, default=1)
+    p.add_argument("--ckpt-every", type=int, default=0)
+    p.add_argument("--resume", type=Path, default=None)
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--init-from-baseline", action="store_true", help="start from the baseline drafter's weights")
+    p.add_argument("--capture-check", type=int, default=0, help="FSDP2: compare captures with full tensors at this step")
+    p.add_argument("--record", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if not (args.world / "cache").is_dir():
+        from synthetic import build_world
+
+        build_world(args.world)
+    paths = world_paths(args.world)
+    module = make_module(args.world, FSDP2Module if args.strategy == "fsdp2" else DFlashTrainingModule)
+    if args.init_from_baseline:
+        from safetensors.torch import load_file
+
+        module.drafter.load_state_dict(load_file(str(paths["baseline"] / "model.safetensors")))
+
+    evals = []
+    for i, cache in enumerate(args.eval_cache or [paths["cache"]]):
+        evals.append(DrafterEvalCallback(
+            cache=cache, target=paths["target"], baseline=None if args.no_baseline else paths["baseline"],
+            every_n_train_steps=args.every, runner=args.runner, busy=args.busy, max_pending=args.max_pending,
+            keep_last=args.keep_last, on_error=args.on_error,
+            scoring={"ddtree_budgets": [4], "device": "cpu", "anchors_per_forward": args.anchors_per_forward},
+            dirpath=args.root / ("dflash" if i == 0 else f"dflash-{i}"), baseline_cache_dir=args.root / "bc",
+            wait_timeout=300, verbose=False,
+        ))
+    callbacks: list = list(evals)
+    stop = None
+    if args.stop_min_ratio is not None:
+        stop = TrailingBaselineStop(monitor="ddtree@4/live", min_ratio=args.stop_min_ratio, patience=args.stop_patience,
+                                    verbose=False)
+        callbacks.append(stop)
+    recorder = Recorder(evals, stop)
+    callbacks.append(recorder)
+    check = None
+    if args.capture_check:
+        check = CaptureCheck(paths["baseline"], paths["config"], args.capture_check)
+        callbacks.insert(0, check)
+    if args.step_sleep:
+        callbacks.append(StepSleep(args.step_sleep))
+    if args.ckpt_every:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks.append(ModelCheckpoint(dirpath=args.root / "ckpt", filename="{step}",
+                                         every_n_train_steps=args.ckpt_every, save_top_k=-1))
+
+    strategy = args.strategy
+    if strategy == "fsdp2":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+    trainer = pl.Trainer(
+        max_steps=args.max_steps, accelerator="cpu", devices=args.devices, strategy=strategy, callbacks=callbacks,
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=bool(args.ckpt_every), default_root_dir=args.root, num_sanity_val_steps=0,
+    )
+    trainer.fit(module, make_loader(args.world), ckpt_path=None if args.resume is None else str(args.resume))
+    if args.record:
+        out = recorder.summary(trainer)
+        out["finished"] = True
+        if check is not None:
+            out["capture"] = check.out
+        path = args.root / f"rank{trainer.global_rank}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(out, indent=1))
+        os.replace(tmp, path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

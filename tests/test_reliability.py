@@ -1,0 +1,446 @@
+"""Reliability: faults while training runs, bad inputs before it starts, bounded resources.
+
+Every fault is real: corrupted and missing cache files, a regular file where the snapshots
+folder goes, a SIGKILLed scoring worker, NaN weights, a finished W&B run, a SIGKILLed
+training process resumed from its checkpoint. The guarantee each time: training goes on
+(or, with on_error="raise", stops with an error naming the step), the failure is counted
+and recorded, and no finished evaluation is lost.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+
+from dflash_callbacks.cache.format import CacheError
+from dflash_callbacks.callbacks import DrafterEvalCallback
+from dflash_callbacks.callbacks.eval_callback import read_results
+from dflash_callbacks.callbacks.snapshot import list_snapshots
+from dflash_callbacks.config import CONF_DIR, CallbacksConfig, build_callbacks, load_config
+from dflash_callbacks.training import DFlashTrainingModule
+
+SCRIPTS = Path(__file__).parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+from train_run import make_loader, make_module, shared_world, world_paths, write_cache  # noqa: E402
+
+SCORING = {"ddtree_budgets": [4], "device": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> Path:
+    return shared_world(tmp_path_factory.getbasetemp() / "reliability-world")
+
+
+def eval_cb(world: Path, tmp_path: Path, **kwargs) -> DrafterEvalCallback:
+    paths = world_paths(world)
+    args = dict(cache=paths["cache"], target=paths["target"], every_n_train_steps=2, scoring=SCORING,
+                dirpath=tmp_path / "d", verbose=False, wait_timeout=300)
+    args.update(kwargs)
+    return DrafterEvalCallback(**args)
+
+
+def fit(world: Path, tmp_path: Path, callbacks: list, max_steps: int, logger=False, ckpt_path=None,
+        module: DFlashTrainingModule | None = None) -> pl.Trainer:
+    trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=logger, callbacks=callbacks,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         default_root_dir=tmp_path, log_every_n_steps=1000)
+    trainer.fit(module or make_module(world), make_loader(world), ckpt_path=ckpt_path)
+    return trainer
+
+
+def results(tmp_path: Path, folder: str = "d") -> list[dict]:
+    return read_results(tmp_path / folder / "results.jsonl")
+
+
+class OnFirstReport(pl.Callback):
+    """Runs `action` once, on the training thread, when the first report has been logged."""
+
+    def __init__(self, action):
+        self.action, self.at = action, None
+
+    def on_dflash_report(self, trainer, pl_module, report, baseline):
+        if self.at is None:
+            self.at = report.step
+            self.action()
+
+
+def zero_task_files(cache: Path) -> None:
+    for file in cache.glob("*.safetensors"):
+        file.write_bytes(b"\0" * file.stat().st_size)
+
+
+# ---------------------------------------------------------------- faults while training
+
+
+def test_scorer_raising_mid_run_is_counted_and_training_finishes(world, tmp_path):
+    cache = shutil.copytree(world / "cache", tmp_path / "eval-cache")  # training reads the world's copy
+    cb = eval_cb(world, tmp_path, cache=cache)
+    corrupt = OnFirstReport(lambda: zero_task_files(cache))
+    with pytest.warns(UserWarning, match=r"dflash: step \d+ failed: CacheError: .*not a readable safetensors file"):
+        trainer = fit(world, tmp_path, [cb, corrupt], max_steps=10)
+    assert trainer.global_step == 10
+    records = results(tmp_path)
+    good = [r for r in records if "tasks" in r]
+    bad = [r for r in records if "error" in r]
+    assert [r["step"] for r in good] == [corrupt.at] == [r.step for r in cb.reports]
+    assert bad and all(r["step"] > corrupt.at and "CacheError" in r["error"] for r in bad)
+    assert cb.errors == len(bad) and len({r["step"] for r in records}) == len(records)
+    assert [h["step"] for h in cb.history] == [corrupt.at]
+
+
+def test_scorer_raising_with_on_error_raise_stops_the_fit_naming_the_step(world, tmp_path):
+    cache = shutil.copytree(world / "cache", tmp_path / "eval-cache")
+    cb = eval_cb(world, tmp_path, cache=cache, on_error="raise")
+    corrupt = OnFirstReport(lambda: zero_task_files(cache))
+    with pytest.raises(RuntimeError, match=r"^dflash: step (\d+) failed: CacheError") as info:
+        fit(world, tmp_path, [cb, corrupt], max_steps=40)
+    failed = int(str(info.value).split()[2])
+    assert failed > corrupt.at
+    records = results(tmp_path)  # the good report and the error are both on disk
+    assert records[0]["step"] == corrupt.at and "tasks" in records[0]
+    assert records[-1]["step"] == failed and "CacheError" in records[-1]["error"]
+    assert cb._runner is None  # closed by on_exception
+
+
+def reads_update_atime(folder: Path) -> bool:
+    """Whether this filesystem records reads in atime (relatime does, for a file not read
+    since its last write); noatime mounts do not."""
+    probe = folder / "atime-probe"
+    probe.write_bytes(b"x")
+    os.utime(probe, ns=(probe.stat().st_mtime_ns - 10**9, probe.stat().st_mtime_ns))
+    probe.read_bytes()
+    return probe.stat().st_atime_ns > probe.stat().st_mtime_ns
+
+
+def test_killed_scoring_worker_fails_its_step_and_a_new_worker_scores_the_next(world, tmp_path):
+    """runner="process": SIGKILL the worker while it scores step 2: as soon as it has loaded
+    the snapshot's weights (the file's atime moves past its mtime), with a cache that takes
+    it about a second to score. Step 2 is an error; step 4 is scored by a new worker."""
+    slow = write_cache(world, tmp_path / "slow-cache", [("slow", 300, 4)])  # ~300 forwards: a second or more
+    cb = eval_cb(world, tmp_path, cache=slow, runner="process", busy="queue", max_pending=4, keep_last=2,
+                 scoring={**SCORING, "anchors_per_forward": 1})
+    precise = reads_update_atime(tmp_path)
+
+    class KillWorkerMidScore(pl.Callback):
+        killed = scorer = None
+        loaded = False
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            runner = cb._runner
+            if self.killed is not None or runner is None or runner.pending == 0:
+                return
+            deadline = time.time() + 240
+            while time.time() < deadline:  # the training thread waits here: no step 4 before the kill
+                proc, snaps = runner.scorer.process, list_snapshots(runner.snapshots_dir)
+                if proc is not None and proc.is_alive() and snaps:
+                    weights = os.stat(snaps[-1][1] / "model.safetensors")
+                    self.loaded = weights.st_atime_ns > weights.st_mtime_ns
+                    if self.loaded or not precise:
+                        os.kill(proc.pid, signal.SIGKILL)
+                        self.killed, self.scorer = (proc.pid, snaps[-1][0]), runner.scorer
+                        return
+                time.sleep(0.005)
+            raise AssertionError("the scoring worker never loaded the snapshot")
+
+    killer = KillWorkerMidScore()
+    with pytest.warns(UserWarning, match=r"step 2 failed: RuntimeError: the scoring worker died \(exit code -9\)"):
+        fit(world, tmp_path, [cb, killer], max_steps=4)
+    pid, step = killer.killed
+    assert step == 2 and (killer.loaded or not precise)
+    records = results(tmp_path)
+    assert [r["step"] for r in records] == [2, 4]
+    assert "died (exit code -9) while scoring step 2" in records[0]["error"] and "tasks" in records[1]
+    assert cb.errors == 1 and [r.step for r in cb.reports] == [4]
+    assert killer.scorer.restarts == 1 and killer.scorer.process.pid != pid
+
+
+def test_snapshot_write_failure_is_counted_and_training_goes_on(world, tmp_path):
+    """A regular file where the snapshots folder goes: writes fail until it is removed."""
+    (tmp_path / "d").mkdir()
+    blocker = tmp_path / "d" / "snapshots"
+    blocker.write_text("not a folder")
+    cb = eval_cb(world, tmp_path, keep_last=2)
+
+    class Unblock(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if cb.errors and blocker.is_file():
+                blocker.unlink()
+
+    with pytest.warns(UserWarning, match=r"dflash: step 2 failed: writing the snapshot failed: FileExistsError"):
+        trainer = fit(world, tmp_path, [cb, Unblock()], max_steps=12)
+    assert trainer.global_step == 12
+    records = results(tmp_path)
+    bad = [r for r in records if "error" in r]
+    good = [r for r in records if "tasks" in r]
+    assert bad and all("writing the snapshot failed" in r["error"] for r in bad) and cb.errors == len(bad)
+    assert good and min(r["step"] for r in good) > max(r["step"] for r in bad) and good[-1]["step"] == 12
+    assert (tmp_path / "d" / "snapshots" / "step-00000012" / "model.safetensors").is_file()
+
+
+def test_cache_folder_vanishing_mid_run_is_counted_and_training_goes_on(world, tmp_path):
+    cache = shutil.copytree(world / "cache", tmp_path / "eval-cache")
+    cb = eval_cb(world, tmp_path, cache=cache)
+    moved = OnFirstReport(lambda: cache.rename(tmp_path / "moved-away"))
+    with pytest.warns(UserWarning, match=r"dflash: step \d+ failed: .*eval-cache"):
+        trainer = fit(world, tmp_path, [cb, moved], max_steps=10)
+    assert trainer.global_step == 10 and not cache.exists()
+    records = results(tmp_path)
+    assert records[0]["step"] == moved.at and "tasks" in records[0]
+    assert len(records) > 1 and all("error" in r and str(cache) in r["error"] for r in records[1:])
+    assert cb.errors == len(records) - 1
+
+
+def test_nan_weights_are_reported_as_such_and_not_logged_as_a_score(world, tmp_path):
+    """At step 4 (after its optimizer step) one weight is NaN while the snapshot is taken,
+    and restored right after: steps 2 and 6 are scored, step 4 is an error, never a row."""
+    cb = eval_cb(world, tmp_path, busy="queue", max_pending=8)
+
+    class SetNaN(pl.Callback):
+        saved = None
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 4:
+                with torch.no_grad():
+                    self.saved = pl_module.drafter.fc.weight[0, 0].item()
+                    pl_module.drafter.fc.weight[0, 0] = float("nan")
+
+    class Restore(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 4:
+                with torch.no_grad():
+                    pl_module.drafter.fc.weight[0, 0] = nan.saved
+
+    nan = SetNaN()
+    logger = CSVLogger(tmp_path / "logs", name="run")
+    with pytest.warns(UserWarning, match=r"step 4 failed: NonFiniteWeightsError: .*NaN or Inf weights in fc\.weight"):
+        trainer = fit(world, tmp_path, [nan, cb, Restore()], max_steps=6, logger=logger)
+    assert trainer.global_step == 6 and torch.isfinite(trainer.lightning_module.drafter.fc.weight).all()
+    records = results(tmp_path)
+    assert [r["step"] for r in records] == [2, 4, 6]
+    assert "NaN or Inf" in records[1]["error"] and "tasks" not in records[1]
+    assert cb.errors == 1 and [h["step"] for h in cb.history] == [2, 6]
+    rows = list(csv.DictReader(open(next((tmp_path / "logs").rglob("metrics.csv")))))
+    scored = sorted(int(r["step"]) for r in rows if r.get("dflash/vanilla/live/mean"))
+    assert scored == [2, 6]
+    assert any(r.get("dflash/errors") == "1.0" for r in rows)
+
+
+def test_broken_wandb_logger_does_not_cost_the_csv_logger_its_numbers(world, tmp_path, monkeypatch):
+    """The W&B run is finished once training has started (its service gone): every call on
+    it raises. The CSV logger attached next to it still receives every dflash number."""
+    import wandb
+    from lightning.pytorch.loggers import WandbLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    wandb_logger = WandbLogger(project="dflash-reliability", save_dir=str(tmp_path), offline=True)
+    csv_logger = CSVLogger(tmp_path / "logs", name="run")
+    cb = eval_cb(world, tmp_path, busy="queue", max_pending=8)
+
+    class FinishWandb(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            wandb_logger.experiment.finish()
+
+    try:
+        with pytest.warns(UserWarning, match=r"dflash: logging to WandbLogger failed: UsageError"):
+            trainer = fit(world, tmp_path, [FinishWandb(), cb], max_steps=6, logger=[wandb_logger, csv_logger])
+    finally:
+        wandb.finish()
+    assert trainer.global_step == 6 and cb.errors == 0
+    records = results(tmp_path)
+    assert [r["step"] for r in records] == [2, 4, 6]
+    rows = {int(r["step"]): r for r in csv.DictReader(open(next((tmp_path / "logs").rglob("metrics.csv"))))
+            if r.get("dflash/vanilla/live/mean")}
+    assert sorted(rows) == [2, 4, 6]
+    for record in records:
+        logged = float(rows[record["step"]]["dflash/ddtree@4/live/mean"])
+        assert logged == pytest.approx(record["mean"]["ddtree@4"]["live"])
+
+
+def test_sigkilled_training_resumes_from_its_checkpoint_and_loses_nothing(world, tmp_path):
+    """train_run.py (checkpoint every 3 steps) is SIGKILLed once results.jsonl has 3 lines.
+    As a kill in the middle of an append or of a snapshot write would, a torn last line and
+    a half-written snapshot folder are left behind. Resuming from the newest checkpoint
+    that loads: every line parses, nothing finished before the kill is lost or rescored."""
+    root = tmp_path / "run"
+    log = open(tmp_path / "train.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "train_run.py"), "--world", str(world), "--root", str(root),
+         "--max-steps", "100000", "--every", "2", "--no-baseline", "--ckpt-every", "3", "--step-sleep", "0.02"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    results_path = root / "dflash" / "results.jsonl"
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None:
+            if results_path.is_file() and results_path.read_text().count("\n") >= 3:
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, f"the training run ended early:\n{(tmp_path / 'train.log').read_text()[-4000:]}"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+
+    before = results_path.read_text()
+    lines = before[: before.rfind("\n") + 1].splitlines()
+    steps_before = [json.loads(line)["step"] for line in lines]
+    with open(results_path, "a") as f:
+        f.write('{"step": 999998, "drafter": "step 999998", "tas')  # torn: no newline
+    stale = root / "dflash" / "snapshots" / ".step-99999998.tmp-deadbeef"
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"\0" * 100)
+
+    def loads(path):
+        try:
+            return torch.load(path, weights_only=False, map_location="cpu")["global_step"]
+        except Exception:
+            return None
+
+    ckpts = sorted(root.glob("ckpt/step=*.ckpt"), key=lambda p: int(p.stem.split("=")[1]), reverse=True)
+    ckpt = next(p for p in ckpts if loads(p) is not None)
+    resumed_from = loads(ckpt)
+    max_steps = max(steps_before + [resumed_from]) + 4
+
+    cb = eval_cb(world, tmp_path, dirpath=root / "dflash")
+    with pytest.warns(UserWarning, match="ended in a torn line"):
+        trainer = fit(world, root, [cb], max_steps=max_steps, ckpt_path=ckpt)
+    assert trainer.global_step == max_steps
+
+    text = results_path.read_text()
+    assert text.startswith("".join(line + "\n" for line in lines)), "a line finished before the kill changed"
+    records = [json.loads(line) for line in text.splitlines()]  # every line parses
+    steps = [r["step"] for r in records]
+    assert len(steps) == len(set(steps)) and 999998 not in steps
+    new = [r.step for r in cb.reports]
+    assert new and set(new).isdisjoint(steps_before) and min(new) > resumed_from and new[-1] == max_steps
+    assert steps == steps_before + new
+    assert {h["step"] for h in cb.history} == set(steps)
+    snapshot_dir = root / "dflash" / "snapshots"
+    assert not stale.exists() and len(list_snapshots(snapshot_dir)) <= 2
+    assert sorted(p.name for p in snapshot_dir.iterdir() if p.name.startswith(".")) == []
+
+
+# ---------------------------------------------------------------- bad inputs, before training
+
+
+class CountBatches(pl.Callback):
+    batches = 0
+
+    def on_train_batch_start(self, *args):
+        self.batches += 1
+
+
+def edit_manifest(manifest: dict, how: str) -> None:
+    if how == "wrong type":
+        manifest["tasks"][0]["prompt_len"] = "5"
+    elif how == "missing field":
+        del manifest["layer_ids"]
+    elif how == "unknown version":
+        manifest["version"] = 99
+
+
+@pytest.mark.parametrize("how,message", [
+    ("wrong type", r"tasks\[0\]: field 'prompt_len' must be int, got str"),
+    ("missing field", r"manifest.json: missing field 'layer_ids'"),
+    ("unknown version", r"cache format version 99 is not supported"),
+])
+def test_bad_manifest_is_refused_before_training(world, tmp_path, how, message):
+    cache = shutil.copytree(world / "cache", tmp_path / "cache")
+    manifest = json.loads((cache / "manifest.json").read_text())
+    edit_manifest(manifest, how)
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    counter = CountBatches()
+    with pytest.raises(CacheError, match=message):
+        fit(world, tmp_path, [eval_cb(world, tmp_path, cache=cache), counter], max_steps=4)
+    assert counter.batches == 0 and not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("override,message", [
+    ("eval.bogus=1", r"Key 'bogus' not in 'EvalConfig'"),
+    ("eval.scoring.ddtree_budgets=[4,0]", r"ddtree_budgets must be integers in \[1, 1024\]; got 0"),
+    ("eval.scoring.anchors_per_forward=0", r"anchors_per_forward must be an integer >= 1; got 0"),
+    ("eval.every_n_train_steps=0", r"every_n_train_steps must be an integer >= 1; got 0"),
+    ("eval.keep_last=-1", r"keep_last must be an integer >= 0; got -1"),
+    ("stop.patience=0", r"`patience` must be an integer >= 1, got 0"),
+    ("stop.min_ratio=0", r"`min_ratio` must be a finite number > 0, got 0"),
+])
+def test_bad_config_is_refused_before_a_trainer_exists(world, tmp_path, override, message):
+    """load_config refuses unknown keys and wrong types (naming the file) and ScoringConfig's
+    impossible values; the callbacks' own checks refuse the rest when they are built."""
+    paths = world_paths(world)
+    path = tmp_path / "run.yaml"
+    path.write_text((CONF_DIR / "default.yaml").read_text())
+    with pytest.raises(ValueError, match=message):
+        build_callbacks(load_config(CallbacksConfig, path, [f"eval.cache={paths['cache']}",
+                                                             f"eval.target={paths['target']}", override]))
+
+
+def test_unknown_key_in_a_yaml_file_names_the_file(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("eval:\n  cache: /c\n  target: /t\n  every_n_train_step: 5\n")
+    with pytest.raises(ValueError, match=r"invalid config \(from .*run\.yaml\): Key 'every_n_train_step' not in"):
+        load_config(CallbacksConfig, path)
+
+
+def test_block_size_beyond_the_longest_completion_is_refused_before_training(world, tmp_path):
+    """The rule: a block drafts B-1 tokens, so the longest completion (tokens after the
+    prompt) must hold B tokens, else the deepest depths have no label anywhere. The world's
+    longest completion is 35 tokens ('long': 40 tokens, prompt 5)."""
+    counter = CountBatches()
+    cb = eval_cb(world, tmp_path, scoring={**SCORING, "block_size": 36})
+    with pytest.raises(ValueError, match=r"block size 36 is larger than the cache .* allows: a block drafts 35 "
+                                         r"tokens, but the longest completion \('long', 35 tokens\) has labels for "
+                                         r"at most 34; use a block size <= 35"):
+        fit(world, tmp_path, [cb, counter], max_steps=2)
+    assert counter.batches == 0
+    # only the tasks that are scored count: 'short' (22 tokens after a 3-token prompt) holds 22
+    cb = eval_cb(world, tmp_path, scoring={**SCORING, "block_size": 23, "tasks": ["short", "one_anchor"]})
+    with pytest.raises(ValueError, match=r"block size 23 .* \('short', 22 tokens\)"):
+        fit(world, tmp_path, [cb], max_steps=2)
+    # at the limit it trains (scores nothing: every_n_train_steps=1000, no final snapshot)
+    cb = eval_cb(world, tmp_path, scoring={**SCORING, "block_size": 35}, every_n_train_steps=1000, wait_on_end=False)
+    assert fit(world, tmp_path, [cb], max_steps=1).global_step == 1
+
+
+# ---------------------------------------------------------------- bounded resources
+
+
+def test_long_run_keeps_snapshots_and_pending_bounded(world, tmp_path):
+    """60 steps, a snapshot every 2, a scorer slower than that (one anchor per forward):
+    at every step, at most keep_last=2 snapshot folders (finished or being written) are on
+    disk and at most max_pending=2 snapshots wait in memory; the bound is reached and the
+    rest are skipped, not piled up."""
+    cb = eval_cb(world, tmp_path, busy="queue", max_pending=2, keep_last=2,
+                 scoring={**SCORING, "anchors_per_forward": 1})
+    snapshots = tmp_path / "d" / "snapshots"
+
+    class Watch(pl.Callback):
+        most_on_disk = most_pending = 0
+        samples = 0
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            on_disk = [p for p in snapshots.iterdir() if "step-" in p.name] if snapshots.is_dir() else []
+            self.most_on_disk = max(self.most_on_disk, len(on_disk))
+            self.most_pending = max(self.most_pending, cb._runner.pending)
+            self.samples += 1
+
+    watch = Watch()
+    trainer = fit(world, tmp_path, [cb, watch], max_steps=60)
+    assert trainer.global_step == 60 and watch.samples == 60 and cb.errors == 0
+    assert watch.most_on_disk <= 2 and watch.most_pending <= 2
+    assert watch.most_pending == 2 and cb.skipped > 0  # the bound was reached, and held
+    assert [s for s, _ in list_snapshots(snapshots)] == [r.step for r in cb.reports][-2:]
+    steps = [r["step"] for r in results(tmp_path)]
+    assert 30 <= len(steps) + cb.skipped <= 31 and steps[-1] == 60  # 60 may be skipped, then taken at the end
