@@ -53,7 +53,7 @@ def weak_recipe() -> TrainConfig:
 
 
 def baseline_recipe() -> TrainConfig:
-    return TrainConfig(max_steps=1200, lr=2e-3, layers=2)
+    return TrainConfig(max_steps=2000, lr=2e-3, layers=2, sequences=512)
 
 
 @dataclass
@@ -63,7 +63,7 @@ class DemoConfig:
     wandb_project: str = "dflash-callbacks-demo"
     train: TrainConfig = field(default_factory=weak_recipe)
     eval: EvalConfig = field(default_factory=lambda: EvalConfig(
-        cache="toy", target="toy", baseline="toy", every_n_train_steps=50, busy="queue", max_pending=2,
+        cache="toy", target="toy", baseline="toy", every_n_train_steps=25, busy="queue", max_pending=2,
         scoring=ScoringConfig(ddtree_budgets=[4, 8], topk=[4], device="cpu"),
     ))
     stop: StopConfig = field(default_factory=lambda: StopConfig(
@@ -164,6 +164,7 @@ def _run_demo(cfg: DemoConfig) -> dict:
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import CSVLogger
 
+    os.environ.setdefault("WANDB_SILENT", "true")  # the tables printed here say it all
     if cfg.wandb not in WANDB_MODES:
         raise ValueError(f"wandb must be one of {list(WANDB_MODES)}; got {cfg.wandb!r}")
     started = time.time()

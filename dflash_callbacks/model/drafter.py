@@ -23,6 +23,8 @@ The drafter has no embedding and no LM head: the target's are used (see TargetHe
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -80,6 +82,14 @@ def as_additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.to(dtype)
 
 
+class Context(NamedTuple):
+    """The drafter's context input: hidden_norm(fc(target features)) [b, C, H] and its RoPE."""
+
+    hidden: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
 class DFlashAttention(nn.Module):
     def __init__(self, config: DrafterConfig, layer_idx: int):
         super().__init__()
@@ -104,17 +114,17 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
-    def context_kv(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Keys and values of the context [b, C, H]; they do not depend on the block."""
-        return self._kv(ctx, cos, sin)
+    def context_kv(self, context: "Context"):
+        """Keys and values of the context; they do not depend on the block."""
+        return self._kv(context.hidden, context.cos, context.sin)
 
-    def forward(self, x, context_kv, rope_block, mask):
-        """x [b, Q, H] (normed block), context_kv from `context_kv`; mask additive
-        [b|1, 1|heads, Q, C+Q] or None."""
+    def forward(self, x, context, rope_block, mask):
+        """x [b, Q, H] (normed block); context: a `Context` (projected here) or this
+        layer's precomputed (keys, values); mask additive [b|1, 1|heads, Q, C+Q] or None."""
         b, q_len, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, q_len, self.n_heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, *rope_block)
-        k_ctx, v_ctx = context_kv
+        k_ctx, v_ctx = self.context_kv(context) if isinstance(context, Context) else context
         k_blk, v_blk = self._kv(x, *rope_block)
         k, v = torch.cat([k_ctx.expand(b, -1, -1, -1), k_blk], dim=2), torch.cat([v_ctx.expand(b, -1, -1, -1), v_blk], dim=2)
         out = F.scaled_dot_product_attention(
@@ -131,8 +141,8 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, x, context_kv, rope_block, mask):
-        x = x + self.self_attn(self.input_layernorm(x), context_kv, rope_block, mask)
+    def forward(self, x, context, rope_block, mask):
+        x = x + self.self_attn(self.input_layernorm(x), context, rope_block, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -192,13 +202,13 @@ class DFlashDrafter(nn.Module):
                 f"position_ids has length {position_ids.shape[-1]}; expected context + block = "
                 f"{C} + {noise_embedding.shape[1]}"
             )
-        context = self.encode_context(target_hidden, position_ids[..., :C])
+        # each layer projects the context inside its own forward (so per-layer FSDP
+        # sharding, which gathers a layer's weights around its forward, works)
+        context = self.context(target_hidden, position_ids[..., :C])
         return self.decode_blocks(context, noise_embedding, position_ids, attention_mask)
 
-    def encode_context(self, target_hidden: torch.Tensor, position_ids: torch.Tensor) -> list:
-        """Per layer, the keys and values of the context: hidden_norm(fc(target_hidden)),
-        projected, k-normed and rotated at `position_ids` [b|1, C]. Blocks decoded
-        against it share it, so a scorer computes it once per task and layer."""
+    def context(self, target_hidden: torch.Tensor, position_ids: torch.Tensor) -> Context:
+        """hidden_norm(fc(target_hidden)) and its RoPE at `position_ids` [b|1, C]."""
         if target_hidden.shape[-1] != self.config.num_target_features:
             raise ValueError(
                 f"target_hidden has {target_hidden.shape[-1]} features; this drafter expects "
@@ -206,25 +216,33 @@ class DFlashDrafter(nn.Module):
                 f"{self.config.num_target_features}"
             )
         ctx = self.hidden_norm(self.fc(target_hidden))
-        cos, sin = self.rotary_emb(position_ids.expand(ctx.shape[0], -1), ctx.dtype)
-        return [layer.self_attn.context_kv(ctx, cos, sin) for layer in self.layers]
+        return Context(ctx, *self.rotary_emb(position_ids.expand(ctx.shape[0], -1), ctx.dtype))
+
+    def encode_context(self, target_hidden: torch.Tensor, position_ids: torch.Tensor) -> list:
+        """Per layer, the keys and values of the context (projected, k-normed, rotated).
+        Blocks decoded against it share it, so the scorer computes it once per task and
+        layer (inference only: it calls the layers' projections outside their forward)."""
+        context = self.context(target_hidden, position_ids)
+        return [layer.self_attn.context_kv(context) for layer in self.layers]
 
     def decode_blocks(
         self,
-        context: list,
+        context: Context | list,
         noise_embedding: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`forward` after `encode_context`; position_ids still cover context + block."""
+        """The blocks against a `Context` or the per-layer keys and values of
+        `encode_context`; position_ids still cover context + block."""
         b, Q = noise_embedding.shape[:2]
-        C = context[0][0].shape[2] if context else 0
+        per_layer = context if isinstance(context, list) else [context] * len(self.layers)
+        C = context.hidden.shape[1] if isinstance(context, Context) else context[0][0].shape[2]
         position_ids = position_ids.expand(b, C + Q)
         x = noise_embedding
         rope_block = self.rotary_emb(position_ids[:, C:], x.dtype)
         masks = self._layer_masks(attention_mask, position_ids, C, Q, x.dtype)
-        for layer, context_kv in zip(self.layers, context):
-            x = layer(x, context_kv, rope_block, masks[layer.self_attn.sliding_window])
+        for layer, layer_context in zip(self.layers, per_layer):
+            x = layer(x, layer_context, rope_block, masks[layer.self_attn.sliding_window])
         return self.norm(x)
 
     def _layer_masks(self, attention_mask, position_ids, C, Q, dtype) -> dict:

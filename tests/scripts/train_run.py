@@ -102,16 +102,16 @@ def write_cache(world: Path, folder: Path, tasks: list[tuple[str, int, int]], co
 
 
 class FSDP2Module(DFlashTrainingModule):
-    """The training module with its drafter sharded by FSDP2 (ModelParallelStrategy).
-
-    Only the drafter's root is wrapped: DFlashDrafter computes the context keys and values
-    through `layer.self_attn.context_kv`, outside the layers' own forward, so per-layer
-    FSDP2 units would not be unsharded there."""
+    """The training module with its drafter sharded by FSDP2 (ModelParallelStrategy):
+    one FSDP unit per decoder layer, then the root, as large drafters are sharded."""
 
     def configure_model(self):
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(self.drafter, mesh=self.device_mesh["data_parallel"])
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.drafter.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.drafter, mesh=mesh)
 
 
 class StepSleep(pl.Callback):
