@@ -37,8 +37,12 @@ def main() -> dict:
     p.add_argument("--drafter", type=Path, default=None, help="drafter folder (default: a random toy drafter)")
     p.add_argument("--cache", type=Path, default=Path("runs/bench-scoring/coding10"))
     p.add_argument("--vocab", type=int, default=150_000, help="vocabulary of the memory comparison")
+    p.add_argument("--anchors-per-forward", type=int, default=ScoringConfig().anchors_per_forward)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     cache = build_toy_cache(args.cache) if not (args.cache / "manifest.json").is_file() else None
     from dflash_callbacks.cache.format import HiddenStateCache
@@ -47,7 +51,7 @@ def main() -> dict:
     torch.manual_seed(0)
     drafter = load_drafter(args.drafter) if args.drafter else DFlashDrafter(toy_drafter_config()).eval()
     head = TargetHead.from_pretrained(toy_target_path())
-    config = ScoringConfig(ddtree_budgets=[4, 8], topk=[4], device="cpu")
+    config = ScoringConfig(ddtree_budgets=[4, 8], topk=[4], device="cpu", anchors_per_forward=args.anchors_per_forward)
     B = drafter.config.block_size
     names = cache.task_names[: args.tasks]
     tasks = [cache.task(n) for n in names]

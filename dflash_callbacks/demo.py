@@ -67,7 +67,7 @@ class DemoConfig:
         scoring=ScoringConfig(ddtree_budgets=[4, 8], topk=[4], device="cpu"),
     ))
     stop: StopConfig = field(default_factory=lambda: StopConfig(
-        monitor="ddtree@8/live", min_ratio=0.9, patience=3, grace_steps=150, projection=True,
+        monitor="ddtree@8/live", min_ratio=0.9, patience=3, grace_steps=250, projection=True,
     ))
 
 
