@@ -10,11 +10,13 @@ Run this file as it is to see it work on the toy world:
 from pathlib import Path
 
 import lightning.pytorch as pl
+import torch
 
 from dflash_callbacks import DrafterEvalCallback, TrailingBaselineStop
 from dflash_callbacks.demo import DemoConfig, resolve_world, toy_module, training_data
 
 # --- your existing script: a module and its data (here: the toy world) -------------------------
+torch.set_num_threads(1)  # the toy models are tiny: one thread trains, the other core scores
 cfg = DemoConfig(out="runs/attach-example")
 cache, target, baseline = resolve_world(cfg)  # your cache, target and baseline folders
 module, data = toy_module(cfg.train), training_data(Path(cfg.out) / "world", cfg.train)
