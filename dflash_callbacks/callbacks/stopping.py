@@ -276,6 +276,8 @@ class TrailingBaselineStop(Callback):
         """
         step = trainer.global_step if report.step is None else int(report.step)
         self._record(step, self._read(report, "report"))
+        if trainer.should_stop and self.stop_reason and self.stopped_step == trainer.global_step:
+            return  # a report of the final snapshot after our stop: recorded, the reason stands
         if baseline is None:
             if not self._warned_no_baseline:
                 rank_zero_warn(f"TrailingBaselineStop: no baseline report, {self.monitor} is recorded but not judged")
