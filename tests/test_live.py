@@ -10,7 +10,6 @@ import torch
 
 from dflash_callbacks import load_drafter
 from dflash_callbacks.cache.extract import load_target
-from dflash_callbacks.cache.format import HiddenStateCache
 from dflash_callbacks.demo import TOY_BASELINE_DIR
 from dflash_callbacks.model import TargetHead
 from dflash_callbacks.scoring.config import ScoringConfig

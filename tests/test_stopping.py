@@ -9,7 +9,6 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from dflash_callbacks.callbacks.stopping import (
-    Decision,
     TrailingBaselineStop,
     fit_projection,
     projected_value,

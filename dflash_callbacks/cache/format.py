@@ -33,6 +33,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as safetensors_bytes
 
+from ..files import atomic_write, atomic_write_json
 from .tasks import TASK_NAME
 
 FORMAT_NAME = "dflash-hidden-cache"
@@ -203,20 +204,10 @@ def fingerprint(manifest: dict) -> str:
 # ---------------------------------------------------------------- writing
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write under a hidden temporary name in the same folder, fsync, rename into place."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def write_manifest(folder: str | os.PathLike, manifest: dict) -> None:
     path = Path(folder) / MANIFEST
     validate_manifest(manifest, str(path))
-    _atomic_write(path, (json.dumps(manifest, indent=2) + "\n").encode())
+    atomic_write_json(path, manifest)
 
 
 def new_manifest(
@@ -299,7 +290,7 @@ def write_task(
     tensors = {"input_ids": input_ids.to(torch.int64).cpu().contiguous(), "hidden": hidden.cpu().contiguous()}
     data = safetensors_bytes(tensors, metadata={"task": name})  # one key: byte-identical on every write
     file = f"{name}.safetensors"
-    _atomic_write(folder / file, data)
+    atomic_write(folder / file, data)
 
     entry = {
         "name": name,

@@ -226,7 +226,6 @@ class DrafterEvalCallback(Callback):
         repair_results(self.results_path)
         for record in read_results(self.results_path):
             if record.get("step") is not None and "tasks" in record:
-                self._scored.add(int(record["step"]))
                 self._remember(EvalReport.from_dict(record))
         spec = EvaluatorSpec(
             cache=str(self.cache), target=str(self.target),
@@ -353,7 +352,6 @@ class DrafterEvalCallback(Callback):
         record = report.to_dict()
         record["score_seconds"] = outcome.seconds
         append_result(self.results_path, record)  # before logging: a crash loses nothing
-        self._scored.add(report.step)
         self._remember(report)
         self.reports.append(report)
         self._log(trainer, report, outcome.seconds)

@@ -21,7 +21,7 @@ from ..cache.format import HiddenStateCache
 from ..model import DFlashDrafter, DrafterConfig, TargetHead, load_drafter
 from ..model.io import safetensors_files
 from ..scoring.config import ScoringConfig
-from ..scoring.report import EvalReport, comparable
+from ..scoring.report import EvalReport
 from ..scoring.scorer import score_drafter
 
 
@@ -114,10 +114,8 @@ class Evaluator:
                 report = self.score_folder(source)
                 report.extra["baseline_key"] = key
                 cache_dir.mkdir(parents=True, exist_ok=True)
-                tmp = cached.with_name(f".{cached.name}.tmp-{os.getpid()}")
-                report.to_json(tmp)
-                os.replace(tmp, cached)
-        problems = [p for p in comparable_to_cache(report, self) if p]
+                report.to_json(cached)
+        problems = comparable_to_cache(report, self)
         if problems:
             raise ValueError(f"baseline {source} can not be compared: " + "; ".join(problems))
         self._baseline = report
@@ -137,4 +135,4 @@ def comparable_to_cache(report: EvalReport, evaluator: Evaluator) -> list[str]:
     return problems
 
 
-__all__ = ["Evaluator", "EvaluatorSpec", "NonFiniteWeightsError", "comparable", "weights_fingerprint"]
+__all__ = ["Evaluator", "EvaluatorSpec", "NonFiniteWeightsError", "weights_fingerprint"]

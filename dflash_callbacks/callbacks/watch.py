@@ -10,11 +10,10 @@ each written atomically. The training process picks the reports up and logs them
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 from pathlib import Path
 
+from ..files import atomic_write_json
 from ..scoring.cli import add_scoring_arguments, scoring_config
 from .evaluator import Evaluator, EvaluatorSpec
 from .runners import BASELINE, describe, report_file
@@ -23,9 +22,7 @@ from .snapshot import list_snapshots
 
 def write_json(path: Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(tmp, path)
+    atomic_write_json(path, payload)
 
 
 def scan_once(evaluator: Evaluator, run_dir: Path) -> int:

@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..files import atomic_write
+
 AGGREGATES = ("dense", "live")
 
 
@@ -61,9 +63,10 @@ class EvalReport:
         return out
 
     def to_json(self, path: str | Path | None = None) -> str:
+        """The report as JSON text; with `path`, also written there atomically."""
         text = json.dumps(self.to_dict(), indent=2)
         if path is not None:
-            Path(path).write_text(text + "\n")
+            atomic_write(path, (text + "\n").encode())
         return text
 
     @classmethod
