@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 import torch
 
 from dflash_callbacks.callbacks import DrafterEvalCallback, TrailingBaselineStop
-from dflash_callbacks.demo import DemoConfig, resolve_world, toy_module, training_data
+from dflash_callbacks.demos.demo import DemoConfig, resolve_world, toy_module, training_data
 
 
 class TimedEvalCallback(DrafterEvalCallback):

@@ -28,7 +28,7 @@ from dflash_callbacks.kernels import head_stats  # noqa: E402
 from dflash_callbacks.scoring.config import ScoringConfig  # noqa: E402
 from dflash_callbacks.scoring.reference import score_task_naive  # noqa: E402
 from dflash_callbacks.scoring.scorer import score_task  # noqa: E402
-from dflash_callbacks.toy.world import build_toy_cache, toy_drafter_config, toy_target_path  # noqa: E402
+from dflash_callbacks.demos.toy.world import build_toy_cache, toy_drafter_config, toy_target_path  # noqa: E402
 
 
 def main() -> dict:

@@ -8,7 +8,7 @@ import sys
 
 # command -> (module, function adding its arguments, function running it, help)
 COMMANDS = {
-    "demo": ("dflash_callbacks.demo", "add_demo_arguments", "run_demo_cli",
+    "demo": ("dflash_callbacks.demos.demo", "add_demo_arguments", "run_demo_cli",
              "train a toy drafter on the CPU with both callbacks attached (the main job)"),
     "extract": ("dflash_callbacks.cache.extract", "add_extract_arguments", "run_extract",
                 "cache a target's greedy completions and hidden states for a task set"),

@@ -18,9 +18,9 @@ from typing import Any
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from .paths import CONF_DIR  # noqa: F401  (re-exported)
 from .scoring.config import ScoringConfig
 
-CONF_DIR = Path(__file__).parent / "conf"
 
 
 @dataclass

@@ -22,7 +22,7 @@ from torch.utils.data import Dataset
 
 from .cache.format import HiddenStateCache
 from .model import DFlashDrafter, DrafterConfig, TargetHead
-from .scoring.scorer import block_attention_mask, block_inputs
+from .model.geometry import block_attention_mask, block_inputs, block_positions
 
 
 def default_gamma(block_size: int) -> float:
@@ -88,7 +88,7 @@ class DFlashTrainingModule(pl.LightningModule):
         anchors = anchors.sort().values.to(input_ids.device)
         tokens, labels, valid = block_inputs(input_ids, anchors, B, self.drafter.mask_token_id)
         C = int(anchors.max())
-        positions = torch.cat([torch.arange(C, device=self.device), (anchors[:, None] + torch.arange(B, device=self.device)).flatten()])
+        positions = block_positions(anchors, B, C)
         out = self.drafter(
             hidden[:C][None].to(self.drafter.fc.weight.dtype),
             self.head.embed_tokens(tokens).flatten(0, 1)[None],

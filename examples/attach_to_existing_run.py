@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 import torch
 
 from dflash_callbacks import DrafterEvalCallback, TrailingBaselineStop
-from dflash_callbacks.demo import DemoConfig, resolve_world, toy_module, training_data
+from dflash_callbacks.demos.demo import DemoConfig, resolve_world, toy_module, training_data
 
 # --- your existing script: a module and its data (here: the toy world) -------------------------
 torch.set_num_threads(1)  # the toy models are tiny: one thread trains, the other core scores

@@ -6,7 +6,7 @@
 import sys
 
 from dflash_callbacks.config import load_config
-from dflash_callbacks.demo import DemoConfig, run_demo
+from dflash_callbacks.demos.demo import DemoConfig, run_demo
 
 if __name__ == "__main__":
     run_demo(load_config(DemoConfig, None, sys.argv[1:]))

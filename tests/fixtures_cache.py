@@ -21,8 +21,8 @@ import torch
 from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
 from dflash_callbacks.cache.format import HiddenStateCache
-from dflash_callbacks.toy.tokenizer import ENDOFTEXT_ID, IM_END_ID, build_byte_tokenizer
-from dflash_callbacks.toy.world import build_toy_cache, build_toy_training_cache, toy_target_path
+from dflash_callbacks.demos.toy.tokenizer import ENDOFTEXT_ID, IM_END_ID, build_byte_tokenizer
+from dflash_callbacks.demos.toy.world import build_toy_cache, build_toy_training_cache, toy_target_path
 
 __all__ = [
     "save_random_target",

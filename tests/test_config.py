@@ -2,20 +2,20 @@ import pytest
 
 from dflash_callbacks import DrafterEvalCallback, TrailingBaselineStop
 from dflash_callbacks.config import CONF_DIR, CallbacksConfig, build_callbacks, load_config
-from dflash_callbacks.demo import DemoConfig
+from dflash_callbacks.demos.demo import DemoConfig
 
 REQUIRED = ["eval.cache=/data/cache", "eval.target=/models/target"]
 
 
 def test_default_yaml_with_overrides_builds_both_callbacks():
-    cfg = load_config(CallbacksConfig, CONF_DIR / "default.yaml",
+    cfg = load_config(CallbacksConfig, CONF_DIR / "callbacks.yaml",
                       REQUIRED + ["eval.every_n_train_steps=200", "eval.scoring.ddtree_budgets=[4,16]", "stop.patience=5"])
     eval_cb, stop_cb = build_callbacks(cfg)
     assert isinstance(eval_cb, DrafterEvalCallback) and isinstance(stop_cb, TrailingBaselineStop)
     assert eval_cb.every_n_train_steps == 200 and eval_cb.scoring.ddtree_budgets == [4, 16]
     assert eval_cb.scoring.methods == ["vanilla", "ddtree@4", "ddtree@16"]
     assert stop_cb.patience == 5 and stop_cb.monitor == "ddtree@8/live"
-    off = load_config(CallbacksConfig, CONF_DIR / "default.yaml", REQUIRED + ["stop.enabled=false"])
+    off = load_config(CallbacksConfig, CONF_DIR / "callbacks.yaml", REQUIRED + ["stop.enabled=false"])
     assert len(build_callbacks(off)) == 1
 
 
@@ -27,21 +27,21 @@ def test_default_yaml_with_overrides_builds_both_callbacks():
 ])
 def test_bad_values_are_refused_with_the_key(override, message):
     with pytest.raises(ValueError, match=message):
-        load_config(CallbacksConfig, CONF_DIR / "default.yaml", REQUIRED + [override])
+        load_config(CallbacksConfig, CONF_DIR / "callbacks.yaml", REQUIRED + [override])
 
 
 def test_impossible_callback_values_fail_when_built():
-    cfg = load_config(CallbacksConfig, CONF_DIR / "default.yaml", REQUIRED + ["eval.every_n_train_steps=0"])
+    cfg = load_config(CallbacksConfig, CONF_DIR / "callbacks.yaml", REQUIRED + ["eval.every_n_train_steps=0"])
     with pytest.raises(ValueError, match="every_n_train_steps must be an integer >= 1; got 0"):
         build_callbacks(cfg)
-    cfg = load_config(CallbacksConfig, CONF_DIR / "default.yaml", REQUIRED + ["stop.action=halt"])
+    cfg = load_config(CallbacksConfig, CONF_DIR / "callbacks.yaml", REQUIRED + ["stop.action=halt"])
     with pytest.raises(ValueError, match="action"):
         build_callbacks(cfg)
 
 
 def test_missing_required_keys_are_named():
     with pytest.raises(ValueError, match=r"leaves required keys unset: \['eval.cache', 'eval.target'\]"):
-        load_config(CallbacksConfig, CONF_DIR / "default.yaml", [])
+        load_config(CallbacksConfig, CONF_DIR / "callbacks.yaml", [])
 
 
 def test_demo_config_overrides():

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dflash_callbacks.kernels.ddtree import ddtree_streaks_from_top
-from dflash_callbacks.scoring.metrics import streaks
+from oracles import streaks
 
 
 def closed_form_inputs(z, y, width):

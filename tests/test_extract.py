@@ -20,8 +20,8 @@ from dflash_callbacks.cache.extract import add_extract_arguments, extract_cache,
 from dflash_callbacks.cache.format import HiddenStateCache
 from dflash_callbacks.cache.tasks import Task
 from dflash_callbacks.model.config import DrafterConfig
-from dflash_callbacks.toy.threads import torch_threads
-from dflash_callbacks.toy.world import toy_drafter_config
+from dflash_callbacks.demos.toy.threads import torch_threads
+from dflash_callbacks.demos.toy.world import toy_drafter_config
 from fixtures_cache import save_random_target
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ import itertools
 import pytest
 import torch
 
-from dflash_callbacks.scoring.metrics import streaks
+from oracles import streaks
 
 
 def descending_order(row):

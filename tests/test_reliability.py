@@ -381,7 +381,7 @@ def test_bad_config_is_refused_before_a_trainer_exists(world, tmp_path, override
     impossible values; the callbacks' own checks refuse the rest when they are built."""
     paths = world_paths(world)
     path = tmp_path / "run.yaml"
-    path.write_text((CONF_DIR / "default.yaml").read_text())
+    path.write_text((CONF_DIR / "callbacks.yaml").read_text())
     with pytest.raises(ValueError, match=message):
         build_callbacks(load_config(CallbacksConfig, path, [f"eval.cache={paths['cache']}",
                                                              f"eval.target={paths['target']}", override]))

@@ -5,9 +5,10 @@ import torch
 
 from dflash_callbacks.cache.format import HiddenStateCache
 from dflash_callbacks.scoring.config import ScoringConfig
-from dflash_callbacks.scoring.reference import score_task_naive
+from naive_scorer import score_task_naive
 from dflash_callbacks.scoring.report import EvalReport, comparison_table
-from dflash_callbacks.scoring.scorer import anchor_range, block_attention_mask, score_drafter, score_task
+from dflash_callbacks.model.geometry import anchor_range, block_attention_mask
+from dflash_callbacks.scoring.scorer import score_drafter, score_task
 
 from synthetic import build_world
 

@@ -1,6 +1,9 @@
 """The toy world: the shipped target, its caches, the drafter config that fits, the trainer."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3ForCausalLM
@@ -8,11 +11,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3ForCausalLM
 from dflash_callbacks.cache.extract import prompt_token_ids, target_hidden_states
 from dflash_callbacks.cache.format import HiddenStateCache
 from dflash_callbacks.cache.tasks import load_tasks
-from dflash_callbacks.toy.corpus import stdlib_sources
-from dflash_callbacks.toy.threads import torch_threads
-from dflash_callbacks.toy.tokenizer import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, MASK_ID, VOCAB_SIZE
-from dflash_callbacks.toy.train_target import main as train_main
-from dflash_callbacks.toy.world import TOY_MAX_NEW_TOKENS, toy_drafter_config
+from dflash_callbacks.demos.toy.corpus import stdlib_sources
+from dflash_callbacks.demos.toy.threads import torch_threads
+from dflash_callbacks.demos.toy.tokenizer import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, MASK_ID, VOCAB_SIZE
+from dflash_callbacks.demos.toy.world import TOY_MAX_NEW_TOKENS, toy_drafter_config
 
 
 def test_shipped_target_loads_like_any_target(toy_target):
@@ -87,10 +89,13 @@ def test_stdlib_split_is_disjoint():
     assert 0.05 < len(held_out) / (len(train) + len(held_out)) < 0.2
 
 
-def test_training_script_short_run(tmp_path, capsys):
+def test_training_script_short_run(tmp_path):
     out = tmp_path / "target"
-    assert train_main(["--out", str(out), "--steps", "12", "--batch-size", "4", "--seq-len", "64", "--max-bytes", "60000"]) == 0
-    assert "trained in" in capsys.readouterr().out
+    tool = Path(__file__).resolve().parents[1] / "tools" / "train_toy_target.py"
+    args = ["--out", str(out), "--steps", "12", "--batch-size", "4", "--seq-len", "64", "--max-bytes", "60000"]
+    run = subprocess.run([sys.executable, str(tool), *args], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "trained in" in run.stdout
     log = json.loads((out / "train_log.json").read_text())
     assert len(log["losses"]) == 12 and log["torch_threads"] == 1
     assert sum(log["losses"][-3:]) / 3 < log["losses"][0] - 0.5

@@ -9,7 +9,7 @@ the task's file in a cache, so letters, digits, `_`, `-` and `.` only) and a `pr
       - name: fizzbuzz
         prompt: Write a Python function ...
 
-Built-in sets live in `dflash_callbacks/conf/tasks/` and are loaded by name.
+Built-in sets live in `conf/tasks/` and are loaded by name.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from pathlib import Path
 
 import yaml
 
-BUILTIN_DIR = Path(__file__).resolve().parents[1] / "conf" / "tasks"
+from ..paths import TASKS_DIR
+
+BUILTIN_DIR = TASKS_DIR
 TASK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 TASK_KEYS = ("name", "prompt")
 

@@ -28,39 +28,10 @@ from tqdm.auto import tqdm
 from ..kernels.ddtree import ddtree_streaks_from_top
 from ..kernels.head_stats import head_stats
 from ..model import DFlashDrafter, TargetHead
+from ..model.geometry import anchor_range, block_attention_mask, block_inputs, block_positions
 from .aggregates import acceptance_curve, dense_tau, live_rounds
 from .config import ScoringConfig
 from .report import EvalReport
-
-
-def anchor_range(prompt_len: int, num_tokens: int, window: int | None = None) -> range:
-    """Valid anchors P .. T-2, cut to the first `window` tokens of the completion."""
-    last = num_tokens - 2
-    if window is not None:
-        last = min(last, prompt_len + window - 1)
-    return range(prompt_len, last + 1)
-
-
-def block_inputs(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int):
-    """Block tokens [n, B], labels [n, B-1] (0 where invalid) and valid [n, B-1]."""
-    offsets = torch.arange(block_size, device=input_ids.device)
-    positions = anchors[:, None] + offsets  # [n, B]
-    valid = positions[:, 1:] < input_ids.numel()
-    labels = torch.where(valid, input_ids[positions[:, 1:].clamp(max=input_ids.numel() - 1)], 0)
-    tokens = torch.full_like(positions, mask_token_id)
-    tokens[:, 0] = input_ids[anchors]
-    return tokens, labels, valid
-
-
-def block_attention_mask(anchors: torch.Tensor, block_size: int, context_len: int) -> torch.Tensor:
-    """[n*B, C + n*B] boolean, True = attend: block i sees keys [0, a_i) and itself."""
-    n = anchors.numel()
-    query_block = torch.arange(n * block_size, device=anchors.device) // block_size  # [Q]
-    key_pos = torch.arange(context_len, device=anchors.device)
-    sees_context = key_pos[None, :] < anchors[query_block][:, None]  # [Q, C]
-    key_block = torch.arange(n * block_size, device=anchors.device) // block_size
-    sees_block = query_block[:, None] == key_block[None, :]  # [Q, Q]
-    return torch.cat([sees_context, sees_block], dim=1)
 
 
 def streaks_from_stats(stats, valid: torch.Tensor, config: ScoringConfig) -> dict[str, torch.Tensor]:
@@ -112,7 +83,7 @@ def score_task(
         chunk = torch.tensor(anchors[start : start + config.anchors_per_forward], device=device)
         C = int(chunk.max())
         tokens, labels, valid = block_inputs(input_ids, chunk, block_size, drafter.mask_token_id)
-        positions = torch.cat([torch.arange(C, device=device), (chunk[:, None] + torch.arange(block_size, device=device)).flatten()])
+        positions = block_positions(chunk, block_size, C)
         hidden = drafter.decode_blocks(
             [(k[:, :, :C], v[:, :, :C]) for k, v in context],
             head.embed_tokens(tokens).to(dtype).flatten(0, 1)[None],

@@ -1,6 +1,6 @@
 """Train the toy target: a tiny Qwen3ForCausalLM over the byte tokenizer, on stdlib code.
 
-    python -m dflash_callbacks.toy.train_target --out dflash_callbacks/toy/assets/target
+    python tools/train_toy_target.py --out dflash_callbacks/demos/toy/assets/target
 
 writes a transformers model folder (config.json, generation_config.json,
 model.safetensors, tokenizer files, chat template) plus train_log.json, loadable with
@@ -25,9 +25,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
-from .corpus import module_texts, read_source, stdlib_sources
-from .threads import torch_threads
-from .tokenizer import ENDOFTEXT_ID, IM_END_ID, VOCAB_SIZE, build_byte_tokenizer
+from dflash_callbacks.demos.toy.corpus import module_texts, read_source, stdlib_sources
+from dflash_callbacks.demos.toy.threads import torch_threads
+from dflash_callbacks.demos.toy.tokenizer import ENDOFTEXT_ID, IM_END_ID, VOCAB_SIZE, build_byte_tokenizer
 
 HIDDEN_SIZE = 128
 NUM_LAYERS = 4
@@ -164,7 +164,7 @@ def train_toy_target(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dflash_callbacks.toy.train_target", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python tools/train_toy_target.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="folder to write the trained target to")
     parser.add_argument("--steps", type=int, default=900)
     parser.add_argument("--batch-size", type=int, default=16)

@@ -1,10 +1,10 @@
 """`dflash-callbacks demo`: train a toy drafter on the CPU with both callbacks attached.
 
-The toy world (`dflash_callbacks.toy`) gives a tiny real Qwen3 target trained on the
+The toy world (`dflash_callbacks.demos.toy`) gives a tiny real Qwen3 target trained on the
 Python standard library. The demo
 1. builds (once, cached under `out/world/`) the coding10 cache of that target and a
    cache of training text (the target's own greedy continuations of code snippets);
-2. uses the toy baseline drafter (shipped in the package; rebuilt here if missing);
+2. uses the toy baseline drafter shipped in the package (`tools/train_toy_baseline.py`);
 3. trains a new drafter with a deliberately weak recipe (one layer, a low learning
    rate), with DrafterEvalCallback scoring snapshots in the background and
    TrailingBaselineStop stopping the run once it keeps trailing the baseline;
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from .config import EvalConfig, StopConfig, build_eval_callback, build_stop_callback, load_config
-from .scoring.config import ScoringConfig
-from .scoring.report import EvalReport, comparison_table
+from ..config import EvalConfig, StopConfig, build_eval_callback, build_stop_callback, load_config
+from ..scoring.config import ScoringConfig
+from ..scoring.report import EvalReport, comparison_table
 from .toy.threads import torch_threads
 
 TOY_BASELINE_DIR = Path(__file__).resolve().parent / "toy" / "assets" / "baseline"
@@ -52,10 +52,6 @@ def weak_recipe() -> TrainConfig:
     return TrainConfig(max_steps=600, lr=3e-4, layers=1)
 
 
-def baseline_recipe() -> TrainConfig:
-    return TrainConfig(max_steps=2000, lr=2e-3, layers=2, sequences=512)
-
-
 @dataclass
 class DemoConfig:
     out: str = "runs/demo"
@@ -75,7 +71,7 @@ def training_data(world: Path, train: TrainConfig):
     from torch.utils.data import DataLoader
 
     from .toy.world import build_toy_training_cache
-    from .training import CacheSequences, collate_sequences
+    from ..training import CacheSequences, collate_sequences
 
     folder = world / f"train-{train.sequences}x{train.seq_len}"
     build_toy_training_cache(folder, n_sequences=train.sequences, seq_len=train.seq_len)
@@ -86,27 +82,12 @@ def training_data(world: Path, train: TrainConfig):
 
 def toy_module(train: TrainConfig):
     from .toy.world import toy_drafter_config, toy_target_path
-    from .training import DFlashTrainingModule
+    from ..training import DFlashTrainingModule
 
     torch.manual_seed(train.seed)
     config = toy_drafter_config(block_size=train.block_size, num_layers=train.layers)
     return DFlashTrainingModule(config, toy_target_path(), lr=train.lr, blocks_per_sequence=train.blocks_per_sequence,
                                 seed=train.seed)
-
-
-def build_toy_baseline(out: str | os.PathLike, world: str | os.PathLike, train: TrainConfig | None = None) -> Path:
-    """Train the toy baseline drafter (the stronger recipe) and save it in the published layout."""
-    import lightning.pytorch as pl
-
-    from .model import save_drafter
-
-    train = train or baseline_recipe()
-    with torch_threads(1):
-        module = toy_module(train)
-        trainer = pl.Trainer(max_steps=train.max_steps, accelerator="cpu", logger=False, enable_checkpointing=False,
-                             enable_model_summary=False, enable_progress_bar=True)
-        trainer.fit(module, training_data(Path(world), train))
-    return save_drafter(out, module.drafter.config, module.drafter.state_dict())
 
 
 def resolve_world(cfg: DemoConfig) -> tuple[str, str, str | None]:
@@ -122,12 +103,12 @@ def resolve_world(cfg: DemoConfig) -> tuple[str, str, str | None]:
             build_toy_cache(cache, block_size=cfg.train.block_size, progress=True)
     baseline = cfg.eval.baseline
     if baseline == "toy":
-        baseline = str(TOY_BASELINE_DIR)
         if not (TOY_BASELINE_DIR / "model.safetensors").is_file():
-            print(f"no shipped toy baseline; training one into {world / 'baseline'} (once)")
-            baseline = str(world / "baseline")
-            if not (Path(baseline) / "model.safetensors").is_file():
-                build_toy_baseline(baseline, world)
+            raise FileNotFoundError(
+                f"the toy baseline is missing from {TOY_BASELINE_DIR}; in a source checkout, rebuild it with "
+                f"`python tools/train_toy_baseline.py --out {TOY_BASELINE_DIR}`"
+            )
+        baseline = str(TOY_BASELINE_DIR)
     return cache, target, baseline
 
 

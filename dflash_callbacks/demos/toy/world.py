@@ -2,7 +2,7 @@
 
 Everything here runs offline on a CPU in seconds and goes through the same code paths as
 a real setup: the target is a `Qwen3ForCausalLM` folder (shipped in `assets/target/`,
-made by `python -m dflash_callbacks.toy.train_target`) loaded with AutoModelForCausalLM,
+made by `python tools/train_toy_target.py`) loaded with AutoModelForCausalLM,
 and the caches are written by the extraction code in `dflash_callbacks.cache`.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..cache.extract import (
+from ...cache.extract import (
     check_layer_ids,
     extract_cache,
     greedy_generate,
@@ -26,9 +26,9 @@ from ..cache.extract import (
     target_hidden_states,
     target_info,
 )
-from ..cache.format import CacheError, HiddenStateCache, check_task_file, new_manifest, open_for_writing, write_task
-from ..cache.tasks import Task
-from ..model.config import DrafterConfig
+from ...cache.format import CacheError, HiddenStateCache, check_task_file, new_manifest, open_for_writing, write_task
+from ...cache.tasks import Task
+from ...model.config import DrafterConfig
 from .corpus import module_texts, read_source, stdlib_sources
 from .threads import torch_threads
 from .tokenizer import MASK_ID
@@ -43,7 +43,7 @@ def toy_target_path() -> Path:
     if not (TOY_TARGET_DIR / "config.json").is_file() or not (TOY_TARGET_DIR / "model.safetensors").is_file():
         raise FileNotFoundError(
             f"the toy target is missing from {TOY_TARGET_DIR}; recreate it with "
-            f"`python -m dflash_callbacks.toy.train_target --out {TOY_TARGET_DIR}`"
+            f"`python tools/train_toy_target.py --out {TOY_TARGET_DIR}` in a source checkout"
         )
     return TOY_TARGET_DIR
 

@@ -1,4 +1,4 @@
-"""The naive scorer: one drafter forward per anchor, full logits, `metrics.streaks`.
+"""The naive scorer: one drafter forward per anchor, full logits, `oracles.streaks`.
 
 Slow and memory-hungry on purpose: it is the plain definition the batched scorer
 (`scorer.score_task`) is tested and benchmarked against.
@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from .config import ScoringConfig
-from .metrics import streaks
-from .scorer import TaskStreaks, anchor_range, block_inputs
+from oracles import streaks
+
+from dflash_callbacks.model.geometry import anchor_range, block_inputs
+from dflash_callbacks.scoring.config import ScoringConfig
+from dflash_callbacks.scoring.scorer import TaskStreaks
 
 
 @torch.no_grad()
