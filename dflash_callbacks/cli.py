@@ -1,9 +1,16 @@
-"""`dflash-callbacks extract | score | compare | watch | demo`."""
+"""`dflash-callbacks extract | score | compare | watch | demo`.
+
+An ordinary mistake (a wrong path, a folder of the wrong kind, a setting that can not
+work here) prints one `error: ...` line per problem and exits with status 2; `--debug`
+(or DFLASH_DEBUG=1) shows the traceback instead. Anything else is a bug: one line, exit
+status 1, and `--debug` shows where.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # command -> (module, function adding its arguments, function running it, help)
@@ -15,17 +22,22 @@ COMMANDS = {
     "score": ("dflash_callbacks.scoring.cli", "add_score_arguments", "run_score",
               "score a drafter folder (and a baseline) on a cache; print the per-task table"),
     "compare": ("dflash_callbacks.scoring.cli", "add_compare_arguments", "run_compare",
-                "compare two saved reports"),
+                "compare a report (or a step of results.jsonl) with the baseline's report"),
     "watch": ("dflash_callbacks.callbacks.watch", "add_watch_arguments", "run_watch",
-              "score the snapshots a training run writes (DrafterEvalCallback(runner='external'))"),
+              "score the snapshots training runs write (DrafterEvalCallback(runner='external'))"),
 }
+USER_ERRORS = (ValueError, OSError)  # bad input: CacheError, PreflightError, UsageError, missing files, ...
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dflash-callbacks", description=__doc__)
+    parser = argparse.ArgumentParser(prog="dflash-callbacks", description=__doc__.split("\n\n")[0])
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show the traceback of an error (also DFLASH_DEBUG=1)")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error (also DFLASH_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, add_arguments, run, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, parents=[debug])
         getattr(importlib.import_module(module), add_arguments)(p)
         p.set_defaults(run=(module, run))
     return parser
@@ -34,7 +46,26 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     module, run = args.run
-    return int(getattr(importlib.import_module(module), run)(args) or 0)
+    debug = args.debug or os.environ.get("DFLASH_DEBUG", "") not in ("", "0")
+    try:
+        return int(getattr(importlib.import_module(module), run)(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except USER_ERRORS as e:
+        if debug:
+            raise
+        for line in str(e).splitlines() or [type(e).__name__]:
+            line = line.strip()
+            if line and not line.endswith(":"):
+                print(f"error: {line}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        if debug:
+            raise
+        print(f"error: internal error {type(e).__name__}: {e} (rerun with --debug for the traceback, and please "
+              "report it)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

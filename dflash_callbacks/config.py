@@ -1,67 +1,57 @@
 """Structured configs (dataclasses) for OmegaConf: the two callbacks and the scorer.
 
-    cfg = load_config(CallbacksConfig, "my.yaml", ["eval.every_n_train_steps=200", "stop.patience=5"])
+    cfg = load_config(CallbacksConfig, CONF_DIR / "callbacks.yaml", ["eval.cache=...", "stop.patience=5"])
     trainer = L.Trainer(callbacks=build_callbacks(cfg), ...)
 
-Unknown keys and wrong types are refused by OmegaConf with the key's full name;
-impossible values by the callbacks' own validation, when `load_config` instantiates
-the dataclasses, before any training starts.
+`EvalConfig` and `StopConfig` are derived from the callbacks' signatures: one field per
+constructor argument, with the signature's default, so a default is written once. The
+YAML in conf/ and the README's tables are held to them by tests. Unknown keys, wrong
+types and overrides that are not `key=value` are refused naming the key (and the file);
+impossible values by the callbacks' own validation, when the config is built, before any
+training starts. A user's config object is copied, never changed.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import os
+import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .paths import CONF_DIR  # noqa: F401  (re-exported)
+from .callbacks import DrafterEvalCallback, TrailingBaselineStop
+from .paths import CONF_DIR  # noqa: F401  (re-exported: the shipped YAML)
 from .scoring.config import ScoringConfig
 
 
-
-@dataclass
-class EvalConfig:
-    """Arguments of DrafterEvalCallback."""
-
-    cache: str = MISSING
-    target: str = MISSING
-    baseline: str | None = None
-    every_n_train_steps: int = 500
-    drafter: str = "drafter"
-    drafter_config: str | None = None
-    runner: str = "thread"
-    device: str | None = None
-    busy: str = "skip"
-    max_pending: int = 1
-    keep_last: int = 2
-    on_error: str = "warn"
-    wait_on_end: bool = True
-    dirpath: str | None = None
-    baseline_cache_dir: str | None = None
-    wait_timeout: float = 3600.0
-    verbose: bool = True
-    scoring: ScoringConfig = field(default_factory=ScoringConfig)
+def signature_schema(cls: type, name: str, yaml_types: dict[str, Any], first: tuple = ()) -> type:
+    """A dataclass with one field per argument of `cls.__init__`: the signature's default
+    (MISSING where there is none), and its type, or `yaml_types[arg]` where OmegaConf can
+    not hold the signature's type (paths, callables, config objects)."""
+    hints = typing.get_type_hints(cls.__init__)
+    fields = list(first)
+    for arg in list(inspect.signature(cls.__init__).parameters.values())[1:]:
+        kind = yaml_types.get(arg.name, hints[arg.name])
+        if arg.default is inspect.Parameter.empty:
+            fields.append((arg.name, kind, field(default=MISSING)))
+        elif arg.default is None and dataclasses.is_dataclass(kind):
+            fields.append((arg.name, kind, field(default_factory=kind)))
+        else:
+            fields.append((arg.name, kind, field(default=arg.default)))
+    return dataclasses.make_dataclass(name, fields)
 
 
-@dataclass
-class StopConfig:
-    """Arguments of TrailingBaselineStop (`enabled: false` leaves it out)."""
-
-    enabled: bool = True
-    monitor: str = "ddtree@8/live"
-    min_ratio: float | None = 0.9
-    min_delta: float | None = None
-    patience: int = 3
-    grace_steps: int = 0
-    projection: bool = False
-    projection_window: int = 5
-    action: str = "stop"
-    sync_every_n_steps: int = 1
-    verbose: bool = True
+EvalConfig = signature_schema(DrafterEvalCallback, "EvalConfig", {
+    "cache": str, "target": str, "baseline": str | None, "drafter": str, "drafter_config": str | None,
+    "scoring": ScoringConfig, "dirpath": str | None, "baseline_cache_dir": str | None,
+})
+EvalConfig.__doc__ = "Arguments of DrafterEvalCallback (its signature's defaults)."
+StopConfig = signature_schema(TrailingBaselineStop, "StopConfig", {}, first=(("enabled", bool, field(default=True)),))
+StopConfig.__doc__ = "Arguments of TrailingBaselineStop (its signature's defaults); `enabled: false` leaves it out."
 
 
 @dataclass
@@ -70,34 +60,42 @@ class CallbacksConfig:
     stop: StopConfig = field(default_factory=StopConfig)
 
 
+def parse_overrides(overrides: list[str] | tuple) -> DictConfig:
+    for item in overrides:
+        if not isinstance(item, str) or "=" not in item or item.startswith("="):
+            raise ValueError(f"override {item!r} is not key=value (e.g. train.max_steps=300)")
+    return OmegaConf.from_dotlist(list(overrides))
+
+
 def load_config(schema: type, path: str | os.PathLike | None = None, overrides: list[str] | tuple = ()) -> Any:
     """`schema` defaults, then the YAML file, then `key=value` overrides; returns the
     instantiated dataclass. Errors name the offending key and the file."""
+    where = f" in {path}" if path is not None else ""
     try:
         cfg = OmegaConf.structured(schema)
         if path is not None:
-            cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+            loaded = OmegaConf.load(path)
+            if not isinstance(loaded, DictConfig):
+                raise ValueError(f"config file {path} must hold a mapping of keys to values, not a list")
+            cfg = OmegaConf.merge(cfg, loaded)
+        cfg = OmegaConf.merge(cfg, parse_overrides(overrides))
         missing = sorted(OmegaConf.missing_keys(cfg))
         if missing:
-            raise ValueError(f"config {path or schema.__name__} leaves required keys unset: {missing}")
+            raise ValueError(f"config{where} leaves required keys unset: {missing} (set them with key=value)")
         return OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
-        where = f" (from {path})" if path is not None else ""
-        raise ValueError(f"invalid config{where}: {str(e).splitlines()[0]}") from None
+        key = getattr(e, "full_key", None)
+        message = str(e).splitlines()[0]
+        raise ValueError(f"config key {key!r}{where}: {message}" if key else f"invalid config{where}: {message}") from None
 
 
-def build_eval_callback(cfg: EvalConfig):
-    from .callbacks import DrafterEvalCallback
-
-    kwargs = {k: getattr(cfg, k) for k in EvalConfig.__dataclass_fields__}
+def build_eval_callback(cfg: EvalConfig) -> DrafterEvalCallback:
+    kwargs = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(EvalConfig)}
     return DrafterEvalCallback(**kwargs)
 
 
-def build_stop_callback(cfg: StopConfig):
-    from .callbacks import TrailingBaselineStop
-
-    kwargs = {k: getattr(cfg, k) for k in StopConfig.__dataclass_fields__ if k != "enabled"}
+def build_stop_callback(cfg: StopConfig) -> TrailingBaselineStop | None:
+    kwargs = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(StopConfig) if f.name != "enabled"}
     return TrailingBaselineStop(**kwargs) if cfg.enabled else None
 
 

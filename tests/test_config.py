@@ -1,10 +1,17 @@
-import pytest
+import dataclasses
+import inspect
+import re
+from pathlib import Path
 
-from dflash_callbacks import DrafterEvalCallback, TrailingBaselineStop
-from dflash_callbacks.config import CONF_DIR, CallbacksConfig, build_callbacks, load_config
-from dflash_callbacks.demos.demo import DemoConfig
+import pytest
+import yaml
+
+from dflash_callbacks import DrafterEvalCallback, ScoringConfig, TrailingBaselineStop
+from dflash_callbacks.config import CONF_DIR, CallbacksConfig, EvalConfig, StopConfig, build_callbacks, load_config
+from dflash_callbacks.demos.demo import DEMO_YAML, DemoConfig, TrainConfig, demo_config
 
 REQUIRED = ["eval.cache=/data/cache", "eval.target=/models/target"]
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def test_default_yaml_with_overrides_builds_both_callbacks():
@@ -13,21 +20,30 @@ def test_default_yaml_with_overrides_builds_both_callbacks():
     eval_cb, stop_cb = build_callbacks(cfg)
     assert isinstance(eval_cb, DrafterEvalCallback) and isinstance(stop_cb, TrailingBaselineStop)
     assert eval_cb.every_n_train_steps == 200 and eval_cb.scoring.ddtree_budgets == [4, 16]
-    assert eval_cb.scoring.methods == ["vanilla", "ddtree@4", "ddtree@16"]
+    assert eval_cb.scored_methods() == ["vanilla", "ddtree@4", "ddtree@16"]
     assert stop_cb.patience == 5 and stop_cb.monitor == "ddtree@8/live"
     off = load_config(CallbacksConfig, CONF_DIR / "callbacks.yaml", REQUIRED + ["stop.enabled=false"])
     assert len(build_callbacks(off)) == 1
 
 
 @pytest.mark.parametrize("override,message", [
-    ("eval.bogus=1", "Key 'bogus' not in 'EvalConfig'"),
-    ("eval.every_n_train_steps=abc", "could not be converted to Integer"),
-    ("eval.scoring.ddtree_budgets=[0]", r"ddtree_budgets must be integers in \[1, 1024\]; got 0"),
+    ("eval.bogus=1", r"config key 'eval.bogus' in .*callbacks.yaml: Key 'bogus' not in 'EvalConfig'"),
+    ("eval.every_n_train_steps=abc", r"config key 'eval.every_n_train_steps' .*could not be converted to Integer"),
+    ("eval.scoring.ddtree_budgets=[0]", r"ddtree_budgets must be a list of integers >= 1; got 0 in \[0\]"),
     ("eval.scoring.max_rounds=0", "max_rounds must be an integer >= 1; got 0"),
+    ("eval.scoring.ddtree_budgets=16", r"config key 'eval.scoring.ddtree_budgets'"),
+    ("eval.every_n_train_steps", r"override 'eval.every_n_train_steps' is not key=value"),
 ])
 def test_bad_values_are_refused_with_the_key(override, message):
     with pytest.raises(ValueError, match=message):
         load_config(CallbacksConfig, CONF_DIR / "callbacks.yaml", REQUIRED + [override])
+
+
+def test_a_yaml_file_that_is_a_list_names_the_file(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- eval\n- stop\n")
+    with pytest.raises(ValueError, match=r"config file .*list.yaml must hold a mapping of keys to values, not a list"):
+        load_config(CallbacksConfig, path)
 
 
 def test_impossible_callback_values_fail_when_built():
@@ -44,7 +60,86 @@ def test_missing_required_keys_are_named():
         load_config(CallbacksConfig, CONF_DIR / "callbacks.yaml", [])
 
 
-def test_demo_config_overrides():
-    cfg = load_config(DemoConfig, None, ["train.max_steps=30", "stop.patience=2", "wandb=disabled"])
+def test_demo_config_overrides_name_the_key():
+    cfg = demo_config(["train.max_steps=30", "stop.patience=2", "wandb=disabled"])
     assert cfg.train.max_steps == 30 and cfg.stop.patience == 2 and cfg.wandb == "disabled"
-    assert cfg.eval.scoring.ddtree_budgets == [4, 8]
+    assert cfg.eval.scoring.ddtree_budgets == [4, 8] and cfg.eval.every_n_train_steps == 25
+    with pytest.raises(ValueError, match=r"config key 'train.max_steps' in .*demo.yaml: Value 'abc'"):
+        demo_config(["train.max_steps=abc"])
+
+
+# ---------------------------------------------------------------- one default, everywhere
+
+
+def signature_defaults(cls) -> dict:
+    return {name: p.default for name, p in inspect.signature(cls.__init__).parameters.items()
+            if name != "self" and p.default is not inspect.Parameter.empty}
+
+
+def schema_defaults(schema) -> dict:
+    instance = schema()
+    return {f.name: getattr(instance, f.name) for f in dataclasses.fields(schema)}
+
+
+def readme_defaults(heading: str) -> dict:
+    """The `| `key` | `default` | ... |` rows of the README table under `heading`."""
+    text = README.read_text()
+    section = text[text.index(heading):]
+    section = section[: section.index("\n#", 1)] if "\n#" in section[1:] else section
+    rows = re.findall(r"^\| `([a-z_.]+)` \| `([^`]*)` \|", section, flags=re.M)
+    assert rows, f"no table under {heading!r} in the README"
+    return {key: yaml.safe_load(value) for key, value in rows}
+
+
+def test_defaults_are_the_same_in_the_signature_the_schema_the_yaml_and_the_readme():
+    eval_yaml = yaml.safe_load((CONF_DIR / "callbacks.yaml").read_text())
+    scoring_yaml = yaml.safe_load((CONF_DIR / "scoring.yaml").read_text())
+    scoring = dataclasses.asdict(ScoringConfig())
+
+    evaluation = signature_defaults(DrafterEvalCallback)
+    schema = schema_defaults(EvalConfig)
+    assert {k: schema[k] for k in evaluation if k != "scoring"} == {k: v for k, v in evaluation.items() if k != "scoring"}
+    assert dataclasses.asdict(schema["scoring"]) == scoring
+    assert {k: v for k, v in eval_yaml["eval"].items() if k not in ("cache", "target", "scoring")} == \
+        {k: v for k, v in evaluation.items() if k != "scoring"}
+    assert eval_yaml["eval"]["scoring"] == scoring == scoring_yaml
+
+    stop = signature_defaults(TrailingBaselineStop)
+    assert {k: v for k, v in schema_defaults(StopConfig).items() if k != "enabled"} == stop
+    assert {k: v for k, v in eval_yaml["stop"].items() if k != "enabled"} == stop
+
+    assert readme_defaults("### DrafterEvalCallback") == {k: v for k, v in evaluation.items() if k != "scoring"}
+    assert readme_defaults("### ScoringConfig") == scoring
+    assert readme_defaults("### TrailingBaselineStop") == stop
+
+
+def test_the_demo_yaml_train_section_is_the_recipe_default():
+    demo = yaml.safe_load(DEMO_YAML.read_text())
+    assert demo["train"] == dataclasses.asdict(TrainConfig())
+    assert {f.name for f in dataclasses.fields(DemoConfig)} >= set(demo)
+
+
+def test_a_users_config_object_is_copied_never_changed():
+    """Two callbacks that share one ScoringConfig, one with device=..., score on their own devices."""
+    shared = ScoringConfig(ddtree_budgets=[4], device="auto")
+    a = DrafterEvalCallback(cache="c", target="t", scoring=shared, device="cpu")
+    b = DrafterEvalCallback(cache="c", target="t", scoring=shared)
+    assert (shared.device, a.scoring.device, b.scoring.device) == ("auto", "cpu", "auto")
+    assert a.scoring is not shared and b.scoring is not shared
+    with pytest.raises(ValueError, match=r"scoring has unknown field\(s\) \['budgets'\]"):
+        DrafterEvalCallback(cache="c", target="t", scoring={"budgets": [4]})
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"ddtree_budgets": "16"}, r"ddtree_budgets must be a list of integers >= 1, e.g. \[4, 8\]; got '16'"),
+    ({"topk": "12"}, r"topk must be a list of integers >= 1, e.g. \[4, 8\]; got '12'"),
+    ({"ddtree_budgets": [4.7]}, r"ddtree_budgets must be a list of integers >= 1; got 4.7"),
+    ({"window": 2.5}, r"window must be None or an integer >= 1; got 2.5"),
+    ({"tasks": "long"}, r"tasks must be a list of names, e.g. \['fizzbuzz'\]; got 'long'"),
+    ({"device": "gpu"}, r"device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got 'gpu'"),
+    ({"backend": "cuda"}, r"backend must be one of \['auto', 'torch', 'triton', 'reference'\]"),
+])
+def test_scoring_config_refuses_values_of_the_wrong_kind(kwargs, message):
+    """Python gets the checks YAML already had: no string read as a list of digits, no float cut to an int."""
+    with pytest.raises(ValueError, match=message):
+        ScoringConfig(**kwargs)

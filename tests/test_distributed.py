@@ -23,9 +23,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from dflash_callbacks import load_drafter
-from dflash_callbacks.callbacks.eval_callback import read_results
-from dflash_callbacks.callbacks.evaluator import Evaluator, EvaluatorSpec
+from runs import assert_clean, records, run_dir
 
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -64,13 +62,14 @@ def test_ddp_rank0_scores_alone_ranks_stop_together_and_a_failing_slow_scorer_do
     - one scores the world's cache; TrailingBaselineStop(min_ratio=10) against the baseline
       can never be met (tau <= block size), so the second report asks to stop;
     - one scores a cache whose first task is slow (~300 drafter forwards, a second or more)
-      and whose second task file is corrupt: every scoring (the baseline's too) takes long and
-      then raises."""
-    bad = write_cache(world, tmp_path / "bad-cache", [("slow", 300, 4), ("broken", 20, 3)], corrupt=("broken",))
+      and whose second task file goes bad once training has started (it passed the checks at
+      setup): every scoring (the baseline's too) takes long and then raises."""
+    bad = write_cache(world, tmp_path / "bad-cache", [("slow", 300, 4), ("broken", 20, 3)])
     root = tmp_path / "run"
     run_script(["--world", world, "--root", root, "--devices", 2, "--strategy", "ddp", "--max-steps", 400,
                 "--every", 2, "--eval-cache", world / "cache", "--eval-cache", bad, "--anchors-per-forward", 1,
-                "--stop-min-ratio", 10, "--stop-patience", 2, "--record"])
+                "--stop-min-ratio", 10, "--stop-patience", 2, "--record",
+                "--corrupt-at-start", bad / "broken.safetensors"])
     r0, r1 = ranks(root)
     assert r0["world_size"] == r1["world_size"] == 2 and r0["pid"] != r1["pid"]
 
@@ -86,8 +85,7 @@ def test_ddp_rank0_scores_alone_ranks_stop_together_and_a_failing_slow_scorer_do
                for e in r1["evals"])
     good, failing = r0["evals"]
     assert good["reports"] and good["errors"] == 0 and good["baseline"]
-    records = read_results(root / "dflash" / "results.jsonl")
-    steps = [r["step"] for r in records]
+    steps = [r["step"] for r in records(root / "dflash")]
     assert steps == sorted(set(steps)) == good["reports"], "each step once in results.jsonl"
     assert all(s % 2 == 0 or s == r0["global_step"] for s in steps)
 
@@ -95,11 +93,12 @@ def test_ddp_rank0_scores_alone_ranks_stop_together_and_a_failing_slow_scorer_do
     # (snapshots were skipped while it was busy) and both ranks finished
     assert failing["reports"] == [] and not failing["baseline"]
     assert failing["skipped"] >= 1
-    errors = read_results(root / "dflash-1" / "results.jsonl")
+    errors = records(root / "dflash-1")
     assert errors and all("error" in e and "tasks" not in e for e in errors)
     assert all("CacheError" in e["error"] and "broken" in e["error"] for e in errors)
     assert failing["errors"] == len(errors) + 1  # + the baseline's failure, which has no step
     assert len({e["step"] for e in errors}) == len(errors)
+    assert_clean(root / "dflash") and assert_clean(root / "dflash-1")
 
 
 def test_fsdp2_capture_gathers_the_full_state_on_rank0_and_the_callback_keeps_ranks_in_step(world, tmp_path):
@@ -109,19 +108,15 @@ def test_fsdp2_capture_gathers_the_full_state_on_rank0_and_the_callback_keeps_ra
     tensors equal, bit for bit, to the published folder the drafter started from and, after
     5 optimizer steps, to the full tensors gathered parameter by parameter; rank 1 gets None.
 
-    The eval callback runs in the same job. Only rank 0 knows when not to snapshot (busy, or
-    already scored before a resume: step 4 is in results.jsonl from the start), and the last
-    step (11, odd) is captured in on_train_end: every rank must follow rank 0's decision, or
-    the gathers would pair up wrongly or hang."""
+    The eval callback runs in the same job, on a cache that takes about a second to score
+    (one anchor per forward), so rank 0 skips snapshots while it is busy; the last step
+    (11, odd) is captured in on_train_end. Only rank 0 knows when it skips: every rank
+    must follow its decision, or the gathers would pair up wrongly or hang."""
     root = tmp_path / "run"
-    evaluator = Evaluator(EvaluatorSpec(str(world / "cache"), str(world / "target"), None,
-                                        {"ddtree_budgets": [4], "device": "cpu"}))
-    earlier = evaluator.score_drafter(load_drafter(world / "baseline"), 4, "scored before a resume")
-    (root / "dflash").mkdir(parents=True)
-    (root / "dflash" / "results.jsonl").write_text(json.dumps(earlier.to_dict()) + "\n")
-
+    slow = write_cache(world, tmp_path / "slow-cache", [("slow", 300, 4)])
     run_script(["--world", world, "--root", root, "--devices", 2, "--strategy", "fsdp2", "--max-steps", 11,
-                "--every", 2, "--no-baseline", "--init-from-baseline", "--capture-check", 5, "--record"])
+                "--every", 2, "--no-baseline", "--init-from-baseline", "--capture-check", 5, "--record",
+                "--eval-cache", slow, "--anchors-per-forward", 1, "--busy", "skip"])
     r0, r1 = ranks(root)
     assert r0["capture"]["start"] == {"sharded": True, "none": False, "same_keys": True, "bitwise": True,
                                       "plain_cpu": True, "dtypes_match": True}
@@ -131,11 +126,12 @@ def test_fsdp2_capture_gathers_the_full_state_on_rank0_and_the_callback_keeps_ra
 
     assert r0["global_step"] == r1["global_step"] == 11 and r1["violations"] == []
     (cb,) = r0["evals"]
-    assert cb["errors"] == 0 and 4 not in cb["reports"] and cb["reports"][0] == 2 and cb["reports"][-1] == 11
-    steps = [r["step"] for r in read_results(root / "dflash" / "results.jsonl")]
-    assert steps == [4] + cb["reports"] and len(set(steps)) == len(steps)
+    assert cb["errors"] == 0 and cb["skipped"] >= 1 and cb["reports"][0] == 2 and cb["reports"][-1] == 11
+    steps = [r["step"] for r in records(root / "dflash")]
+    assert steps == cb["reports"] and len(set(steps)) == len(steps)
+    assert_clean(root / "dflash")
     # the snapshot on disk has the published layout
-    with safe_open(str(root / "dflash" / "snapshots" / "step-00000011" / "model.safetensors"), "pt") as f, \
+    with safe_open(str(run_dir(root / "dflash") / "snapshots" / "step-00000011" / "model.safetensors"), "pt") as f, \
             safe_open(str(world / "baseline" / "model.safetensors"), "pt") as g:
         assert sorted(f.keys()) == sorted(g.keys())
         assert all(f.get_slice(k).get_shape() == g.get_slice(k).get_shape() for k in g.keys())

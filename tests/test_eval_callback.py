@@ -8,10 +8,11 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 from dflash_callbacks.callbacks import DrafterEvalCallback
-from dflash_callbacks.callbacks.eval_callback import read_results
 from dflash_callbacks.cli import main as cli_main
+from dflash_callbacks.scoring.service import ScoringService, ServiceSpec
 from dflash_callbacks.training import CacheSequences, DFlashTrainingModule, collate_sequences
 
+from runs import assert_clean, records, run_dir
 from synthetic import build_world
 
 SCORING = {"ddtree_budgets": [4, 8], "topk": [3], "device": "cpu"}
@@ -35,59 +36,63 @@ def trainer(tmp_path, callbacks, max_steps=20, **kwargs):
 
 
 class StepRecorder(pl.Callback):
-    """Records the global step at which each report reached the training thread."""
+    """Records the global step at which each report reached the training thread (a subscriber)."""
 
-    def __init__(self):
-        self.arrivals = {}
+    def __init__(self, cb: DrafterEvalCallback):
+        self.arrivals, self.trainer = {}, None
+        cb.subscribe(lambda report, baseline: self.arrivals.__setitem__(report.step, self.trainer.global_step))
 
-    def on_dflash_report(self, trainer, pl_module, report, baseline):
-        self.arrivals[report.step] = trainer.global_step
+    def setup(self, trainer, pl_module, stage):
+        self.trainer = trainer
 
 
 def test_scores_in_background_logs_and_matches_the_cli(world, tmp_path, capsys):
     torch.manual_seed(0)
     module = DFlashTrainingModule(world.config, world.target, lr=3e-3)
-    recorder = StepRecorder()
     cb = DrafterEvalCallback(
         cache=world.cache, target=world.target, baseline=world.baseline, every_n_train_steps=5, scoring=SCORING,
         busy="queue", max_pending=8, keep_last=10, dirpath=tmp_path / "dflash", baseline_cache_dir=tmp_path / "bc",
     )
+    recorder = StepRecorder(cb)
     t = trainer(tmp_path, [cb, recorder], max_steps=30)
     t.fit(module, loader(world))
 
-    records = read_results(tmp_path / "dflash" / "results.jsonl")
-    assert [r["step"] for r in records] == [5, 10, 15, 20, 25, 30]
+    lines = records(tmp_path / "dflash")
+    assert [r["step"] for r in lines] == [5, 10, 15, 20, 25, 30]
+    assert_clean(tmp_path / "dflash", cb.reports)
     # training went on while snapshots were being scored: reports reached the
     # training thread steps after their snapshot was taken
     assert any(recorder.arrivals[s] > s for s in (5, 10, 15, 20, 25))
     assert cb.baseline_report is not None and cb.errors == 0
 
     # the numbers equal `dflash-callbacks score` on the saved snapshot
-    snap = tmp_path / "dflash" / "snapshots" / "step-00000015"
-    assert json.loads((snap / "snapshot.json").read_text())["step"] == 15
+    snap = run_dir(tmp_path / "dflash") / "snapshots" / "step-00000015"
+    meta = json.loads((snap / "snapshot.json").read_text())
+    assert meta["step"] == 15 and meta["snapshot_id"] == lines[2]["snapshot_id"]
     out = tmp_path / "cli.json"
     assert cli_main(["score", "--drafter", str(snap), "--cache", str(world.cache), "--target", str(world.target),
                      "--budgets", "4,8", "--topk", "3", "--device", "cpu", "--json", str(out)]) == 0
     assert "| **mean** |" in capsys.readouterr().out
     cli = json.loads(out.read_text())
-    assert cli["tasks"] == records[2]["tasks"] and cli["mean"] == records[2]["mean"]
+    assert cli["tasks"] == lines[2]["tasks"] and cli["mean"] == lines[2]["mean"]
+    assert (cli["step"], cli["snapshot_id"]) == (15, lines[2]["snapshot_id"])
 
     # logged at the snapshot's step, with deltas and ratios against the baseline
     rows = list(csv.DictReader(open(next((tmp_path / "logs").rglob("metrics.csv")))))
     by_step = {int(r["step"]): r for r in rows if r.get("dflash/vanilla/live/mean")}
     assert sorted(by_step) == [5, 10, 15, 20, 25, 30]
     row = by_step[15]
-    ours = records[2]["mean"]["ddtree@8"]["live"]
+    ours = lines[2]["mean"]["ddtree@8"]["live"]
     base = cb.baseline_report.value("ddtree@8/live")
     assert float(row["dflash/ddtree@8/live/mean"]) == pytest.approx(ours)
     assert float(row["dflash/delta/ddtree@8/live/mean"]) == pytest.approx(ours - base)
     assert float(row["dflash/ratio/ddtree@8/live/long"]) == pytest.approx(
-        records[2]["tasks"]["long"]["ddtree@8"]["live"] / cb.baseline_report.value("ddtree@8/live", "long"))
+        lines[2]["tasks"]["long"]["ddtree@8"]["live"] / cb.baseline_report.value("ddtree@8/live", "long"))
     assert float(row["dflash/step"]) == 15
     # the means are in callback_metrics for EarlyStopping / ModelCheckpoint
-    assert t.callback_metrics["dflash/top@3/dense/mean"].item() == pytest.approx(records[-1]["mean"]["top@3"]["dense"])
+    assert t.callback_metrics["dflash/top@3/dense/mean"].item() == pytest.approx(lines[-1]["mean"]["top@3"]["dense"])
     # keep_last
-    assert len(list((tmp_path / "dflash" / "snapshots").iterdir())) == 6
+    assert len(list((run_dir(tmp_path / "dflash") / "snapshots").iterdir())) == 6
 
 
 class Corrupt(pl.Callback):
@@ -113,9 +118,6 @@ class Keep(pl.Callback):
 
 
 def test_report_holds_the_weights_of_the_captured_step(world, tmp_path):
-    from dflash_callbacks import load_drafter
-    from dflash_callbacks.callbacks.evaluator import Evaluator, EvaluatorSpec
-
     torch.manual_seed(0)
     module = DFlashTrainingModule(world.config, world.target)
     keep, cb, corrupt = Keep(4), DrafterEvalCallback(
@@ -123,11 +125,11 @@ def test_report_holds_the_weights_of_the_captured_step(world, tmp_path):
     ), Corrupt(4)
     trainer(tmp_path, [keep, cb, corrupt], max_steps=6).fit(module, loader(world))
     report = next(r for r in cb.reports if r.step == 4)
-    evaluator = Evaluator(EvaluatorSpec(str(world.cache), str(world.target), None, SCORING))
-    expected = evaluator.score_drafter(load_drafter(keep.state, config=world.config), 4, "kept")
+    service = ScoringService(ServiceSpec(str(world.cache), str(world.target), None, SCORING))
+    expected = service.score(world.config, keep.state, step=4)
     assert report.tasks == expected.tasks
     wrecked = {k: v * -3.0 for k, v in keep.state.items()}
-    assert evaluator.score_drafter(load_drafter(wrecked, config=world.config), 4, "x").tasks != expected.tasks
+    assert service.score(world.config, wrecked, step=4).tasks != expected.tasks
 
 
 def test_bad_arguments_fail_before_training(world, tmp_path):
@@ -135,7 +137,7 @@ def test_bad_arguments_fail_before_training(world, tmp_path):
         DrafterEvalCallback(cache=world.cache, target=world.target, every_n_train_steps=0)
     with pytest.raises(ValueError, match=r"runner must be one of \['thread', 'process', 'external'\]"):
         DrafterEvalCallback(cache=world.cache, target=world.target, runner="gpu")
-    with pytest.raises(ValueError, match=r"ddtree_budgets must be integers in \[1, 1024\]; got 0"):
+    with pytest.raises(ValueError, match=r"ddtree_budgets must be a list of integers >= 1; got 0 in \[0\]"):
         DrafterEvalCallback(cache=world.cache, target=world.target, scoring={"ddtree_budgets": [0]})
     module = DFlashTrainingModule(world.config, world.target)
     cb = DrafterEvalCallback(cache=world.cache, target=world.target, drafter="nope", dirpath=tmp_path)

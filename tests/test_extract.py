@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from dflash_callbacks.cli import main as cli_main
 from dflash_callbacks.cache.extract import add_extract_arguments, extract_cache, main, run_extract
 from dflash_callbacks.cache.format import HiddenStateCache
 from dflash_callbacks.cache.tasks import Task
@@ -88,7 +89,7 @@ def test_no_chat_template_and_bad_arguments(random_target_dir, tmp_path):
     assert cache.task("t").input_ids[:9].tolist() == list(b"def f(x):")
     with pytest.raises(ValueError, match=r"layer ids \[6\] are out of range for a target with 6 decoder layers"):
         extract_cache(random_target_dir, tmp_path / "x", TASKS, [1, 6], progress=False)
-    with pytest.raises(FileNotFoundError, match="is not a folder"):
+    with pytest.raises(FileNotFoundError, match="does not exist .*nothing is downloaded"):
         extract_cache(tmp_path / "no-model", tmp_path / "y", TASKS, [1], progress=False)
     with pytest.raises(ValueError, match="duplicate task names"):
         extract_cache(random_target_dir, tmp_path / "z", TASKS + TASKS[:1], [1], progress=False)
@@ -115,10 +116,11 @@ def test_drafter_option_takes_layer_ids_and_block_size(random_target_dir, zlab_t
     toy_dir = tmp_path / "toy-drafter"
     toy_dir.mkdir()
     (toy_dir / "config.json").write_text(json.dumps(toy_drafter_config().to_dict()))
-    args = parse(["--target", str(random_target_dir), "--out", str(tmp_path / "other"), "--drafter", str(toy_dir)])
-    assert run_extract(args) == 2
+    assert cli_main(["extract", "--target", str(random_target_dir), "--out", str(tmp_path / "other"),
+                     "--drafter", str(toy_dir)]) == 2
     err = capsys.readouterr().err
-    assert "target hidden size 64 / vocab size 300 != drafter hidden_size 128 / vocab_size 260" in err
+    assert err.startswith("error: target hidden size 64 / vocab size 300 != drafter hidden_size 128 / vocab_size 260")
+    assert "Traceback" not in err
     assert not (tmp_path / "other").exists()
 
     with pytest.raises(SystemExit):

@@ -1,16 +1,19 @@
+import os
 import subprocess
 import sys
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from dflash_callbacks.callbacks import DrafterEvalCallback
-from dflash_callbacks.callbacks.eval_callback import read_results
-from dflash_callbacks.callbacks.evaluator import Evaluator, EvaluatorSpec
+from dflash_callbacks.callbacks.run_folder import RunFolder, RunFolderBusy
+from dflash_callbacks.scoring.service import ScoringService, ServiceSpec
 from dflash_callbacks.training import CacheSequences, DFlashTrainingModule, collate_sequences
 
+from runs import assert_clean, records, run_dir, run_dirs
 from synthetic import build_world
 
 SCORING = {"ddtree_budgets": [4], "device": "cpu"}
@@ -27,9 +30,9 @@ def fit(world, tmp_path, cb, max_steps, ckpt_path=None, extra=()):
     return trainer
 
 
-def rescore(world, run_dir, step):
-    evaluator = Evaluator(EvaluatorSpec(str(world.cache), str(world.target), None, SCORING))
-    return evaluator.score_folder(run_dir / "snapshots" / f"step-{step:08d}", step)
+def rescore(world, folder, step):
+    service = ScoringService(ServiceSpec(str(world.cache), str(world.target), None, SCORING))
+    return service.score_folder(folder / "snapshots" / f"step-{step:08d}")
 
 
 def test_process_runner_scores_in_a_spawned_worker(tmp_path):
@@ -38,32 +41,36 @@ def test_process_runner_scores_in_a_spawned_worker(tmp_path):
                              scoring=SCORING, runner="process", busy="queue", max_pending=4, keep_last=4,
                              dirpath=tmp_path / "d", baseline_cache_dir=tmp_path / "bc")
     fit(world, tmp_path, cb, max_steps=6)
-    records = read_results(tmp_path / "d" / "results.jsonl")
-    assert [r["step"] for r in records] == [3, 6]
+    lines = records(tmp_path / "d")
+    assert [r["step"] for r in lines] == [3, 6]
     assert cb.baseline_report is not None and cb.errors == 0
-    assert records[1]["tasks"] == rescore(world, tmp_path / "d", 6).tasks
+    again = rescore(world, run_dir(tmp_path / "d"), 6)
+    assert lines[1]["tasks"] == again.tasks and lines[1]["snapshot_id"] == again.snapshot_id
+    assert_clean(tmp_path / "d", cb.reports)
 
 
 def test_external_runner_with_watch(tmp_path):
     world = build_world(tmp_path / "world")
-    run_dir = tmp_path / "d"
+    dirpath = tmp_path / "d"
+    dirpath.mkdir()
     watcher = subprocess.Popen(
-        [sys.executable, "-m", "dflash_callbacks.cli", "watch", "--dir", str(run_dir), "--cache", str(world.cache),
+        [sys.executable, "-m", "dflash_callbacks.cli", "watch", "--dir", str(dirpath), "--cache", str(world.cache),
          "--target", str(world.target), "--baseline", str(world.baseline), "--baseline-cache-dir", str(tmp_path / "bc"),
          "--budgets", "4", "--device", "cpu", "--poll-seconds", "0.2", "--idle-exit", "60"],
     )
     try:
         cb = DrafterEvalCallback(cache=world.cache, target=world.target, baseline=world.baseline,
                                  every_n_train_steps=3, scoring=SCORING, runner="external", busy="queue",
-                                 max_pending=4, keep_last=4, dirpath=run_dir, wait_timeout=120)
+                                 max_pending=4, keep_last=4, dirpath=dirpath, wait_timeout=120)
         fit(world, tmp_path, cb, max_steps=6)
     finally:
         watcher.kill()
-    records = read_results(run_dir / "results.jsonl")
-    assert [r["step"] for r in records] == [3, 6]
-    assert (run_dir / "reports" / "step-00000006.json").is_file()
+    lines, folder = records(dirpath), run_dir(dirpath)
+    assert [r["step"] for r in lines] == [3, 6]
+    assert (folder / "reports" / "step-00000006.json").is_file()
     assert cb.baseline_report is not None
-    assert records[0]["tasks"] == rescore(world, run_dir, 3).tasks
+    assert lines[0]["tasks"] == rescore(world, folder, 3).tasks
+    assert_clean(dirpath, cb.reports)
 
 
 def test_resume_restores_history_and_scores_no_step_twice(tmp_path):
@@ -81,7 +88,35 @@ def test_resume_restores_history_and_scores_no_step_twice(tmp_path):
     second = callback()
     fit(world, tmp_path, second, max_steps=10, ckpt_path=str(tmp_path / "ckpt" / "epoch=1-step=4.ckpt"),
         extra=[ModelCheckpoint(dirpath=tmp_path / "ckpt2")])
-    steps = [r["step"] for r in read_results(tmp_path / "d" / "results.jsonl")]
+    steps = [r["step"] for r in records(tmp_path / "d")]  # one run folder: the resume reopened it
     assert steps == [2, 4, 6, 8, 10]
+    assert second.run_id == first.run_id
     assert [h["step"] for h in second.history] == [2, 4, 6, 8, 10]
     assert [r.step for r in second.reports] == [8, 10]
+    assert_clean(tmp_path / "d")
+
+
+def test_a_fresh_run_gets_a_fresh_folder_and_two_writers_are_refused(tmp_path):
+    """Running the same script twice (no checkpoint) must not inherit the first run's numbers."""
+    world = build_world(tmp_path / "world")
+
+    def callback():
+        return DrafterEvalCallback(cache=world.cache, target=world.target, every_n_train_steps=2, scoring=SCORING,
+                                   verbose=False)  # dirpath: the default, <default_root_dir>/dflash
+
+    first, second = callback(), callback()
+    fit(world, tmp_path, first, max_steps=4)
+    fit(world, tmp_path, second, max_steps=4)
+    runs = run_dirs(tmp_path / "dflash")
+    assert [r.name for r in runs] == sorted([first.run_id, second.run_id]) and first.run_id != second.run_id
+    for run in runs:  # each run scored its own steps 2 and 4; nothing was skipped as "already scored"
+        assert [r.step for r in RunFolder(run).read_results().reports] == [2, 4]
+        assert_clean(run)
+    assert [r.step for r in second.reports] == [2, 4]
+
+    held = RunFolder.reopen(tmp_path / "dflash", first.run_id)  # a second writer on the same run is refused
+    try:
+        with pytest.raises(RunFolderBusy, match=f"in use by pid {os.getpid()}"):
+            RunFolder.reopen(tmp_path / "dflash", first.run_id)
+    finally:
+        held.unlock()

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from dflash_callbacks.callbacks.publish import ReportSource
 from dflash_callbacks.callbacks.stopping import (
     TrailingBaselineStop,
     fit_projection,
@@ -42,8 +43,8 @@ def test_threshold_and_is_trailing_ratio_and_delta():
     assert delta.is_trailing(4.69, BASE) and not delta.is_trailing(4.71, BASE)
     assert delta.describe_threshold(BASE) == "baseline 5.20 - 0.5 = 4.70"
     default = TrailingBaselineStop()
-    assert default.min_ratio == 1.0 and default.min_delta is None
-    assert default.is_trailing(5.19, BASE) and not default.is_trailing(5.2, BASE)
+    assert default.min_ratio == 0.9 and default.min_delta is None
+    assert default.is_trailing(4.67, BASE) and not default.is_trailing(4.68, BASE)
 
 
 def test_trailing_for_patience_reports_stops():
@@ -145,18 +146,21 @@ def test_too_few_points_for_projection_does_not_stop():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"monitor": "ddtree8/live"}, "vanilla/{live,dense}, ddtree@N/{live,dense}, top@K/{live,dense}"),
+        ({"monitor": "ddtree8/live"}, "vanilla, ddtree@N (node budget N >= 1) or top@K (width K >= 1); got 'ddtree8'"),
         ({"monitor": "ddtree@8"}, "METHOD/AGGREGATE"),
-        ({"monitor": "top@0/live"}, "got 'top@0/live'"),
-        ({"monitor": "vanilla/mean"}, "ddtree@N/{live,dense}"),
+        ({"monitor": "top@0/live"}, "got 'top@0'"),
+        ({"monitor": "vanilla/mean"}, "an aggregate is one of ['dense', 'live']; got 'mean'"),
         ({"min_ratio": 0.9, "min_delta": -0.5}, "not both"),
-        ({"min_ratio": 0.0}, "`min_ratio` must be a finite number > 0"),
-        ({"min_delta": math.inf}, "`min_delta` must be a finite number"),
-        ({"patience": 0}, "`patience` must be an integer >= 1, got 0"),
+        ({"min_ratio": 0.0}, "`min_ratio` must be None or a finite number > 0"),
+        ({"min_ratio": "0.9"}, "`min_ratio` must be None or a finite number > 0; got '0.9'"),
+        ({"min_delta": math.inf}, "`min_delta` must be None or a finite number"),
+        ({"patience": 0}, "`patience` must be an integer >= 1; got 0"),
+        ({"patience": 2.0}, "`patience` must be an integer >= 1; got 2.0"),
         ({"grace_steps": -1}, "`grace_steps` must be an integer >= 0"),
+        ({"projection": "false"}, "`projection` must be true or false; got 'false'"),
         ({"projection_window": 2}, "`projection_window` must be an integer >= 3"),
         ({"sync_every_n_steps": 0}, "`sync_every_n_steps` must be an integer >= 1"),
-        ({"action": "halt"}, "`action` can be 'stop', 'warn', got 'halt'"),
+        ({"action": "halt"}, "`action` must be one of ['stop', 'warn']; got 'halt'"),
     ],
 )
 def test_validation_errors(kwargs, message):
@@ -202,8 +206,14 @@ def test_no_baseline_records_and_warns_once(tmp_path):
 def test_missing_monitor_names_what_exists():
     cb = TrailingBaselineStop(monitor="ddtree@16/live")
     trainer = pl.Trainer(accelerator="cpu", max_steps=10, logger=False, enable_checkpointing=False)
-    with pytest.raises(RuntimeError, match=r"'ddtree@16/live'.*methods: \['ddtree@8'\]"):
+    with pytest.raises(RuntimeError, match=r"ddtree@16/live is not in this report; it holds the methods \['ddtree@8'\]"):
         cb.on_dflash_report(trainer, None, make_report(1.0, 1), make_report(BASE, None))
+
+
+def test_defaults_without_a_threshold_is_ninety_percent_and_delta_alone_is_accepted():
+    assert (TrailingBaselineStop().min_ratio, TrailingBaselineStop().min_delta) == (0.9, None)
+    alone = TrailingBaselineStop(min_delta=-0.5)  # the YAML defect: this was refused as "not both"
+    assert (alone.min_ratio, alone.min_delta) == (None, -0.5) and alone.threshold(BASE) == BASE - 0.5
 
 
 # ----- real Trainer runs -----------------------------------------------------------------------------
@@ -227,22 +237,35 @@ def tiny_loader(n: int = 64) -> DataLoader:
     return DataLoader(TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)), batch_size=2)
 
 
-class ScriptedReports(pl.Callback):
-    """Plays the evaluation callback: at scripted global steps, hands every callback that has
-    `on_dflash_report` a real EvalReport with a scripted value (rank 0 only, like the real one)."""
+class ScriptedReports(ReportSource):
+    """A report source with scripted values: at scripted global steps it publishes a real
+    EvalReport to its subscribers (rank 0 only, on the training thread, like DrafterEvalCallback)."""
 
-    def __init__(self, values: dict[int, float], baseline: float | None = BASE):
-        self.values = values
-        self.baseline = None if baseline is None else make_report(baseline, None)
+    name = "scripted"
+
+    def __init__(self, values: dict[int, float], baseline: float | None = BASE, history: list[dict] = ()):
+        self.values, self.history = values, list(history)
+        self.baseline_report = None if baseline is None else make_report(baseline, None)
+        self.subscribers = []
+
+    def scored_methods(self):
+        return ["ddtree@8"]
+
+    def subscribe(self, fn):
+        self.subscribers.append(fn)
+        return lambda: self.subscribers.remove(fn)
+
+    def run_history(self, trainer, pl_module):
+        return list(self.history)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         value = self.values.get(trainer.global_step)
         if value is None or trainer.global_rank != 0:
             return
         report = make_report(value, trainer.global_step)
-        for cb in trainer.callbacks:
-            if hasattr(cb, "on_dflash_report"):
-                cb.on_dflash_report(trainer, pl_module, report, self.baseline)
+        self.history.append({"step": report.step, "mean": report.mean})
+        for fn in self.subscribers:
+            fn(report, self.baseline_report)
 
 
 def fit(stop: TrailingBaselineStop, values: dict[int, float], max_steps: int = 20, **kwargs) -> pl.Trainer:

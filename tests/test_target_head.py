@@ -83,7 +83,7 @@ def test_missing_lm_head_without_tying_is_an_error(tmp_path):
     model = tiny_target(tied=False)
     save_file({"model.embed_tokens.weight": model.model.embed_tokens.weight.detach()}, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
-    with pytest.raises(KeyError, match="no LM head .* tie_word_embeddings: true"):
+    with pytest.raises(ValueError, match="no LM head .* tie_word_embeddings: true"):
         TargetHead.from_pretrained(tmp_path)
 
 

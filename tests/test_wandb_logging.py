@@ -44,10 +44,26 @@ def test_offline_wandb_run_holds_keys_deltas_table_and_summary(tmp_path, monkeyp
             assert row[f"dflash/delta/ddtree@4/live/{task}"] == pytest.approx(ours - base.value("ddtree@4/live", task))
             assert row[f"dflash/ratio/ddtree@4/dense/{task}"] == pytest.approx(
                 report.value("ddtree@4/dense", task) / base.value("ddtree@4/dense", task))
-        assert row["dflash/table/_type"] == "table-file"
-    table = json.loads((run_dir / "files" / rows[-1]["dflash/table/path"]).read_text())
-    assert table["columns"][:5] == ["task", "vanilla ours", "vanilla baseline", "vanilla delta", "vanilla ratio"]
+        assert row["dflash/live_table/_type"] == "table-file"
+    table = json.loads((run_dir / "files" / rows[-1]["dflash/live_table/path"]).read_text())
+    assert table["columns"][:5] == ["task", "vanilla live ours", "vanilla live baseline", "vanilla live delta",
+                                    "vanilla live ratio"]
     assert [r[0] for r in table["data"]] == ["long", "short", "one_anchor", "mean"]
+    # per report and method, the acceptance curve of ours and of the baseline, one line each
+    curve = json.loads((run_dir / "files" / rows[-1]["dflash/curve/ddtree@4_table/path"]).read_text())
+    series = {}
+    assert curve["columns"] == ["step", "lineKey", "lineVal"]
+    for x, key, y in curve["data"]:
+        series.setdefault(key, []).append((x, y))
+    assert sorted(series) == ["baseline", "ours"]
+    depth = world.config.block_size - 1
+    assert [x for x, _ in series["ours"]] == list(range(1, depth + 1))
+    mean_curve = [sum(t["ddtree@4"]["curve"][d] for t in cb.reports[-1].tasks.values()) / 3 for d in range(depth)]
+    assert [y for _, y in series["ours"]] == pytest.approx(mean_curve)
+    # the run config tells two runs apart: cache fingerprint and block sizes
+    config = run["config"]["dflash"]
+    assert config["cache_fingerprint"] == cb.reports[0].cache["fingerprint"]
+    assert config["block_size"] == config["drafter_block_size"] == world.config.block_size
     assert run["metrics"]["dflash/ddtree@4/live/mean"].step_metric == "dflash/step"
     best = max(r.value("ddtree@4/live") for r in cb.reports)
     assert run["summary"]["dflash/ddtree@4/live/mean"] == {"max": pytest.approx(best)}

@@ -48,9 +48,9 @@ def raw_records(path: Path) -> list[bytes]:
 
 
 def read_run(run_dir: Path) -> dict:
-    """history rows (dicts of key -> decoded JSON value), summary updates and metric definitions."""
+    """history rows (dicts of key -> decoded JSON value), summary and config updates, metric definitions."""
     (path,) = Path(run_dir).glob("*.wandb")
-    out = {"history": [], "summary": {}, "metrics": {}}
+    out = {"history": [], "summary": {}, "metrics": {}, "config": {}}
     for blob in raw_records(path):
         record = wandb_internal_pb2.Record()
         record.ParseFromString(blob)
@@ -65,6 +65,10 @@ def read_run(run_dir: Path) -> dict:
             for item in record.summary.update:
                 key = item.key or "/".join(item.nested_key)
                 out["summary"][key] = json.loads(item.value_json)
+        elif kind == "config":
+            for item in record.config.update:
+                key = item.key or "/".join(item.nested_key)
+                out["config"][key] = json.loads(item.value_json)
         elif kind == "metric":
             out["metrics"][record.metric.name or record.metric.glob_name] = record.metric
     return out

@@ -28,13 +28,12 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 
+from ..checks import DTYPES, check_device, dtype_name
 from .format import (
-    DTYPES,
     CacheError,
     HiddenStateCache,
     TargetInfo,
     check_task_file,
-    dtype_name,
     new_manifest,
     open_for_writing,
     write_task,
@@ -72,11 +71,20 @@ def check_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
     return layer_ids
 
 
+def check_target_folder(path: str | os.PathLike) -> Path:
+    """A local transformers model folder (this package never downloads: no hub names)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"target folder {folder} does not exist (a local transformers model folder is "
+                                "needed; nothing is downloaded)")
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"target folder {folder} has no config.json: it is not a transformers model folder")
+    return folder
+
+
 def load_target(path: str | os.PathLike, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
     """(model, tokenizer) of a local transformers folder; nothing is downloaded."""
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"target {path} is not a folder: extraction reads a local transformers model folder")
+    path = check_target_folder(path)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     return model.to(device).eval(), tokenizer
@@ -247,44 +255,42 @@ def add_extract_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_extract(args: argparse.Namespace) -> int:
-    """Run `extract` from parsed arguments; returns the exit status (errors are printed)."""
+    """Run `extract` from parsed arguments (errors raise; `dflash-callbacks` prints them as one line)."""
     from ..model.config import DrafterConfig
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # progress lines; a no-op if logging is set up
-    try:
-        layer_ids, block_size = args.layer_ids, args.block_size
-        if args.drafter is not None:
-            drafter = DrafterConfig.from_file(args.drafter)
-            layer_ids = drafter.target_layer_ids
-            block_size = block_size if block_size is not None else drafter.block_size
-            target = AutoConfig.from_pretrained(args.target, local_files_only=True).get_text_config()
-            if (target.hidden_size, target.vocab_size) != (drafter.hidden_size, drafter.vocab_size):
-                raise ValueError(
-                    f"target hidden size {target.hidden_size} / vocab size {target.vocab_size} != drafter "
-                    f"hidden_size {drafter.hidden_size} / vocab_size {drafter.vocab_size}: this drafter is for another target"
-                )
-        cache = extract_cache(
-            args.target,
-            args.out,
-            args.tasks,
-            layer_ids,
-            max_new_tokens=args.max_new_tokens,
-            device=args.device,
-            dtype=DTYPES[args.dtype],
-            chat_template=args.chat_template,
-            block_size=block_size,
-        )
-    except (ValueError, OSError) as e:
-        print(f"extract: error: {e}", file=sys.stderr)
-        return 2
+    check_target_folder(args.target)
+    check_device("--device", args.device)
+    layer_ids, block_size = args.layer_ids, args.block_size
+    if args.drafter is not None:
+        drafter = DrafterConfig.from_file(args.drafter)
+        layer_ids = drafter.target_layer_ids
+        block_size = block_size if block_size is not None else drafter.block_size
+        target = AutoConfig.from_pretrained(args.target, local_files_only=True).get_text_config()
+        if (target.hidden_size, target.vocab_size) != (drafter.hidden_size, drafter.vocab_size):
+            raise ValueError(
+                f"target hidden size {target.hidden_size} / vocab size {target.vocab_size} != drafter "
+                f"hidden_size {drafter.hidden_size} / vocab_size {drafter.vocab_size}: this drafter is for another target"
+            )
+    cache = extract_cache(
+        args.target,
+        args.out,
+        args.tasks,
+        layer_ids,
+        max_new_tokens=args.max_new_tokens,
+        device=args.device,
+        dtype=DTYPES[args.dtype],
+        chat_template=args.chat_template,
+        block_size=block_size,
+    )
     print(f"cache {cache.path}: {len(cache)} tasks, layer ids {cache.layer_ids}, fingerprint {cache.fingerprint}")
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dflash_callbacks.cache.extract", description=__doc__.split("\n\n")[0])
-    add_extract_arguments(parser)
-    return run_extract(parser.parse_args(argv))
+    from ..cli import main as cli_main
+
+    return cli_main(["extract", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

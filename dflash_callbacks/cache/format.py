@@ -33,13 +33,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as safetensors_bytes
 
+from ..checks import DTYPES
 from ..files import atomic_write, atomic_write_json
 from .tasks import TASK_NAME
 
 FORMAT_NAME = "dflash-hidden-cache"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -75,13 +75,6 @@ class CacheTask:
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    for name, value in DTYPES.items():
-        if value == dtype:
-            return name
-    raise ValueError(f"unsupported dtype {dtype}; a cache holds one of {list(DTYPES)}")
 
 
 # ---------------------------------------------------------------- manifest validation
@@ -322,8 +315,8 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def check_task_file(folder: Path, entry: dict) -> Path:
-    """The task's file, after checking it exists, has the recorded size and sha256."""
+def check_task_file(folder: Path, entry: dict, digest: bool = True) -> Path:
+    """The task's file, after checking it exists, has the recorded size and (with `digest`) sha256."""
     path = folder / entry["file"]
     if not path.is_file():
         raise CacheError(f"task {entry['name']!r}: file {path} is missing (the manifest lists it)")
@@ -333,10 +326,10 @@ def check_task_file(folder: Path, entry: dict) -> Path:
             f"task {entry['name']!r}: file {path} is {size} bytes but the manifest says {entry['num_bytes']}: "
             f"truncated or overwritten; re-extract this task"
         )
-    digest = sha256_file(path)
-    if digest != entry["sha256"]:
+    found = sha256_file(path) if digest else entry["sha256"]
+    if found != entry["sha256"]:
         raise CacheError(
-            f"task {entry['name']!r}: file {path} has sha256 {digest[:12]}… but the manifest says "
+            f"task {entry['name']!r}: file {path} has sha256 {found[:12]}… but the manifest says "
             f"{entry['sha256'][:12]}…: the file is corrupt or was changed after extraction; re-extract this task"
         )
     return path
@@ -388,18 +381,12 @@ class HiddenStateCache:
             raise KeyError(f"no task {name!r} in the cache at {self.path}; it holds {self.task_names}")
         return self._entries[name]
 
-    def _checked_file(self, name: str) -> Path:
-        entry = self.entry(name)
-        if name in self._verified:
-            return self.path / entry["file"]
-        path = check_task_file(self.path, entry)
-        self._verified.add(name)
-        return path
-
     def task(self, name: str) -> CacheTask:
-        """The task's tokens and hidden states, checked against the manifest."""
+        """The task's tokens and hidden states, checked against the manifest. The first read
+        of a task also checks its file's size and sha256 and that its hidden states are finite."""
         entry = self.entry(name)
-        path = self._checked_file(name)
+        first_read = name not in self._verified
+        path = check_task_file(self.path, entry) if first_read else self.path / entry["file"]
         try:
             with safe_open(str(path), framework="pt") as f:
                 missing = {"input_ids", "hidden"} - set(f.keys())
@@ -418,6 +405,12 @@ class HiddenStateCache:
             )
         if T and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < self.vocab_size:
             raise CacheError(f"task {name!r}: {path} holds token ids outside the vocabulary [0, {self.vocab_size})")
+        if first_read:
+            bad = int((~torch.isfinite(hidden)).any(dim=-1).sum())
+            if bad:
+                raise CacheError(f"task {name!r}: {path} holds NaN or Inf hidden states at {bad} of {T} positions; "
+                                 "re-extract this task")
+            self._verified.add(name)
         return CacheTask(name=name, prompt_len=entry["prompt_len"], input_ids=input_ids, hidden=hidden)
 
     def tasks(self):
@@ -425,10 +418,16 @@ class HiddenStateCache:
         for name in self.task_names:
             yield self.task(name)
 
-    def verify(self) -> None:
-        """Check every task file now (existence, size, sha256, tensors); raises CacheError."""
-        for name in self.task_names:
+    def verify(self, names: list[str] | None = None) -> None:
+        """Check task files now (existence, size, sha256, tensors, finite hidden states);
+        raises CacheError naming the first bad one."""
+        for name in names or self.task_names:
             self.task(name)
+
+    def check_sizes(self, names: list[str] | None = None) -> None:
+        """The cheap part of `verify`: every task file exists and has its recorded size."""
+        for name in names or self.task_names:
+            check_task_file(self.path, self.entry(name), digest=False)
 
     def check_compatible(self, drafter_config, block_size: int | None = None) -> None:
         """Refuse a drafter this cache cannot feed: different layer ids, hidden size, vocabulary

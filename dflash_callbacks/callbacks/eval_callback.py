@@ -2,51 +2,49 @@
 
 On the training thread it only starts weight copies and drains finished reports:
 
+    setup:                 check that drafter, cache, target, scoring config, device and
+                           baseline fit together (scoring.service.preflight), every rank
+    on_train_start:        rank 0 opens the run folder: a fresh one for a fresh run, the
+                           same one on a resume (run_folder.RunFolder), and starts the runner
     on_train_batch_end, step % every_n_train_steps == 0:
-        rank 0 starts a copy of the drafter's weights (snapshot.capture) and submits
-        it to the runner (a thread, a spawned process, or an external watcher)
+                           rank 0 starts a copy of the drafter's weights into reused host
+                           buffers (snapshot.capture) and submits it to the runner
     on_before_optimizer_step:
-        wait for that copy, so the weights scored are those of the captured step
-    on_train_batch_end (every step, rank 0):
-        for each finished report: append it to results.jsonl, then log it at the
-        snapshot's step to every logger, put the means in trainer.callback_metrics,
-        and hand it to subscribers (callbacks with `on_dflash_report`, functions
-        passed to `subscribe`)
+                           wait for that copy, so the weights scored are those of the step
+    on_train_batch_end:    publish every finished report (publish.Publisher)
 
-A failure in snapshotting or scoring is a warning and an error count, unless
-`on_error="raise"`. Nothing is scored twice: steps already in results.jsonl (or in
-the restored state) are not snapshotted again.
+A failure in snapshotting, scoring, writing or logging is a warning and an error count,
+unless `on_error="raise"`. Every submitted snapshot ends as a report or an error line in
+results.jsonl, also when `wait_timeout` runs out.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
-import time
+import re
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from ..cache.format import HiddenStateCache
-from ..logging import report_metrics, table_columns, table_rows, wandb_define_metrics
-from ..model import DrafterConfig, DFlashDrafter
-from ..model.drafter import check_state_dict
-from ..model.target_head import EMBED_KEYS, locate_keys
+from ..checks import check_bool, check_choice, check_int, check_number
+from ..model import DrafterConfig
 from ..scoring.config import ScoringConfig
 from ..scoring.report import EvalReport, comparable
-from .evaluator import EvaluatorSpec
-from .runners import BASELINE, RUNNERS, BackgroundRunner, Outcome
-from .snapshot import capture, is_sharded
+from ..scoring.service import ServiceSpec, preflight
+from .publish import Publisher, ReportSource, Subscriber
+from .run_folder import RunFolder, new_run_id
+from .runners import RUNNERS, BackgroundRunner, BaselineOutcome, Job, SnapshotOutcome
+from .snapshot import StagingPool, capture, is_sharded
 
 BUSY_POLICIES = ("skip", "queue")
 ON_ERROR = ("warn", "raise")
-RESULTS_FILE = "results.jsonl"
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 def resolve_drafter(pl_module: nn.Module, drafter: str | Callable) -> nn.Module:
@@ -79,44 +77,19 @@ def drafter_config_of(module: nn.Module, given: DrafterConfig | str | os.PathLik
     raise ValueError("the drafter has no DrafterConfig at .config; pass drafter_config=DrafterConfig or a config.json path")
 
 
-def read_results(path: Path) -> list[dict]:
-    """Every complete line of results.jsonl (a torn last line from a crash is skipped)."""
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
+def should_snapshot(step: int, every_n_train_steps: int) -> bool:
+    return step > 0 and step % every_n_train_steps == 0
 
 
-def repair_results(path: Path) -> None:
-    """Cut a torn last line (a crash in the middle of an append) off results.jsonl, so the
-    next append starts on a line of its own and every line stays parseable."""
-    if not path.is_file() or path.stat().st_size == 0:
-        return
-    data = path.read_bytes()
-    if data.endswith(b"\n"):
-        return
-    keep = data.rfind(b"\n") + 1
-    with open(path, "r+b") as f:
-        f.truncate(keep)
-        f.flush()
-        os.fsync(f.fileno())
-    rank_zero_warn(f"dflash: {path} ended in a torn line (a crash while appending); dropped its {len(data) - keep} "
-                   "bytes")
+def _path(name: str, value: Any, optional: bool = False) -> Path | None:
+    if optional and value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a path (str or os.PathLike); got {type(value).__name__}")
+    return Path(value)
 
 
-def append_result(path: Path, record: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-class DrafterEvalCallback(Callback):
+class DrafterEvalCallback(ReportSource):
     """Snapshot the drafter every `every_n_train_steps` steps and score it in the background.
 
     Args:
@@ -126,15 +99,21 @@ class DrafterEvalCallback(Callback):
         every_n_train_steps: snapshot cadence in optimizer steps (>= 1).
         drafter: attribute path on the LightningModule, or a function module -> drafter.
         drafter_config: a DrafterConfig or config.json path, when the drafter has none at `.config`.
-        scoring: a ScoringConfig or a dict of its fields (methods, budgets, window, ...).
+        scoring: a ScoringConfig or a dict of its fields (copied, never changed).
         runner: "thread" | "process" | "external".
         device: where scoring runs ("auto": cuda when available); overrides scoring.device.
         busy: "skip" (no new snapshot while one is pending) or "queue" (up to `max_pending`).
-        keep_last: snapshots kept on disk (0: none written; not with runner process/external).
+        max_pending: snapshots pending at once with busy="queue" (>= 1).
+        keep_last: snapshots kept on disk (0: none written; runner "thread" only).
         on_error: "warn" (training goes on) or "raise".
         wait_on_end: score and log the last step before `fit` returns.
-        dirpath: where snapshots, reports and results.jsonl go (default: <default_root_dir>/dflash).
-        baseline_cache_dir: where baseline reports are cached across runs.
+        dirpath: the folder that holds this callback's runs, one subfolder per run
+            (default: <default_root_dir>/<name>).
+        baseline_cache_dir: where baseline reports are cached across runs
+            (default: ~/.cache/dflash_callbacks/baselines).
+        wait_timeout: seconds `fit` waits at the end for pending reports (> 0); what is
+            still pending then is recorded as an error.
+        name: the metric prefix, the default folder name, and what TrailingBaselineStop(eval_callback=...) names.
         verbose: print a one-line summary per report.
     """
 
@@ -157,120 +136,170 @@ class DrafterEvalCallback(Callback):
         dirpath: str | os.PathLike | None = None,
         baseline_cache_dir: str | os.PathLike | None = None,
         wait_timeout: float = 3600.0,
+        name: str = "dflash",
         verbose: bool = True,
     ):
         super().__init__()
-        if isinstance(every_n_train_steps, bool) or not isinstance(every_n_train_steps, int) or every_n_train_steps < 1:
-            raise ValueError(f"every_n_train_steps must be an integer >= 1; got {every_n_train_steps!r}")
-        for name, value, legal in (("runner", runner, RUNNERS), ("busy", busy, BUSY_POLICIES), ("on_error", on_error, ON_ERROR)):
-            if value not in legal:
-                raise ValueError(f"{name} must be one of {list(legal)}; got {value!r}")
-        if not isinstance(max_pending, int) or max_pending < 1:
-            raise ValueError(f"max_pending must be an integer >= 1; got {max_pending!r}")
-        if not isinstance(keep_last, int) or keep_last < 0:
-            raise ValueError(f"keep_last must be an integer >= 0; got {keep_last!r}")
-        if keep_last == 0 and runner != "thread":
-            raise ValueError(f"runner={runner!r} reads snapshots from disk, so keep_last must be >= 1")
+        self.cache, self.target = _path("cache", cache), _path("target", target)
+        self.baseline_source = _path("baseline", baseline, optional=True)
+        self.every_n_train_steps = check_int("every_n_train_steps", every_n_train_steps, 1)
         if not (isinstance(drafter, str) or callable(drafter)):
             raise TypeError("drafter must be an attribute name or a function LightningModule -> drafter")
-        scoring = scoring if isinstance(scoring, ScoringConfig) else ScoringConfig(**(scoring or {}))
-        if device is not None:
-            scoring.device = device
-            scoring.__post_init__()
-        self.cache, self.target = Path(cache), Path(target)
-        self.baseline_source = None if baseline is None else Path(baseline)
-        self.every_n_train_steps = every_n_train_steps
+        if not (drafter_config is None or isinstance(drafter_config, (DrafterConfig, str, os.PathLike))):
+            raise TypeError("drafter_config must be a DrafterConfig, a config.json path or None")
         self.drafter, self.drafter_config = drafter, drafter_config
-        self.scoring, self.runner_kind, self.busy, self.max_pending = scoring, runner, busy, max_pending
-        self.keep_last, self.on_error, self.wait_on_end = keep_last, on_error, wait_on_end
-        self.dirpath = None if dirpath is None else Path(dirpath)
-        self.baseline_cache_dir = baseline_cache_dir
-        self.wait_timeout, self.verbose = wait_timeout, verbose
+        self.scoring = _scoring_copy(scoring, device)
+        self.runner_kind = check_choice("runner", runner, RUNNERS)
+        self.busy = check_choice("busy", busy, BUSY_POLICIES)
+        self.max_pending = check_int("max_pending", max_pending, 1)
+        self.keep_last = check_int("keep_last", keep_last, 0)
+        if keep_last == 0 and runner != "thread":
+            raise ValueError(f"runner={runner!r} reads snapshots from disk, so keep_last must be >= 1")
+        self.on_error = check_choice("on_error", on_error, ON_ERROR)
+        self.wait_on_end = check_bool("wait_on_end", wait_on_end)
+        self.dirpath = _path("dirpath", dirpath, optional=True)
+        self.baseline_cache_dir = _path("baseline_cache_dir", baseline_cache_dir, optional=True)
+        self.wait_timeout = check_number("wait_timeout", wait_timeout, above=0)
+        if not isinstance(name, str) or not NAME.match(name):
+            raise ValueError(f"name must be letters, digits, '_', '-' or '.', starting with a letter or digit; got {name!r}")
+        self.name = name
+        self.verbose = check_bool("verbose", verbose)
 
-        self.history: list[dict] = []  # {"step", "mean": {method: {agg: value}}}
-        self.last_scored_step: int | None = None
-        self.baseline_summary: dict | None = None
+        self.run_id: str | None = None
+        self.run: RunFolder | None = None
+        self.history: list[dict] = []  # this run's reports, by step: {"step", "mean": {method: {agg: value}}}
         self.errors = 0
         self.skipped = 0
         self.baseline_report: EvalReport | None = None
-        self.reports: list[EvalReport] = []  # reports of this process, in arrival order
-        self._subscribers: list[Callable] = []
+        self.reports: list[EvalReport] = []  # reports published by this process, in arrival order
+        self._subscribers: list[Subscriber] = []
         self._runner: BackgroundRunner | None = None
+        self._publisher: Publisher | None = None
+        self._pool: StagingPool | None = None
         self._staging = None
+        self._restored: dict | None = None
+        self._opened = False
+        self._taken: set[int] = set()  # steps with a report, or queued: never snapshotted again
+        self._recovered: list[EvalReport] = []  # watcher reports a killed run never picked up
+        self._baseline_settled = False
         self._last_capture_step: int | None = None
-        self._last_taken_step: int | None = None  # last step actually snapshotted (not skipped)
-        self._scored: set[int] = set()
-        self._wandb_defined: set[int] = set()
+        self._last_taken_step: int | None = None
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(cache=str(self.cache), every_n_train_steps=self.every_n_train_steps)
+        return self._generate_state_key(name=self.name, cache=str(self.cache))
 
-    def subscribe(self, fn: Callable[[EvalReport, EvalReport | None], Any]) -> None:
-        """Call `fn(report, baseline)` on the training thread for every new report."""
+    def scored_methods(self) -> list[str]:
+        return [str(m) for m in self.scoring.methods]
+
+    def run_history(self, trainer, pl_module) -> list[dict]:
+        self.open_run(trainer, pl_module)
+        return list(self.history)
+
+    def subscribe(self, fn: Subscriber) -> Callable[[], None]:
+        """Call `fn(report, baseline)` on the training thread for every new report; returns a
+        function that unsubscribes it. A subscriber that raises is reported like any failure."""
         self._subscribers.append(fn)
+        return lambda: self._subscribers.remove(fn) if fn in self._subscribers else None
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         module = resolve_drafter(pl_module, self.drafter)
-        config = drafter_config_of(module, self.drafter_config)
-        self._config = config
-        self._check_inputs(module, config)
-        self.run_dir = self.dirpath or Path(trainer.default_root_dir) / "dflash"
-        self.results_path = self.run_dir / RESULTS_FILE
-        if not trainer.is_global_zero:
-            return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        repair_results(self.results_path)
-        for record in read_results(self.results_path):
-            if record.get("step") is not None and "tasks" in record:
-                self._remember(EvalReport.from_dict(record))
-        spec = EvaluatorSpec(
+        self._config = drafter_config_of(module, self.drafter_config)
+        self._spec = ServiceSpec(
             cache=str(self.cache), target=str(self.target),
             baseline=None if self.baseline_source is None else str(self.baseline_source),
             scoring=self.scoring.to_dict(),
             baseline_cache_dir=None if self.baseline_cache_dir is None else str(self.baseline_cache_dir),
         )
-        self._runner = BackgroundRunner(self.runner_kind, spec, self.run_dir, self.keep_last)
+        preflight(self._spec, self._config, {k: tuple(v.shape) for k, v in module.state_dict().items()})
+        self._restored, self._opened = None, False
 
-    def _check_inputs(self, module: nn.Module, config: DrafterConfig) -> None:
-        """Everything that can be checked before training starts is checked here."""
-        with torch.device("meta"):
-            expected = DFlashDrafter(config).state_dict()
-        check_state_dict(expected, module.state_dict())
-        cache = HiddenStateCache(self.cache)
-        cache.check_compatible(config, block_size=self.scoring.block_size)
-        block = self.scoring.block_size or config.block_size
-        unknown = sorted(set(self.scoring.tasks or []) - set(cache.task_names))
-        if unknown:
-            raise ValueError(f"scoring.tasks {unknown} are not in the cache {self.cache}; it holds {cache.task_names}")
-        if not any(key in locate_keys(self.target) for key in EMBED_KEYS):
-            raise ValueError(f"target {self.target} holds no input embedding; looked for {list(EMBED_KEYS)}")
-        if self.baseline_source is not None and not self.baseline_source.exists():
-            raise FileNotFoundError(f"baseline {self.baseline_source} does not exist (a drafter folder or a report JSON)")
-        if block < 2:
-            raise ValueError(f"block size {block} is too small to draft anything")
-        # A block drafts block-1 tokens; the deepest depth is only measured where an anchor has
-        # block-1 labels after it, i.e. a completion of at least `block` tokens (anchor P).
-        entries = [cache.entry(n) for n in self.scoring.tasks or cache.task_names]
-        lengths = {e["name"]: e["num_tokens"] - e["prompt_len"] for e in entries}
-        if not lengths:
-            raise ValueError(f"the cache {self.cache} holds no task to score")
-        longest = max(lengths, key=lengths.get)
-        if block > lengths[longest]:
-            raise ValueError(
-                f"block size {block} is larger than the cache {self.cache} allows: a block drafts {block - 1} tokens, "
-                f"but the longest completion ({longest!r}, {lengths[longest]} tokens) has labels for at most "
-                f"{lengths[longest] - 1}; use a block size <= {lengths[longest]} or a cache with longer completions"
-            )
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = dict(state_dict)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.open_run(trainer, pl_module)
+
+    def open_run(self, trainer, pl_module) -> None:
+        """Rank 0: open this run's folder, recover what a killed run left, start the runner.
+        Idempotent within a fit (TrailingBaselineStop calls it to read the history)."""
+        if self._opened:
+            return
+        self._opened = True
+        self._fresh_state(self._restored)
+        if not trainer.is_global_zero:
+            return
+        root = self.dirpath or Path(trainer.default_root_dir) / self.name
+        if self._restored is not None and self._restored.get("run_id"):
+            self.run_id = self._restored["run_id"]
+            self.run = RunFolder.reopen(root, self.run_id)
+            jobs = self._recover()
+        else:
+            self.run_id = new_run_id()
+            self.run = RunFolder.create(root, self.run_id)
+            jobs = []
+            rank_zero_info(f"{self.name}: new run {self.run_id}, writing to {self.run.path}")
+        self._publisher = Publisher(self.name, self.run, self._fail, self.verbose)
+        self._publisher.subscribers = self._subscribers
+        self._runner = BackgroundRunner(self.runner_kind, self._spec, self.run, self.keep_last)
+        for job in jobs:
+            self._runner.submit(job)
+        module = resolve_drafter(pl_module, self.drafter)
+        if not is_sharded(module):
+            self._pool = StagingPool(1 if self.busy == "skip" else self.max_pending)
+            state = {k: v.detach() for k, v in module.state_dict().items()}
+            pin = any(t.is_cuda for t in state.values())
+            threading.Thread(target=self._pool.allocate, args=(state, pin), name="dflash-staging", daemon=True).start()
+
+    def _fresh_state(self, restored: dict | None) -> None:
+        restored = restored or {}
+        self.run_id, self.run = None, None
+        self.history = list(restored.get("history", []))
+        self.errors, self.skipped = restored.get("errors", 0), restored.get("skipped", 0)
+        self.baseline_report, self.reports = None, []
+        self._taken = {h["step"] for h in self.history}
+        self._recovered, self._baseline_settled = [], self.baseline_source is None
+        self._last_capture_step = self._last_taken_step = None
+
+    def _recover(self) -> list[Job]:
+        """A resume: rebuild the history from results.jsonl, adopt watcher reports a killed
+        run never picked up, and queue the snapshots it left unscored."""
+        dropped = self.run.repair()
+        if dropped:
+            rank_zero_warn(f"{self.name}: {self.run.results_path} ended in a torn line (a crash while appending); "
+                           f"dropped its {dropped} bytes")
+        results = self.run.read_results()
+        for line in results.skipped:
+            rank_zero_warn(f"{self.name}: {self.run.results_path} {line}; skipped")
+        if results.reports:
+            self.history = sorted({r.step: {"step": r.step, "mean": r.mean} for r in results.reports}.values(),
+                                  key=lambda h: h["step"])
+        done = {r.snapshot_id for r in results.reports} | {e.get("snapshot_id") for e in results.errors}
+        self._taken = {h["step"] for h in self.history}
+        for _, path in self.run.list_reports():
+            found = self.run.read_report(path)
+            if isinstance(found, EvalReport) and found.snapshot_id is not None and found.snapshot_id not in done and found.step not in self._taken:
+                self._recovered.append(found)
+                done.add(found.snapshot_id)
+                self._taken.add(found.step)
+        jobs = []
+        for step, folder in self.run.list_snapshots():
+            snapshot_id = self.run.snapshot_id(folder)
+            if snapshot_id is not None and snapshot_id not in done and step not in self._taken:
+                jobs.append(Job(step, snapshot_id, folder=folder))
+                self._taken.add(step)
+        rank_zero_info(f"{self.name}: resuming run {self.run_id} in {self.run.path}: {len(self.history)} reports, "
+                       f"{len(self._recovered)} recovered from the watcher, {len(jobs)} unscored snapshot(s) queued")
+        return jobs
 
     # ------------------------------------------------------------------ training hooks
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._drain(trainer, pl_module)
+        self._drain(trainer)
         step = trainer.global_step
-        if step > 0 and step % self.every_n_train_steps == 0 and step != self._last_capture_step:
+        if should_snapshot(step, self.every_n_train_steps) and step != self._last_capture_step:
             self._snapshot(trainer, pl_module, step)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
@@ -285,17 +314,29 @@ class DrafterEvalCallback(Callback):
         if self._runner is None:
             return
         if self.wait_on_end:
-            self._runner.close(wait=True, timeout=self.wait_timeout)
-            self._runner.wait_external(self.wait_timeout)
+            if self._runner.pending:
+                rank_zero_info(f"{self.name}: waiting for {self._runner.pending} pending report(s) "
+                               f"(steps {self._runner.pending_steps()}), at most {self.wait_timeout:g} s")
+            self._close(trainer, True, f"wait_timeout={self.wait_timeout:g} s ran out at the end of training")
         else:
-            self._runner.close(wait=False)
-        self._drain(trainer, pl_module)
-        self._runner = None
+            self._close(trainer, False, "wait_on_end=False: fit returned without waiting for it")
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         if self._runner is not None:
-            self._runner.close(wait=False)
-            self._runner = None
+            self._close(trainer, False, f"the fit stopped on {type(exception).__name__}", publish=False)
+
+    def _close(self, trainer, wait: bool, reason: str, publish: bool = True) -> None:
+        runner, self._runner = self._runner, None
+        runner.close(wait, self.wait_timeout, reason)
+        self._baseline_settled = True
+        if publish:
+            self._drain(trainer, runner)
+        else:  # the fit is failing: keep every outcome on disk, log nothing
+            for outcome in runner.poll():
+                if isinstance(outcome, SnapshotOutcome):
+                    self._record_outcome(trainer, outcome)
+        self._publisher.record(trainer, None)
+        self.run.unlock()
 
     # ------------------------------------------------------------------ snapshots
     def _snapshot(self, trainer, pl_module, step: int, force: bool = False) -> None:
@@ -305,8 +346,9 @@ class DrafterEvalCallback(Callback):
         module = resolve_drafter(pl_module, self.drafter)
         skip = False
         if trainer.is_global_zero:
-            skip = step in self._scored  # scored before a resume
-            if not skip and not force and self._runner.pending >= (1 if self.busy == "skip" else self.max_pending):
+            skip = self._runner is None or step in self._taken
+            limit = 1 if self.busy == "skip" else self.max_pending
+            if not skip and not force and self._runner.pending >= limit:
                 self.skipped += 1
                 skip = True
         sharded = is_sharded(module)
@@ -317,127 +359,83 @@ class DrafterEvalCallback(Callback):
         if skip or not (trainer.is_global_zero or sharded):
             return
         try:
-            snapshot = capture(module, self._config, step, trainer.current_epoch, is_rank_zero=trainer.is_global_zero)
+            snapshot = capture(module, self._config, step, trainer.current_epoch, self._pool,
+                               is_rank_zero=trainer.is_global_zero)
         except Exception as e:
-            self._fail(trainer, step, f"taking the snapshot failed: {type(e).__name__}: {e}")
+            self._fail(trainer, f"taking the snapshot of step {step} failed: {type(e).__name__}: {e}")
             return
         if snapshot is not None:
             self._staging = snapshot
-            self._runner.submit(snapshot)
+            self._taken.add(step)
+            self._runner.submit(Job(step, snapshot.snapshot_id, snapshot=snapshot))
 
     # ------------------------------------------------------------------ reports
-    def _drain(self, trainer, pl_module) -> None:
-        if self._runner is None:
+    def _drain(self, trainer, runner: BackgroundRunner | None = None) -> None:
+        runner = runner or self._runner
+        if runner is None:
             return
-        for outcome in self._runner.poll():
-            self._handle(trainer, pl_module, outcome)
+        for outcome in runner.poll():
+            if isinstance(outcome, BaselineOutcome):
+                self._baseline_settled = True
+                if outcome.error is not None:
+                    self._fail(trainer, f"scoring the baseline failed: {outcome.error}")
+                else:
+                    self.baseline_report = outcome.report
+            elif outcome.error is not None:
+                self._record_outcome(trainer, outcome)
+                self._fail(trainer, f"step {outcome.step} failed: {outcome.error}")
+            else:
+                self._publish(trainer, outcome.report, outcome.seconds)
+        while self._recovered and self._baseline_settled:
+            self._publish(trainer, self._recovered.pop(0), None)
 
-    def _handle(self, trainer, pl_module, outcome: Outcome) -> None:
-        if outcome.error is not None:
-            what = "scoring the baseline" if outcome.step == BASELINE else f"step {outcome.step}"
-            if outcome.step != BASELINE:
-                append_result(self.results_path, {"step": outcome.step, "error": outcome.error, "time": time.time()})
-            self._fail(trainer, outcome.step, f"{what} failed: {outcome.error}")
-            return
-        report = outcome.report
-        if outcome.step == BASELINE:
-            self.baseline_report = report
-            self.baseline_summary = report.mean if report is not None else None
-            return
-        if report.step in self._scored:
-            return
+    def _record_outcome(self, trainer, outcome: SnapshotOutcome) -> None:
+        self._publisher.record(trainer, {"step": outcome.step, "snapshot_id": outcome.snapshot_id,
+                                         "error": outcome.error, "seconds": outcome.seconds})
+
+    def _publish(self, trainer, report: EvalReport, seconds: float | None) -> None:
         if self.baseline_report is not None:
             for problem in comparable(report, self.baseline_report):
-                rank_zero_warn(f"dflash: ours and the baseline differ: {problem}")
-        record = report.to_dict()
-        record["score_seconds"] = outcome.seconds
-        append_result(self.results_path, record)  # before logging: a crash loses nothing
-        self._remember(report)
+                rank_zero_warn(f"{self.name}: ours and the baseline differ: {problem}")
+        self.history = sorted([h for h in self.history if h["step"] != report.step]
+                              + [{"step": report.step, "mean": report.mean}], key=lambda h: h["step"])
         self.reports.append(report)
-        self._log(trainer, report, outcome.seconds)
-        for callback in trainer.callbacks:
-            if callback is not self and hasattr(callback, "on_dflash_report"):
-                callback.on_dflash_report(trainer, pl_module, report, self.baseline_report)
-        for fn in self._subscribers:
-            fn(report, self.baseline_report)
+        seconds = report.seconds if seconds is None else seconds
+        self._publisher.publish(trainer, report, self.baseline_report, seconds, self.errors)
 
-    def _remember(self, report: EvalReport) -> None:
-        self.history = [h for h in self.history if h["step"] != report.step] + [{"step": report.step, "mean": report.mean}]
-        self.history.sort(key=lambda h: h["step"])
-        self.last_scored_step = max(self.last_scored_step or 0, report.step)
-        self._scored.add(report.step)
-
-    def _fail(self, trainer, step: int, message: str) -> None:
+    def _fail(self, trainer, message: str) -> None:
         self.errors += 1
         if self.on_error == "raise":
-            raise RuntimeError(f"dflash: {message}")
-        rank_zero_warn(f"dflash: {message} (training goes on; errors so far: {self.errors})")
-        for logger in trainer.loggers:
-            try:
-                logger.log_metrics({"dflash/errors": float(self.errors)}, step=trainer.global_step)
-            except Exception:
-                pass
-
-    def _log(self, trainer, report: EvalReport, seconds: float) -> None:
-        metrics = report_metrics(report, self.baseline_report)
-        metrics.update({"dflash/step": float(report.step), "dflash/score_seconds": seconds, "dflash/errors": float(self.errors)})
-        for key, value in metrics.items():
-            if key.endswith("/mean"):
-                trainer.callback_metrics[key] = torch.tensor(value)
-        for logger in trainer.loggers:
-            try:
-                if type(logger).__name__ == "WandbLogger":
-                    self._log_wandb(logger, report, metrics)
-                else:
-                    logger.log_metrics(metrics, step=report.step)
-            except Exception as e:  # one broken logger must not cost the others their numbers
-                rank_zero_warn(f"dflash: logging to {type(logger).__name__} failed: {type(e).__name__}: {e}")
-        if self.verbose:
-            rank_zero_info(self.summary_line(report))
-
-    def _log_wandb(self, logger, report: EvalReport, metrics: dict) -> None:
-        import wandb
-
-        run = logger.experiment
-        if id(run) not in self._wandb_defined:
-            wandb_define_metrics(run, report, self.baseline_report)
-            self._wandb_defined.add(id(run))
-        table = wandb.Table(
-            columns=table_columns(report, self.baseline_report), data=table_rows(report, self.baseline_report)
-        )
-        run.log({**metrics, "dflash/table": table, "trainer/global_step": report.step})
-
-    def summary_line(self, report: EvalReport) -> str:
-        parts = []
-        for method in report.methods:
-            ours = report.value(f"{method}/live")
-            text = f"{method} {ours:.2f}"
-            if self.baseline_report is not None and method in self.baseline_report.methods:
-                base = self.baseline_report.value(f"{method}/live")
-                text += f" (baseline {base:.2f}, {100 * ours / base:.0f}%)" if base else ""
-            parts.append(text)
-        return f"dflash step {report.step}: live tau " + ", ".join(parts)
+            raise RuntimeError(f"{self.name}: {message}")
+        rank_zero_warn(f"{self.name}: {message} (training goes on; errors so far: {self.errors})")
+        if self._publisher is not None:
+            self._publisher.log_error_count(trainer, self.errors)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         return {
+            "run_id": self.run_id,
             "history": [{"step": h["step"], "mean": h["mean"]} for h in self.history],
-            "last_scored_step": self.last_scored_step,
-            "baseline": self.baseline_summary,
             "errors": self.errors,
             "skipped": self.skipped,
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        by_step = {h["step"]: h for h in self.history}
-        by_step.update({h["step"]: h for h in state_dict.get("history", [])})
-        self.history = [by_step[s] for s in sorted(by_step)]
-        self._scored.update(by_step)
-        steps = [s for s in (self.last_scored_step, state_dict.get("last_scored_step")) if s is not None]
-        self.last_scored_step = max(steps) if steps else None
-        self.baseline_summary = state_dict.get("baseline") or self.baseline_summary
-        self.errors = state_dict.get("errors", 0)
-        self.skipped = state_dict.get("skipped", 0)
+
+def _scoring_copy(scoring: ScoringConfig | dict | None, device: str | None) -> ScoringConfig:
+    """The caller's scoring config, copied (never changed), with `device` applied."""
+    if isinstance(scoring, ScoringConfig):
+        fields = dataclasses.asdict(scoring)
+    elif isinstance(scoring, dict) or scoring is None:
+        fields = dict(scoring or {})
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(ScoringConfig)})
+        if unknown:
+            legal = [f.name for f in dataclasses.fields(ScoringConfig)]
+            raise ValueError(f"scoring has unknown field(s) {unknown}; the fields are {legal}")
+    else:
+        raise TypeError(f"scoring must be a ScoringConfig, a dict of its fields or None; got {type(scoring).__name__}")
+    if device is not None:
+        fields["device"] = device
+    return ScoringConfig(**fields)
 
 
-__all__ = ["DrafterEvalCallback", "read_results"]
+__all__ = ["DrafterEvalCallback", "should_snapshot"]

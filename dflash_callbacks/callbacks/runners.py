@@ -1,92 +1,146 @@
-"""Where scoring runs. Every runner takes snapshots from the training thread with
-`submit` (which never blocks) and hands back `Outcome`s from `poll`.
+"""Where scoring runs. One background thread per run takes jobs (snapshots) in order,
+writes each to the run folder when snapshots are kept, has a scorer score it, and hands
+back exactly one outcome per job, success or failure; first of all the baseline's.
 
-- "thread": a daemon thread of the training process writes the snapshot and scores it.
-- "process": the thread writes the snapshot; a spawned worker process (its own CUDA
-  context, e.g. on a spare GPU) loads and scores it. A worker that dies is reported as
-  an error for that snapshot and replaced for the next one.
-- "external": the thread only writes snapshots; `dflash-callbacks watch`, in another
-  process or on another host sharing the folder, writes `reports/step-XXXXXXXX.json`
-  (and `reports/baseline.json`), which `poll` picks up.
+Scorers (one interface: `baseline()`, `score(job)`, `close()`):
+- "thread": the ScoringService in this process, on the runner's thread.
+- "process": a spawned worker process (its own CUDA context, e.g. on a spare GPU) scores
+  the written snapshot. A worker that dies fails that job and is replaced for the next;
+  a worker whose training process dies exits too (never an orphan).
+- "external": `dflash-callbacks watch`, in another process or on another host sharing
+  the folder, writes reports/step-XXXXXXXX.json; the scorer waits for the one whose
+  snapshot_id is the job's.
+
+The pending count (jobs submitted and not yet handed back) changes in one place: `poll`.
+Jobs run one at a time, oldest first, so a snapshot is only ever pruned from disk once
+it has been scored.
 """
 
 from __future__ import annotations
 
-import json
+import ctypes
 import multiprocessing as mp
+import os
 import queue
+import signal
 import threading
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..scoring.report import EvalReport
-from .evaluator import Evaluator, EvaluatorSpec
-from .snapshot import Snapshot, prune_snapshots, snapshot_dir, write_snapshot
+from ..scoring.scorer import Cancelled
+from ..scoring.service import ScoringService, ServiceSpec
+from .run_folder import RunFolder, WatcherError
+from .snapshot import Snapshot
 
 RUNNERS = ("thread", "process", "external")
-BASELINE = -1  # Outcome.step of the baseline's report
+WATCHER_TIMEOUT = 120.0
+"""External runner: seconds without a watcher heartbeat after which a wait is said to have no watcher."""
+POLL_SECONDS = 0.2
 
 
 @dataclass
+class Job:
+    """One snapshot to score: in memory (`snapshot`, written first when snapshots are kept)
+    or already on disk (`folder`: left unscored by a killed run, found on resume)."""
+
+    step: int
+    snapshot_id: str
+    snapshot: Snapshot | None = None
+    folder: Path | None = None
+
+
+@dataclass(kw_only=True)
 class Outcome:
-    step: int  # BASELINE for the baseline's report
     report: EvalReport | None = None
     error: str | None = None
     seconds: float = 0.0
 
 
-def report_file(reports_dir: Path, step: int) -> Path:
-    return Path(reports_dir) / ("baseline.json" if step == BASELINE else f"step-{step:08d}.json")
+@dataclass(kw_only=True)
+class SnapshotOutcome(Outcome):
+    step: int
+    snapshot_id: str
+
+
+@dataclass(kw_only=True)
+class BaselineOutcome(Outcome):
+    pass
 
 
 def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-class LocalScorer:
-    """Scores in the calling thread with an Evaluator built on first use."""
+# ---------------------------------------------------------------- scorers
 
-    def __init__(self, spec: EvaluatorSpec):
-        self.spec = spec
-        self.evaluator: Evaluator | None = None
 
-    def _ready(self) -> Evaluator:
-        if self.evaluator is None:
-            self.evaluator = Evaluator(self.spec)
-        return self.evaluator
+class ThreadScorer:
+    """The ScoringService in this process, built on first use."""
+
+    def __init__(self, spec: ServiceSpec, run: RunFolder, cancel: threading.Event, closing: threading.Event):
+        self.spec, self.cancel = spec, cancel
+        self.service: ScoringService | None = None
+
+    def _service(self) -> ScoringService:
+        if self.service is None:
+            self.service = ScoringService(self.spec)
+        return self.service
 
     def baseline(self) -> EvalReport | None:
-        return self._ready().baseline()
+        return self._service().baseline(cancel=self.cancel)
 
-    def score(self, snapshot: Snapshot, folder: Path | None) -> EvalReport:
-        return self._ready().score_state(snapshot.config, snapshot.state, snapshot.step, f"step {snapshot.step}")
+    def score(self, job: Job) -> EvalReport:
+        if job.snapshot is not None:
+            s = job.snapshot
+            return self._service().score(s.config, s.state, step=s.step, snapshot_id=s.snapshot_id, cancel=self.cancel)
+        return self._service().score_folder(job.folder, cancel=self.cancel)
 
     def close(self) -> None:
+        self.service = None
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """In the worker: exit when the training process is gone, even if it was SIGKILLed."""
+    try:  # Linux: the kernel signals us when the thread that started us exits
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
         pass
 
+    def watch() -> None:  # everywhere: re-parented means the parent died
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(1)
 
-def _worker_main(spec: EvaluatorSpec, jobs, results) -> None:
-    """Body of the spawned worker: (step, folder) in, (step, report dict | None, error) out."""
-    scorer = LocalScorer(spec)
+    threading.Thread(target=watch, name="dflash-parent-watch", daemon=True).start()
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _worker_main(spec: dict, parent_pid: int, jobs, results) -> None:
+    """Body of the spawned worker: "baseline" or a folder in, (report dict | None, error) out."""
+    _die_with_parent(parent_pid)
+    service = None
     while True:
         job = jobs.get()
         if job is None:
             return
-        step, folder = job
         try:
-            report = scorer.baseline() if step == BASELINE else scorer._ready().score_folder(folder, step)
-            results.put((step, None if report is None else report.to_dict(), None))
+            service = service or ScoringService(ServiceSpec(**spec))
+            report = service.baseline() if job == "baseline" else service.score_folder(job)
+            results.put((None if report is None else report.to_dict(), None))
         except Exception as e:  # reported to the training process, which decides
-            results.put((step, None, describe(e) + "\n" + traceback.format_exc(limit=3)))
+            results.put((None, describe(e) + "\n" + traceback.format_exc(limit=3)))
 
 
 class ProcessScorer:
-    """Scores in a spawned worker process, replaced when it dies."""
+    """A spawned worker process, replaced when it dies."""
 
-    def __init__(self, spec: EvaluatorSpec, poll_seconds: float = 0.2):
-        self.spec, self.poll_seconds = spec, poll_seconds
+    def __init__(self, spec: ServiceSpec, run: RunFolder, cancel: threading.Event, closing: threading.Event):
+        self.spec, self.cancel = spec, cancel
         self.ctx = mp.get_context("spawn")
         self.process = None
         self.restarts = -1
@@ -95,161 +149,188 @@ class ProcessScorer:
         if self.process is not None and self.process.is_alive():
             return
         self.jobs, self.results = self.ctx.Queue(), self.ctx.Queue()
-        self.process = self.ctx.Process(
-            target=_worker_main, args=(self.spec, self.jobs, self.results), daemon=True, name="dflash-eval-worker"
-        )
+        self.process = self.ctx.Process(target=_worker_main, args=(self.spec.to_dict(), os.getpid(), self.jobs,
+                                                                   self.results), daemon=True, name="dflash-worker")
         self.process.start()
         self.restarts += 1
 
-    def _run(self, step: int, folder: Path | None) -> EvalReport | None:
+    def _run(self, job: str) -> EvalReport | None:
         self._ensure_worker()
-        self.jobs.put((step, None if folder is None else str(folder)))
+        self.jobs.put(job)
         while True:
             try:
-                done_step, raw, error = self.results.get(timeout=self.poll_seconds)
+                raw, error = self.results.get(timeout=POLL_SECONDS)
             except queue.Empty:
                 if not self.process.is_alive():
-                    code = self.process.exitcode
-                    self.process = None
-                    raise RuntimeError(f"the scoring worker died (exit code {code}) while scoring step {step}") from None
+                    code, self.process = self.process.exitcode, None
+                    raise RuntimeError(f"the scoring worker died (exit code {code})") from None
+                if self.cancel.is_set():
+                    self._stop_worker()
+                    raise Cancelled("scoring was cancelled") from None
                 continue
             if error is not None:
                 raise RuntimeError(error)
             return None if raw is None else EvalReport.from_dict(raw)
 
     def baseline(self) -> EvalReport | None:
-        return self._run(BASELINE, None) if self.spec.baseline is not None else None
+        return self._run("baseline") if self.spec.baseline is not None else None
 
-    def score(self, snapshot: Snapshot, folder: Path | None) -> EvalReport:
-        if folder is None:
-            raise ValueError("runner='process' hands snapshots over on disk; keep_last must be >= 1")
-        return self._run(snapshot.step, folder)
+    def score(self, job: Job) -> EvalReport:
+        return self._run(str(job.folder))
+
+    def _stop_worker(self) -> None:
+        if self.process is not None and self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=10)
+        self.process = None
 
     def close(self) -> None:
         if self.process is not None and self.process.is_alive():
             self.jobs.put(None)
             self.process.join(timeout=10)
-            if self.process.is_alive():
-                self.process.kill()
+        self._stop_worker()
+
+
+class ExternalScorer:
+    """Waits for `dflash-callbacks watch` to write the report of each snapshot."""
+
+    def __init__(self, spec: ServiceSpec, run: RunFolder, cancel: threading.Event, closing: threading.Event):
+        self.spec, self.run, self.cancel, self.closing = spec, run, cancel, closing
+
+    def _wait(self, path: Path, snapshot_id: str | None, what: str) -> EvalReport:
+        started, warned = time.time(), False
+        while True:
+            if path.is_file():
+                found = self.run.read_report(path)
+                if snapshot_id is None or found.snapshot_id in (snapshot_id, None):
+                    if isinstance(found, WatcherError):
+                        raise RuntimeError(found.message)
+                    if found.snapshot_id == snapshot_id:
+                        return found
+            if self.cancel.is_set():
+                raise Cancelled("scoring was cancelled")
+            seen = max(self.run.last_heartbeat() or 0.0, started)
+            if time.time() - seen > WATCHER_TIMEOUT:
+                if self.closing.is_set():
+                    raise RuntimeError(f"no `dflash-callbacks watch` has written to {self.run.path} for "
+                                       f"{WATCHER_TIMEOUT:.0f} s; {what} was not scored")
+                if not warned:
+                    warnings.warn(f"dflash: waiting for a watcher to score {what}: start `dflash-callbacks watch "
+                                  f"--dir {self.run.path.parent} --cache ... --target ...`", stacklevel=1)
+                    warned = True
+            time.sleep(POLL_SECONDS)
+
+    def baseline(self) -> EvalReport | None:
+        if self.spec.baseline is None:
+            return None
+        return self._wait(self.run.report_path(None), None, "the baseline")
+
+    def score(self, job: Job) -> EvalReport:
+        return self._wait(self.run.report_path(job.step), job.snapshot_id, f"step {job.step}")
+
+    def close(self) -> None:
+        pass
+
+
+SCORERS = {"thread": ThreadScorer, "process": ProcessScorer, "external": ExternalScorer}
+
+
+# ---------------------------------------------------------------- the runner
 
 
 class BackgroundRunner:
-    """A daemon thread that writes each submitted snapshot (keeping the newest
-    `keep_last` on disk) and, unless external, scores it; first of all the baseline."""
-
-    def __init__(self, kind: str, spec: EvaluatorSpec, run_dir: Path, keep_last: int):
-        if kind not in RUNNERS:
-            raise ValueError(f"runner must be one of {list(RUNNERS)}; got {kind!r}")
-        self.kind, self.run_dir, self.keep_last = kind, Path(run_dir), keep_last
-        self.snapshots_dir, self.reports_dir = self.run_dir / "snapshots", self.run_dir / "reports"
-        self.scorer = {"thread": LocalScorer, "process": ProcessScorer}[kind](spec) if kind != "external" else None
-        self.has_baseline = spec.baseline is not None
+    def __init__(self, kind: str, spec: ServiceSpec, run: RunFolder, keep_last: int):
+        self.run, self.keep_last, self.has_baseline = run, keep_last, spec.baseline is not None
+        self._cancel, self._closing = threading.Event(), threading.Event()
+        self._cancel_reason = "scoring was cancelled"
+        self.scorer = SCORERS[kind](spec, run, self._cancel, self._closing)
         self._inbox: queue.Queue = queue.Queue()
         self._outbox: queue.Queue = queue.Queue()
-        self._in_flight = 0  # submitted snapshots not yet handed back (or, external: not yet written)
+        self._pending: dict[int, str] = {}  # step -> snapshot_id: submitted, not yet handed back by poll
         self._lock = threading.Lock()
-        self._awaiting: set[int] = set()  # external: steps written, reports not yet seen
         self._thread = threading.Thread(target=self._loop, name="dflash-eval", daemon=True)
         self._thread.start()
 
     # ---- training thread
-    def submit(self, snapshot: Snapshot) -> None:
+    def submit(self, job: Job) -> None:
         with self._lock:
-            self._in_flight += 1
-        self._inbox.put(snapshot)
+            self._pending[job.step] = job.snapshot_id
+        self._inbox.put(job)
 
     @property
     def pending(self) -> int:
-        """Snapshots submitted and not yet handed back by poll (in memory or being scored)."""
         with self._lock:
-            return self._in_flight + len(self._awaiting)
+            return len(self._pending)
+
+    def pending_steps(self) -> list[int]:
+        with self._lock:
+            return sorted(self._pending)
 
     def poll(self) -> list[Outcome]:
+        """Every outcome produced since the last poll, oldest first."""
         out = []
         while True:
             try:
-                out.append(self._outbox.get_nowait())
+                outcome = self._outbox.get_nowait()
             except queue.Empty:
-                break
-        if self.kind == "external":
-            out += self._collect_external()
-        with self._lock:
-            self._in_flight -= sum(1 for o in out if o.step != BASELINE and self.kind != "external")
-        return out
+                return out
+            if isinstance(outcome, SnapshotOutcome):
+                with self._lock:
+                    self._pending.pop(outcome.step, None)
+            out.append(outcome)
 
-    def close(self, wait: bool, timeout: float | None = None) -> None:
-        """Stop the thread; with `wait`, after every submitted snapshot is done."""
-        self._inbox.put(None if wait else "abort")
-        self._thread.join(timeout=timeout if wait else 5)
-        if self.scorer is not None:
-            self.scorer.close()
-
-    def wait_external(self, timeout: float) -> None:
-        deadline = time.time() + timeout
-        while self.kind == "external" and self._awaiting and time.time() < deadline:
-            time.sleep(0.2)
-            for outcome in self._collect_external():
-                self._outbox.put(outcome)
+    def close(self, wait: bool, timeout: float, reason: str) -> None:
+        """With `wait`, let every submitted job finish within `timeout` seconds; whatever is
+        left then (or everything, without `wait`) ends as an error outcome saying `reason`."""
+        self._cancel_reason = reason
+        self._inbox.put(None)
+        if wait:
+            self._closing.set()
+            self._thread.join(timeout)
+        self._cancel.set()
+        self._thread.join(30)
+        self.scorer.close()
 
     # ---- background thread
     def _loop(self) -> None:
-        if self.scorer is not None and self.has_baseline:
-            self._outbox.put(self._attempt(BASELINE, self.scorer.baseline))
-        elif self.kind == "external" and self.has_baseline:
-            self._awaiting.add(BASELINE)
-        while True:
-            snapshot = self._inbox.get()
-            if snapshot is None or snapshot == "abort":
-                return
+        if self.has_baseline:
             started = time.time()
             try:
-                folder = self._write(snapshot)
+                self._outbox.put(BaselineOutcome(report=self.scorer.baseline(), seconds=time.time() - started))
             except Exception as e:
-                self._outbox.put(Outcome(snapshot.step, error=f"writing the snapshot failed: {describe(e)}"))
-                continue
-            if self.kind == "external":
-                with self._lock:
-                    self._awaiting.add(snapshot.step)
-                    self._in_flight -= 1
-                continue
-            outcome = self._attempt(snapshot.step, lambda: self.scorer.score(snapshot, folder))
-            outcome.seconds = time.time() - started
-            del snapshot  # release the host copy before the next one
-            self._outbox.put(outcome)
+                self._outbox.put(BaselineOutcome(error=describe(e), seconds=time.time() - started))
+        while (job := self._inbox.get()) is not None:
+            self._outbox.put(self._run(job))
+        while True:  # after close: a job still queued gets its outcome too
+            try:
+                job = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                self._outbox.put(self._run(job))
 
-    def _write(self, snapshot: Snapshot) -> Path | None:
-        snapshot.wait()
-        if self.keep_last == 0:
-            return None
-        # make room first, so that no more than keep_last snapshots (finished or being written) are ever on disk
-        prune_snapshots(self.snapshots_dir, self.keep_last - 1)
-        return write_snapshot(self.snapshots_dir, snapshot)
-
-    @staticmethod
-    def _attempt(step: int, fn) -> Outcome:
+    def _run(self, job: Job) -> SnapshotOutcome:
         started = time.time()
         try:
-            return Outcome(step, report=fn(), seconds=time.time() - started)
+            if self._cancel.is_set():
+                raise Cancelled(self._cancel_reason)
+            if job.snapshot is not None and self.keep_last > 0:
+                try:
+                    self.run.prune(self.keep_last - 1)  # every snapshot on disk is scored: jobs run in order
+                    job.folder = self.run.write_snapshot(job.snapshot)
+                except OSError as e:
+                    raise RuntimeError(f"writing the snapshot failed: {describe(e)}") from e
+            report = self.scorer.score(job)
+            if (report.step, report.snapshot_id) != (job.step, job.snapshot_id):
+                raise RuntimeError(f"the report names step {report.step} snapshot {report.snapshot_id}, but step "
+                                   f"{job.step} snapshot {job.snapshot_id} was scored; not recorded")
+            outcome = SnapshotOutcome(step=job.step, snapshot_id=job.snapshot_id, report=report)
+        except Cancelled:
+            outcome = SnapshotOutcome(step=job.step, snapshot_id=job.snapshot_id, error=f"not scored: {self._cancel_reason}")
         except Exception as e:
-            return Outcome(step, error=describe(e), seconds=time.time() - started)
-
-    def _collect_external(self) -> list[Outcome]:
-        out = []
-        with self._lock:
-            awaiting = sorted(self._awaiting)
-        for step in awaiting:
-            path = report_file(self.reports_dir, step)
-            if not path.is_file():
-                continue
-            try:
-                raw = json.loads(path.read_text())
-                outcome = Outcome(step, error=raw["error"]) if "error" in raw else Outcome(step, EvalReport.from_dict(raw))
-            except (ValueError, KeyError) as e:
-                outcome = Outcome(step, error=f"unreadable report {path}: {describe(e)}")
-            with self._lock:
-                self._awaiting.discard(step)
-            out.append(outcome)
-        return out
-
-
-__all__ = ["BASELINE", "BackgroundRunner", "Outcome", "RUNNERS", "report_file", "snapshot_dir"]
+            outcome = SnapshotOutcome(step=job.step, snapshot_id=job.snapshot_id, error=describe(e))
+        finally:
+            if job.snapshot is not None:
+                job.snapshot.release()
+        outcome.seconds = time.time() - started
+        return outcome

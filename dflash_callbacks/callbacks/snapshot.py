@@ -1,35 +1,33 @@
-"""Snapshots: the drafter's weights captured at a definite step.
+"""Snapshots: the drafter's weights captured at a definite step, into reused host buffers.
+
+`StagingPool` holds the host buffers a snapshot is copied into: `capacity` sets shaped
+like the drafter's state dict, allocated once (pinned when the drafter is on CUDA) by
+`allocate`, which the callback runs on a background thread before training starts,
+and reused for every snapshot. A set is in use from `capture` until its snapshot has
+been scored (`Snapshot.release`).
 
 `capture` runs on the training thread and returns at once:
-- CUDA weights are copied into pinned host buffers on a side stream (after the
-  current stream's work, via an event), so the copy overlaps with the next forward
-  and backward. `Snapshot.wait()` blocks until the copy is complete; the callback
-  calls it in `on_before_optimizer_step`, so the optimizer never changes weights
-  under the copy.
-- CPU weights are cloned (there is nothing to overlap with).
+- CUDA weights are copied into the pinned set on a side stream (after the current
+  stream's work, via an event), so the copy overlaps with the next forward and
+  backward. `Snapshot.wait()` blocks until the copy is complete; the callback calls it
+  in `on_before_optimizer_step`, so the optimizer never changes weights under the copy.
+- CPU weights are copied into the set at once (there is nothing to overlap with).
 - Sharded (FSDP2 DTensor) weights are gathered first with
-  `get_model_state_dict(full_state_dict=True, cpu_offload=True)`; every rank must
-  call `capture` then (it is a collective), and only rank 0 receives the tensors.
-
-`write_snapshot` writes `snapshots/step-00000400/` (`model.safetensors` in the
-published key layout, `config.json`, `snapshot.json`) to a temporary name and renames
-it, so a reader never sees half a snapshot.
+  `get_model_state_dict(full_state_dict=True, cpu_offload=True)`; every rank must call
+  `capture` then (it is a collective), and only rank 0 receives the tensors.
 """
 
 from __future__ import annotations
 
-import re
-import shutil
+import threading
 import time
+import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..model import DrafterConfig, save_drafter
-
-SNAPSHOT_DIR = re.compile(r"^step-(\d{8})$")
+from ..model import DrafterConfig
 
 
 @dataclass
@@ -38,8 +36,10 @@ class Snapshot:
     epoch: int
     config: DrafterConfig
     state: dict[str, torch.Tensor]
+    snapshot_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     wall_time: float = field(default_factory=time.time)
-    event: "torch.cuda.Event | None" = None
+    event: torch.cuda.Event | None = None
+    pool: StagingPool | None = None  # where `state`'s buffers go back to
 
     def wait(self) -> None:
         """Block until the device-to-host copy is complete (no-op on CPU)."""
@@ -47,24 +47,65 @@ class Snapshot:
             self.event.synchronize()
             self.event = None
 
-    @property
-    def ready(self) -> bool:
-        return self.event is None or self.event.query()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.state.values())
+    def release(self) -> None:
+        """Hand the buffers back to their pool (after scoring); the state is gone after this."""
+        if self.pool is not None:
+            self.pool.release(self.state)
+            self.pool = None
+        self.state = {}
 
     def metadata(self) -> dict:
-        return {"step": self.step, "epoch": self.epoch, "wall_time": self.wall_time, "config": self.config.to_dict()}
+        return {"step": self.step, "snapshot_id": self.snapshot_id, "epoch": self.epoch,
+                "wall_time": self.wall_time, "config": self.config.to_dict()}
+
+
+class StagingPool:
+    """`capacity` reusable host copies of a state dict's tensors (see the module docstring)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.allocations = 0  # buffer sets ever allocated (tests check it stays at capacity)
+        self._free: list[dict[str, torch.Tensor]] = []
+        self._ready = threading.Event()
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+
+    def allocate(self, state: dict[str, torch.Tensor], pin: bool) -> None:
+        """Allocate every set like `state` (shapes and dtypes; pinned when `pin`)."""
+        try:
+            for _ in range(self.capacity):
+                buffers = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin) for k, v in state.items()}
+                with self._lock:
+                    self._free.append(buffers)
+                    self.allocations += 1
+        except BaseException as e:  # reported by acquire, on the training thread
+            self._error = e
+        finally:
+            self._ready.set()
+
+    def acquire(self) -> dict[str, torch.Tensor] | None:
+        """A free set (waiting for `allocate` to finish if it still runs), or None if all are in use."""
+        self._ready.wait()
+        if self._error is not None:
+            raise RuntimeError(f"allocating the snapshot buffers failed: {self._error}") from self._error
+        with self._lock:
+            return self._free.pop() if self._free else None
+
+    def release(self, buffers: dict[str, torch.Tensor]) -> None:
+        with self._lock:
+            self._free.append(buffers)
 
 
 def is_sharded(module: nn.Module) -> bool:
     return any(type(p).__name__ == "DTensor" for p in module.parameters())
 
 
-def capture(module: nn.Module, config: DrafterConfig, step: int, epoch: int, *, is_rank_zero: bool = True) -> Snapshot | None:
-    """Start copying `module`'s weights; None on ranks other than 0."""
+def capture(
+    module: nn.Module, config: DrafterConfig, step: int, epoch: int, pool: StagingPool | None, *,
+    is_rank_zero: bool = True,
+) -> Snapshot | None:
+    """Start copying `module`'s weights (into a set of `pool`, or fresh buffers when the
+    pool has none free); None on ranks other than 0."""
     if is_sharded(module):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -73,51 +114,21 @@ def capture(module: nn.Module, config: DrafterConfig, step: int, epoch: int, *, 
     if not is_rank_zero:
         return None
     source = {k: v.detach() for k, v in module.state_dict().items()}
-    if not any(t.is_cuda for t in source.values()):
-        return Snapshot(step, epoch, config, {k: v.clone() for k, v in source.items()})
+    on_cuda = any(t.is_cuda for t in source.values())
+    state = pool.acquire() if pool is not None else None
+    owner = pool if state is not None else None
+    if state is None:
+        state = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=on_cuda) for k, v in source.items()}
+    if not on_cuda:
+        for k, v in source.items():
+            state[k].copy_(v)
+        return Snapshot(step, epoch, config, state, pool=owner)
     main, side = torch.cuda.current_stream(), torch.cuda.Stream()
     side.wait_stream(main)  # the weights as of now, after every queued kernel
-    state = {}
     with torch.cuda.stream(side):
         for k, v in source.items():
-            state[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
             state[k].copy_(v, non_blocking=True)
             v.record_stream(side)
         event = torch.cuda.Event()
         event.record(side)
-    return Snapshot(step, epoch, config, state, event=event)
-
-
-def snapshot_dir(root: Path, step: int) -> Path:
-    return Path(root) / f"step-{step:08d}"
-
-
-def write_snapshot(root: Path, snapshot: Snapshot) -> Path:
-    snapshot.wait()
-    return save_drafter(
-        snapshot_dir(root, snapshot.step), snapshot.config, snapshot.state,
-        extra_files={"snapshot.json": snapshot.metadata()},
-    )
-
-
-def list_snapshots(root: Path) -> list[tuple[int, Path]]:
-    """(step, folder) of every complete snapshot under root, oldest first."""
-    if not Path(root).is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in Path(root).iterdir() if (m := SNAPSHOT_DIR.match(p.name)) and p.is_dir()]
-    return sorted(found)
-
-
-def prune_snapshots(root: Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest `keep_last` snapshots (and stale temporaries); returns what went."""
-    removed = []
-    if not Path(root).is_dir():
-        return removed
-    snapshots = list_snapshots(root)
-    # temporaries of a writer that was killed mid-write (save_drafter's .NAME.tmp-* and .NAME.old-*); the caller
-    # is the only writer, and it is not writing now
-    stale = sorted(Path(root).glob(".step-*.tmp-*")) + sorted(Path(root).glob(".step-*.old-*"))
-    for folder in [f for _, f in snapshots[: max(0, len(snapshots) - keep_last)]] + stale:
-        shutil.rmtree(folder, ignore_errors=True)
-        removed.append(folder)
-    return removed
+    return Snapshot(step, epoch, config, state, event=event, pool=owner)

@@ -4,16 +4,17 @@ TrailingBaselineStop
 
 Stop training when the drafter keeps trailing the baseline drafter with no prospect of catching up.
 
-The evaluation callback (``DrafterEvalCallback``) scores snapshots in the background on rank 0 and, on the
-training thread, calls ``on_dflash_report(trainer, pl_module, report, baseline)`` on every callback that has
-it. This callback reads one monitored number from each report, keeps the history, and decides.
+At ``setup`` it links to its report source, the ``DrafterEvalCallback`` in ``trainer.callbacks`` (the one
+named by ``eval_callback``, or the only one), checks that the monitored method is one that callback scores,
+and subscribes to its reports. It reads one monitored number from each report (on rank 0, on the training
+thread), keeps the history, and decides. On a resume the history is rebuilt from the run's results.jsonl, so
+reports that arrived after the checkpoint still count.
 """
 
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,12 +24,15 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from ..checks import check_bool, check_choice, check_int, check_number
+from ..scoring.methods import Monitor
+from .publish import ReportSource
+
 if TYPE_CHECKING:
     from dflash_callbacks.scoring.report import EvalReport
 
-MONITOR_FORMS = ("vanilla/{live,dense}", "ddtree@N/{live,dense}", "top@K/{live,dense}")
-_MONITOR_RE = re.compile(r"^(vanilla|ddtree@[1-9][0-9]*|top@[1-9][0-9]*)/(live|dense)$")
 ACTIONS = ("stop", "warn")
+DEFAULT_MIN_RATIO = 0.9
 MIN_PROJECTION_POINTS = 3
 PROJECTION_CURVE = "a+b*log(step)"
 
@@ -50,12 +54,10 @@ class Decision:
 
 def validate_monitor(monitor: str) -> str:
     """Return ``monitor`` if it reads ``METHOD/AGGREGATE`` (e.g. ``"ddtree@8/live"``), else raise ``ValueError``."""
-    if not isinstance(monitor, str) or not _MONITOR_RE.match(monitor):
-        raise ValueError(
-            f"`monitor` must be METHOD/AGGREGATE, one of {', '.join(MONITOR_FORMS)} "
-            f"(N, K positive integers, e.g. 'ddtree@8/live'), got {monitor!r}"
-        )
-    return monitor
+    try:
+        return str(Monitor.parse(monitor))
+    except ValueError as e:
+        raise ValueError(f"`monitor`: {e}") from None
 
 
 def fit_projection(steps: Sequence[float], values: Sequence[float]) -> tuple[float, float]:
@@ -95,9 +97,8 @@ class TrailingBaselineStop(Callback):
             ``live`` or ``dense``.
         min_ratio: ours / baseline must be ``>= min_ratio`` (> 0, e.g. 0.9).
         min_delta: ours - baseline must be ``>= min_delta`` (any finite number, e.g. -0.5).
-            Give at most one of ``min_ratio``/``min_delta``. With neither, ``min_ratio=1.0``: the drafter
-            trails whenever it is below the baseline. That default is strict, so pair it with
-            ``grace_steps`` or ``projection`` in real runs.
+            Give at most one of ``min_ratio``/``min_delta``. With neither, ``min_ratio=0.9``
+            (``DEFAULT_MIN_RATIO``): the drafter trails while it is below 90% of the baseline.
         patience: consecutive trailing reports (>= 1) before acting. A report at or above the threshold
             resets the count.
         grace_steps: reports with ``step < grace_steps`` are kept in the history (and feed the projection)
@@ -119,6 +120,8 @@ class TrailingBaselineStop(Callback):
             pending decision (``trainer.strategy.broadcast``), so a stop lands within
             ``sync_every_n_steps`` steps of the report. A single process stops at the report itself.
         verbose: log a status line for every report that does not stop training.
+        eval_callback: the ``name`` of the DrafterEvalCallback to follow; ``None``: the only one in
+            ``trainer.callbacks``.
 
     Attributes:
         history: ``[(step, value), ...]`` of our monitored value, sorted by step.
@@ -143,32 +146,28 @@ class TrailingBaselineStop(Callback):
         action: str = "stop",
         sync_every_n_steps: int = 1,
         verbose: bool = True,
+        eval_callback: str | None = None,
     ) -> None:
         super().__init__()
         self.monitor = validate_monitor(monitor)
         if min_ratio is not None and min_delta is not None:
             raise ValueError(f"give one of `min_ratio` or `min_delta`, not both (got {min_ratio} and {min_delta})")
-        if min_delta is None and min_ratio is None:
-            min_ratio = 1.0
-        if min_ratio is not None and not (math.isfinite(min_ratio) and min_ratio > 0):
-            raise ValueError(f"`min_ratio` must be a finite number > 0, got {min_ratio}")
-        if min_delta is not None and not math.isfinite(min_delta):
-            raise ValueError(f"`min_delta` must be a finite number, got {min_delta}")
-        _check_int("patience", patience, 1)
-        _check_int("grace_steps", grace_steps, 0)
-        _check_int("projection_window", projection_window, MIN_PROJECTION_POINTS)
-        _check_int("sync_every_n_steps", sync_every_n_steps, 1)
-        if action not in ACTIONS:
-            raise ValueError(f"`action` can be {', '.join(map(repr, ACTIONS))}, got {action!r}")
-        self.min_ratio = min_ratio
-        self.min_delta = min_delta
-        self.patience = patience
-        self.grace_steps = grace_steps
-        self.projection = bool(projection)
-        self.projection_window = projection_window
-        self.action = action
-        self.sync_every_n_steps = sync_every_n_steps
-        self.verbose = verbose
+        self.min_ratio = check_number("`min_ratio`", min_ratio, above=0, optional=True)
+        self.min_delta = check_number("`min_delta`", min_delta, optional=True)
+        if self.min_ratio is None and self.min_delta is None:
+            self.min_ratio = DEFAULT_MIN_RATIO
+        self.patience = check_int("`patience`", patience, 1)
+        self.grace_steps = check_int("`grace_steps`", grace_steps, 0)
+        self.projection = check_bool("`projection`", projection)
+        self.projection_window = check_int("`projection_window`", projection_window, MIN_PROJECTION_POINTS)
+        self.action = check_choice("`action`", action, ACTIONS)
+        self.sync_every_n_steps = check_int("`sync_every_n_steps`", sync_every_n_steps, 1)
+        self.verbose = check_bool("`verbose`", verbose)
+        if eval_callback is not None and not isinstance(eval_callback, str):
+            raise ValueError(f"`eval_callback` must be the name of a DrafterEvalCallback or None; got {eval_callback!r}")
+        self.eval_callback = eval_callback
+        self.source: ReportSource | None = None
+        self._unsubscribe: Callable[[], None] | None = None
 
         self.history: list[tuple[int, float]] = []
         self.wait_count = 0
@@ -260,6 +259,38 @@ class TrailingBaselineStop(Callback):
         return not reaches, text, projected
 
     # ----- hooks -------------------------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Link to the report source and check the monitor against what it scores, before training."""
+        if stage != "fit":
+            return
+        self.source = find_source(trainer.callbacks, self.eval_callback)
+        method = str(Monitor.parse(self.monitor).method)
+        scored = self.source.scored_methods()
+        if method not in scored:
+            raise ValueError(
+                f"TrailingBaselineStop monitors {self.monitor!r}, but {self.source.name!r} scores only {scored}; "
+                f"monitor one of those, or add it to that callback's scoring (ddtree_budgets / topk)"
+            )
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+        self._unsubscribe = self.source.subscribe(lambda report, baseline: self.on_dflash_report(
+            trainer, pl_module, report, baseline))
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The history of this run so far (all of results.jsonl on a resume)."""
+        if trainer.is_global_zero and self.source is not None:
+            monitor = Monitor.parse(self.monitor)
+            self.history = [(int(h["step"]), float(h["mean"][str(monitor.method)][monitor.aggregate]))
+                            for h in self.source.run_history(trainer, pl_module)]
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
 
     def on_dflash_report(
         self,
@@ -361,9 +392,21 @@ class TrailingBaselineStop(Callback):
         self.stop_reason = reason
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}")
+def find_source(callbacks: Sequence[Callback], name: str | None) -> ReportSource:
+    """The report source TrailingBaselineStop follows: the one called `name`, or the only one."""
+    sources = [cb for cb in callbacks if isinstance(cb, ReportSource)]
+    names = [cb.name for cb in sources]
+    if name is not None:
+        sources = [cb for cb in sources if cb.name == name]
+        if not sources:
+            raise ValueError(f"TrailingBaselineStop(eval_callback={name!r}): no DrafterEvalCallback of that name in "
+                             f"trainer.callbacks; found {names}")
+    if not sources:
+        raise ValueError("TrailingBaselineStop needs a DrafterEvalCallback in trainer.callbacks (it stops on its reports)")
+    if len(sources) > 1:
+        raise ValueError(f"trainer.callbacks holds several DrafterEvalCallbacks {names}; name the one to follow with "
+                         f"TrailingBaselineStop(eval_callback=...)")
+    return sources[0]
 
 
 def _horizon(trainer: pl.Trainer) -> int | None:

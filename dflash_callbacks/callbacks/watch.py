@@ -1,10 +1,14 @@
-"""`dflash-callbacks watch`: score the snapshots a training run writes, from elsewhere.
+"""`dflash-callbacks watch`: score the snapshots training runs write, from another process or host.
 
-Pair it with `DrafterEvalCallback(runner="external", dirpath=RUN_DIR)`. The watcher
-scores the baseline once into `RUN_DIR/reports/baseline.json`, then every snapshot
-`RUN_DIR/snapshots/step-XXXXXXXX/` that has no report yet into
-`RUN_DIR/reports/step-XXXXXXXX.json` (an `{"error": ...}` object when scoring fails),
-each written atomically. The training process picks the reports up and logs them.
+Pair it with `DrafterEvalCallback(runner="external", dirpath=DIR)`. `--dir` is that
+`dirpath` (one subfolder per run; new runs are picked up as they appear) or one run
+folder. Every poll, for every run folder, the watcher
+- scores the baseline once into reports/baseline.json (a failure is written there as
+  `{"error": ...}`, so the run goes on without one, and retried on the next poll);
+- scores every snapshot whose report is missing or names another snapshot id into
+  reports/step-XXXXXXXX.json (`{"error", "step", "snapshot_id"}` when scoring fails);
+and writes a heartbeat (DIR/watcher.json), so a run that waits for it knows it is there.
+Each file is written atomically; each snapshot scored is logged on one line.
 """
 
 from __future__ import annotations
@@ -13,65 +17,100 @@ import argparse
 import time
 from pathlib import Path
 
-from ..files import atomic_write_json
-from ..scoring.cli import add_scoring_arguments, scoring_config
-from .evaluator import Evaluator, EvaluatorSpec
-from .runners import BASELINE, describe, report_file
-from .snapshot import list_snapshots
+from ..scoring.report import EvalReport
+from ..scoring.service import ScoringService, ServiceSpec, preflight
+from .run_folder import RunFolder, is_run_folder, write_heartbeat
+from .runners import describe
 
 
-def write_json(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(path, payload)
+def run_folders(root: Path) -> list[RunFolder]:
+    """`root` itself when it is a run folder, else every run folder directly under it."""
+    if is_run_folder(root):
+        return [RunFolder(root)]
+    return [RunFolder(p) for p in sorted(root.iterdir()) if p.is_dir() and is_run_folder(p)]
 
 
-def scan_once(evaluator: Evaluator, run_dir: Path) -> int:
-    """Score every snapshot without a report; returns how many were scored."""
-    reports = run_dir / "reports"
-    if evaluator.spec.baseline is not None and not report_file(reports, BASELINE).exists():
+class Watcher:
+    def __init__(self, service: ScoringService, root: Path, log=print):
+        self.service, self.root, self.log = service, root, log
+        self._baseline: EvalReport | str | None = None  # the report, or the last error
+
+    def baseline(self) -> EvalReport | str | None:
+        """The baseline's report, scored once; after a failure, tried again on each call."""
+        if self.service.spec.baseline is None or isinstance(self._baseline, EvalReport):
+            return self._baseline
         try:
-            write_json(report_file(reports, BASELINE), evaluator.baseline().to_dict())
+            self._baseline = self.service.baseline()
+            self.log(f"watch: baseline {self.service.spec.baseline} scored")
         except Exception as e:
-            write_json(report_file(reports, BASELINE), {"error": describe(e)})
-    done = 0
-    for step, folder in list_snapshots(run_dir / "snapshots"):
-        target = report_file(reports, step)
-        if target.exists():
-            continue
-        try:
-            payload = evaluator.score_folder(folder, step).to_dict()
-        except FileNotFoundError:
-            continue  # pruned by the training run before we got to it
-        except Exception as e:
-            payload = {"error": describe(e)}
-        write_json(target, payload)
-        done += 1
-    return done
+            self._baseline = describe(e)
+            self.log(f"watch: scoring the baseline failed (retried next poll): {self._baseline}")
+        return self._baseline
+
+    def scan_once(self) -> int:
+        """Score every snapshot without its report; returns how many were scored."""
+        done = 0
+        write_heartbeat(self.root)
+        for run in run_folders(self.root):
+            if self.service.spec.baseline is not None and not isinstance(run.read_report(run.report_path(None)),
+                                                                         EvalReport):
+                baseline = self.baseline()
+                run.write_report(None, baseline.to_dict() if isinstance(baseline, EvalReport) else {"error": baseline})
+            for step, folder in run.list_snapshots():
+                snapshot_id = run.snapshot_id(folder)
+                existing = run.report_path(step)
+                if existing.is_file() and run.read_report(existing).snapshot_id == snapshot_id:
+                    continue
+                started = time.time()
+                try:
+                    payload = self.service.score_folder(folder).to_dict()
+                    summary = ", ".join(f"{m} {v['live']:.2f}" for m, v in payload["mean"].items())
+                    self.log(f"watch: {run.path.name} step {step}: live tau {summary} ({time.time() - started:.1f} s)")
+                except FileNotFoundError:
+                    continue  # pruned by the training run before we got to it
+                except Exception as e:
+                    payload = {"error": describe(e), "step": step, "snapshot_id": snapshot_id}
+                    self.log(f"watch: {run.path.name} step {step} failed: {payload['error']}")
+                run.write_report(step, payload)
+                done += 1
+        return done
 
 
 def add_watch_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dir", required=True, type=Path, help="the run's dflash folder (DrafterEvalCallback dirpath)")
+    from ..scoring.cli import add_scoring_arguments
+
+    p.add_argument("--dir", required=True, type=Path,
+                   help="the callback's dirpath (one subfolder per run) or one run folder; must exist")
     p.add_argument("--cache", required=True, type=Path)
     p.add_argument("--target", required=True, type=Path)
     p.add_argument("--baseline", type=Path, default=None)
     p.add_argument("--baseline-cache-dir", type=Path, default=None)
-    p.add_argument("--poll-seconds", type=float, default=5.0)
+    p.add_argument("--poll-seconds", type=float, default=5.0, help="seconds between scans (>= 0)")
     p.add_argument("--idle-exit", type=float, default=None, help="exit after this many seconds without a new snapshot")
     p.add_argument("--once", action="store_true", help="score what is there now and exit")
     add_scoring_arguments(p)
 
 
 def run_watch(args: argparse.Namespace) -> int:
-    spec = EvaluatorSpec(
+    from ..scoring.cli import UsageError, scoring_config
+
+    if not args.dir.is_dir():
+        raise UsageError(f"--dir {args.dir} is not a folder: give the callback's dirpath (or a run folder in it)")
+    if args.poll_seconds < 0 or (args.idle_exit is not None and args.idle_exit < 0):
+        raise UsageError("--poll-seconds and --idle-exit must be >= 0")
+    spec = ServiceSpec(
         cache=str(args.cache), target=str(args.target),
         baseline=None if args.baseline is None else str(args.baseline),
         scoring=scoring_config(args).to_dict(),
         baseline_cache_dir=None if args.baseline_cache_dir is None else str(args.baseline_cache_dir),
     )
-    evaluator = Evaluator(spec)
+    preflight(spec, None)
+    watcher = Watcher(ScoringService(spec), args.dir, log=lambda line: print(line, flush=True))
+    print(f"watch: scoring the snapshots of the runs in {args.dir} (every {args.poll_seconds:g} s; Ctrl-C stops)",
+          flush=True)
     last_work = time.time()
     while True:
-        if scan_once(evaluator, args.dir):
+        if watcher.scan_once():
             last_work = time.time()
         if args.once or (args.idle_exit is not None and time.time() - last_work > args.idle_exit):
             return 0

@@ -1,22 +1,24 @@
 """`dflash-callbacks demo`: train a toy drafter on the CPU with both callbacks attached.
 
-The toy world (`dflash_callbacks.demos.toy`) gives a tiny real Qwen3 target trained on the
-Python standard library. The demo
-1. builds (once, cached under `out/world/`) the coding10 cache of that target and a
+The toy world (`dflash_callbacks.demos.toy`) gives a tiny real Qwen3 target trained on
+the Python standard library. The demo
+1. builds (once, cached under `OUT/world/`) the coding10 cache of that target and a
    cache of training text (the target's own greedy continuations of code snippets);
 2. uses the toy baseline drafter shipped in the package (`tools/train_toy_baseline.py`);
 3. trains a new drafter with a deliberately weak recipe (one layer, a low learning
    rate), with DrafterEvalCallback scoring snapshots in the background and
    TrailingBaselineStop stopping the run once it keeps trailing the baseline;
 4. prints a table per report, logs to W&B (offline by default) and to CSV, and writes
-   `out/live_tau.png`: live tau of ours against the baseline, per method.
+   `OUT/live_tau.png`: live tau of ours against the baseline per method, with the stop
+   threshold and the stop step.
 
-Every setting is a `key=value` override of `DemoConfig` (e.g. `train.max_steps=300`,
-`eval.every_n_train_steps=25`, `stop.patience=2`, `wandb=online`).
+Its settings are conf/demo.yaml over the callbacks' defaults; any key can be overridden
+as `key=value` (e.g. `train.max_steps=300`, `eval.every_n_train_steps=25`, `stop.patience=2`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -25,20 +27,21 @@ from pathlib import Path
 import torch
 
 from ..config import EvalConfig, StopConfig, build_eval_callback, build_stop_callback, load_config
-from ..scoring.config import ScoringConfig
+from ..paths import CONF_DIR
 from ..scoring.report import EvalReport, comparison_table
 from .toy.threads import torch_threads
 
+DEMO_YAML = CONF_DIR / "demo.yaml"
 TOY_BASELINE_DIR = Path(__file__).resolve().parent / "toy" / "assets" / "baseline"
 WANDB_MODES = ("offline", "online", "disabled")
 
 
 @dataclass
 class TrainConfig:
-    """A drafter training recipe on the toy world."""
+    """A drafter training recipe on the toy world (the demo's: deliberately weak)."""
 
     max_steps: int = 600
-    lr: float = 1e-3
+    lr: float = 3e-4
     layers: int = 1
     block_size: int = 8
     blocks_per_sequence: int = 16
@@ -48,30 +51,39 @@ class TrainConfig:
     seed: int = 0
 
 
-def weak_recipe() -> TrainConfig:
-    return TrainConfig(max_steps=600, lr=3e-4, layers=1)
-
-
 @dataclass
 class DemoConfig:
     out: str = "runs/demo"
     wandb: str = "offline"  # offline | online | disabled
     wandb_project: str = "dflash-callbacks-demo"
-    train: TrainConfig = field(default_factory=weak_recipe)
-    eval: EvalConfig = field(default_factory=lambda: EvalConfig(
-        cache="toy", target="toy", baseline="toy", every_n_train_steps=25, busy="queue", max_pending=2,
-        scoring=ScoringConfig(ddtree_budgets=[4, 8], topk=[4], device="cpu"),
-    ))
-    stop: StopConfig = field(default_factory=lambda: StopConfig(
-        monitor="ddtree@8/live", min_ratio=0.9, patience=3, grace_steps=250, projection=True,
-    ))
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    stop: StopConfig = field(default_factory=StopConfig)
+
+
+def demo_config(overrides: list[str] | tuple = ()) -> DemoConfig:
+    """conf/demo.yaml over the defaults, then `key=value` overrides."""
+    return load_config(DemoConfig, DEMO_YAML, overrides)
+
+
+def config_keys(config: object = None, prefix: str = "") -> list[tuple[str, object]]:
+    """Every key of a (nested) config dataclass with its value, for `demo --help`."""
+    config = DemoConfig() if config is None else config
+    keys = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            keys += config_keys(value, f"{prefix}{f.name}.")
+        else:
+            keys.append((f"{prefix}{f.name}", value))
+    return keys
 
 
 def training_data(world: Path, train: TrainConfig):
     from torch.utils.data import DataLoader
 
-    from .toy.world import build_toy_training_cache
     from ..training import CacheSequences, collate_sequences
+    from .toy.world import build_toy_training_cache
 
     folder = world / f"train-{train.sequences}x{train.seq_len}"
     build_toy_training_cache(folder, n_sequences=train.sequences, seq_len=train.seq_len)
@@ -81,8 +93,8 @@ def training_data(world: Path, train: TrainConfig):
 
 
 def toy_module(train: TrainConfig):
-    from .toy.world import toy_drafter_config, toy_target_path
     from ..training import DFlashTrainingModule
+    from .toy.world import toy_drafter_config, toy_target_path
 
     torch.manual_seed(train.seed)
     config = toy_drafter_config(block_size=train.block_size, num_layers=train.layers)
@@ -112,24 +124,38 @@ def resolve_world(cfg: DemoConfig) -> tuple[str, str, str | None]:
     return cache, target, baseline
 
 
-def plot_live_tau(reports: list[EvalReport], baseline: EvalReport | None, path: Path) -> Path:
+def plot_live_tau(reports: list[EvalReport], baseline: EvalReport | None, path: Path, *, title: str,
+                  stop=None) -> Path:
+    """One panel per method, one y-scale: ours per report, the baseline, the stop threshold
+    on the monitored method, and the step the run stopped at with its reason."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     methods = reports[0].methods
-    fig, axes = plt.subplots(1, len(methods), figsize=(4 * len(methods), 3.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(methods), figsize=(4 * len(methods), 3.6), squeeze=False, sharey=True)
     steps = [r.step for r in reports]
+    monitored = stop.monitor.split("/")[0] if stop is not None else None
     for ax, method in zip(axes[0], methods):
         ax.plot(steps, [r.value(f"{method}/live") for r in reports], marker="o", label="ours")
         if baseline is not None:
-            ax.axhline(baseline.value(f"{method}/live"), color="k", linestyle="--", label="baseline")
+            base = baseline.value(f"{method}/live")
+            ax.axhline(base, color="k", linestyle="--", label=f"baseline {base:.2f}")
+            if method == monitored and stop.monitor.endswith("/live"):
+                ax.axhline(stop.threshold(base), color="tab:red", linestyle=":",
+                           label=f"stop threshold ({stop.describe_threshold(base).split(' = ')[0]})")
+        if stop is not None and stop.stopped_step:
+            ax.axvline(stop.stopped_step, color="tab:red", alpha=0.6, label=f"stopped at step {stop.stopped_step}")
         ax.set_title(f"{method} live tau")
-        ax.set_xlabel("step")
+        ax.set_xlabel("training step")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("tokens per target forward")
-    axes[0][0].legend()
+        ax.legend(fontsize=7, loc="best")
+    axes[0][0].set_ylabel("tokens per target forward (tau)")
+    heading = title
+    if stop is not None and stop.stop_reason:
+        heading += "\n" + stop.stop_reason.split(": ", 1)[-1]
+    fig.suptitle(heading, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -151,10 +177,11 @@ def _run_demo(cfg: DemoConfig) -> dict:
     started = time.time()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg.eval.cache, cfg.eval.target, cfg.eval.baseline = resolve_world(cfg)
-    cfg.eval.dirpath = cfg.eval.dirpath or str(out / "dflash")
-    cfg.eval.baseline_cache_dir = cfg.eval.baseline_cache_dir or str(out / "baseline-reports")
-    eval_cb, stop_cb = build_eval_callback(cfg.eval), build_stop_callback(cfg.stop)
+    evaluation = dataclasses.replace(cfg.eval)
+    evaluation.cache, evaluation.target, evaluation.baseline = resolve_world(cfg)
+    evaluation.dirpath = evaluation.dirpath or str(out / "dflash")
+    evaluation.baseline_cache_dir = evaluation.baseline_cache_dir or str(out / "baseline-reports")
+    eval_cb, stop_cb = build_eval_callback(evaluation), build_stop_callback(cfg.stop)
 
     def show(report: EvalReport, baseline: EvalReport | None) -> None:
         print("\n" + comparison_table(report, baseline) + "\n", flush=True)
@@ -176,12 +203,14 @@ def _run_demo(cfg: DemoConfig) -> dict:
 
         wandb.finish()
     summary = {
-        "steps": trainer.global_step, "max_steps": cfg.train.max_steps,
+        "steps": trainer.global_step, "max_steps": cfg.train.max_steps, "run": eval_cb.run_id,
         "reports": [r.step for r in eval_cb.reports], "stop_reason": getattr(stop_cb, "stop_reason", None),
-        "seconds": time.time() - started, "results": str(Path(cfg.eval.dirpath) / "results.jsonl"),
+        "seconds": time.time() - started, "results": str(eval_cb.run.results_path), "errors": eval_cb.errors,
     }
     if eval_cb.reports:
-        summary["plot"] = str(plot_live_tau(eval_cb.reports, eval_cb.baseline_report, out / "live_tau.png"))
+        title = f"demo run {eval_cb.run_id}: live tau of ours against the baseline ({len(eval_cb.reports)} reports)"
+        summary["plot"] = str(plot_live_tau(eval_cb.reports, eval_cb.baseline_report, out / "live_tau.png",
+                                            title=title, stop=stop_cb))
     print(f"\ntrained {summary['steps']} of {cfg.train.max_steps} steps in {summary['seconds']:.0f} s; "
           f"{len(eval_cb.reports)} reports in {summary['results']}")
     if summary["stop_reason"]:
@@ -192,10 +221,16 @@ def _run_demo(cfg: DemoConfig) -> dict:
 
 
 def add_demo_arguments(p) -> None:
+    import argparse
+
+    keys = "\n".join(f"  {key} = {value!r}" for key, value in config_keys(demo_config()))
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = (f"settings (conf/demo.yaml over the callbacks' defaults; override any as key=value):\n{keys}\n\n"
+                "writes under OUT (default runs/demo): world/ (toy caches), baseline-reports/, dflash/<run id>/ "
+                "(results.jsonl, snapshots/), csv/, wandb/, live_tau.png")
     p.add_argument("overrides", nargs="*", help="key=value settings of DemoConfig, e.g. train.max_steps=300")
 
 
 def run_demo_cli(args) -> int:
-    run_demo(load_config(DemoConfig, None, args.overrides))
+    run_demo(demo_config(args.overrides))
     return 0
-

@@ -49,6 +49,22 @@ class DrafterConfig:
     extra: dict[str, Any] = field(default_factory=dict)  # other keys of config.json, written back unchanged
 
     def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "block_size", "vocab_size", "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"field {name!r} must be a positive integer; got {value!r}")
+        if isinstance(self.mask_token_id, bool) or not isinstance(self.mask_token_id, int):
+            raise ValueError(f"field 'mask_token_id' must be an integer; got {self.mask_token_id!r}")
+        if not isinstance(self.target_layer_ids, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.target_layer_ids
+        ):
+            raise ValueError(f"field 'target_layer_ids' must be a list of integers >= 0; got {self.target_layer_ids!r}")
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
+                                                or not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(f"field 'sliding_window' must be a positive integer or null; got {self.sliding_window!r}")
+        if not isinstance(self.layer_types, list):
+            raise ValueError(f"field 'layer_types' must be a list; got {self.layer_types!r}")
         if not self.layer_types:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
         if len(self.layer_types) != self.num_hidden_layers:
@@ -79,8 +95,12 @@ class DrafterConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "DrafterConfig":
+        if not isinstance(raw, dict):
+            raise ValueError(f"a drafter config is a JSON object; got {type(raw).__name__}")
         d = copy.deepcopy(raw)
         dflash = d.pop("dflash_config", None) or {}
+        if not isinstance(dflash, dict):
+            raise ValueError(f"field 'dflash_config' must be an object; got {dflash!r}")
 
         def take(name: str, default: Any = KeyError) -> Any:
             # dflash_config wins over the top level where both are present.
@@ -90,12 +110,11 @@ class DrafterConfig:
             if name in d:
                 return d.pop(name)
             if default is KeyError:
-                raise ValueError(f"drafter config has no {name!r} (looked at the top level and in dflash_config)")
+                raise ValueError(f"no field {name!r} (looked at the top level and in dflash_config); is this a "
+                                 "DFlash drafter config?")
             return default
 
-        num_layers = d.pop("num_hidden_layers", None)
-        if num_layers is None:
-            raise ValueError("drafter config has no 'num_hidden_layers'")
+        num_layers = take("num_hidden_layers")
         num_target_layers = take("num_target_layers", None)
         layer_ids = take("target_layer_ids", None)
         if layer_ids is None:
@@ -106,25 +125,31 @@ class DrafterConfig:
         block_size = take("block_size")
 
         rope = d.pop("rope_parameters", None) or d.pop("rope_scaling", None) or {}
+        if not isinstance(rope, dict):
+            raise ValueError(f"field 'rope_parameters' must be an object; got {rope!r}")
         rope = dict(rope)
         if "rope_theta" in d:
             rope.setdefault("rope_theta", d.pop("rope_theta"))
         rope.setdefault("rope_theta", 1e6)
         rope.setdefault("rope_type", rope.pop("type", "default"))
 
-        hidden = d.pop("hidden_size")
-        heads = d.pop("num_attention_heads")
+        hidden = take("hidden_size")
+        heads = take("num_attention_heads")
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+            raise ValueError(f"field 'num_attention_heads' must be a positive integer; got {heads!r}")
+        if not isinstance(hidden, int):
+            raise ValueError(f"field 'hidden_size' must be a positive integer; got {hidden!r}")
         cfg = cls(
             hidden_size=hidden,
-            intermediate_size=d.pop("intermediate_size"),
+            intermediate_size=take("intermediate_size"),
             num_hidden_layers=num_layers,
             num_attention_heads=heads,
             num_key_value_heads=d.pop("num_key_value_heads", heads),
             head_dim=d.pop("head_dim", None) or hidden // heads,
-            block_size=int(block_size),
-            mask_token_id=int(mask_token_id),
-            target_layer_ids=[int(i) for i in layer_ids],
-            vocab_size=d.pop("vocab_size"),
+            block_size=block_size,
+            mask_token_id=mask_token_id,
+            target_layer_ids=list(layer_ids) if isinstance(layer_ids, (list, tuple)) else layer_ids,
+            vocab_size=take("vocab_size"),
             rms_norm_eps=d.pop("rms_norm_eps", 1e-6),
             attention_bias=d.pop("attention_bias", False),
             hidden_act=d.pop("hidden_act", "silu"),
@@ -148,10 +173,11 @@ class DrafterConfig:
         if not path.is_file():
             raise FileNotFoundError(f"no drafter config at {path}: a drafter folder holds config.json and *.safetensors")
         try:
-            raw = json.loads(path.read_text())
+            return cls.from_dict(json.loads(path.read_text()))
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from e
-        return cls.from_dict(raw)
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+        except ValueError as e:
+            raise ValueError(f"drafter config {path}: {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
         """The published layout: model_type qwen3, block_size at the top level,

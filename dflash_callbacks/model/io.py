@@ -57,13 +57,40 @@ def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def read_state_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """The shape of every stored tensor, from the safetensors headers alone."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in safetensors_files(folder):
+        with safe_open(str(file), framework="pt") as f:
+            shapes.update((key, tuple(f.get_slice(key).get_shape())) for key in f.keys())
+    return shapes
+
+
+SNAPSHOT_META = "snapshot.json"
+
+
+def read_snapshot_meta(folder: str | os.PathLike) -> dict | None:
+    """A snapshot's snapshot.json ({"step", "snapshot_id", "epoch", "wall_time", "config"}),
+    None for a drafter folder that is not a snapshot; ValueError if it is unreadable."""
+    path = Path(folder) / SNAPSHOT_META
+    if not path.is_file():
+        return None
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+        raise ValueError(f"{path} is not a snapshot description (no integer 'step')")
+    return meta
+
+
 def read_config(folder: Path) -> DrafterConfig:
     """config.json, or for a snapshot written without one, snapshot.json's 'config'."""
     if (folder / "config.json").is_file():
         return DrafterConfig.from_file(folder / "config.json")
-    snapshot = folder / "snapshot.json"
-    if snapshot.is_file():
-        return DrafterConfig.from_dict(json.loads(snapshot.read_text())["config"])
+    meta = read_snapshot_meta(folder)
+    if meta is not None and isinstance(meta.get("config"), dict):
+        return DrafterConfig.from_dict(meta["config"])
     raise FileNotFoundError(
         f"no config.json in {folder}: a drafter folder holds config.json and *.safetensors "
         f"(found: {sorted(p.name for p in folder.iterdir())})"

@@ -76,21 +76,7 @@ class TargetHead(nn.Module):
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
     ) -> "TargetHead":
-        folder = Path(target_path)
-        if not folder.is_dir():
-            raise FileNotFoundError(f"target folder {folder} does not exist")
-        config_file = folder / "config.json"
-        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-        where = locate_keys(folder)
-        embed_key = next((k for k in EMBED_KEYS if k in where), None)
-        if embed_key is None:
-            raise KeyError(f"no input embedding in {folder}; looked for {list(EMBED_KEYS)}")
-        head_key = next((k for k in LM_HEAD_KEYS if k in where), None)
-        if head_key is None and not tie_word_embeddings(config):
-            raise KeyError(
-                f"no LM head in {folder}: none of {list(LM_HEAD_KEYS)} is stored and config.json "
-                f"does not set tie_word_embeddings: true"
-            )
+        folder, where, embed_key, head_key = _locate_head(target_path)
 
         def read(key: str) -> torch.Tensor:
             with safe_open(str(where[key]), framework="pt", device="cpu") as f:
@@ -101,3 +87,33 @@ class TargetHead(nn.Module):
         head = cls(embed, head_weight)
         head.source = str(folder)
         return head.eval()
+
+
+def _locate_head(target_path: str | os.PathLike) -> tuple[Path, dict[str, Path], str, str | None]:
+    """(folder, file of every tensor, embedding key, LM head key or None when tied)."""
+    folder = Path(target_path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"target folder {folder} does not exist")
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    where = locate_keys(folder)
+    embed_key = next((k for k in EMBED_KEYS if k in where), None)
+    if embed_key is None:
+        raise ValueError(f"no input embedding in {folder}; looked for {list(EMBED_KEYS)} (is it a target model folder?)")
+    head_key = next((k for k in LM_HEAD_KEYS if k in where), None)
+    if head_key is None and not tie_word_embeddings(config):
+        raise ValueError(
+            f"no LM head in {folder}: none of {list(LM_HEAD_KEYS)} is stored and config.json "
+            f"does not set tie_word_embeddings: true"
+        )
+    return folder, where, embed_key, head_key
+
+
+def head_shapes(target_path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """{"embed_tokens": shape, "lm_head": shape} from the file headers alone (no tensor is read)."""
+    _, where, embed_key, head_key = _locate_head(target_path)
+    shapes = {}
+    for name, key in (("embed_tokens", embed_key), ("lm_head", head_key or embed_key)):
+        with safe_open(str(where[key]), framework="pt") as f:
+            shapes[name] = tuple(f.get_slice(key).get_shape())
+    return shapes

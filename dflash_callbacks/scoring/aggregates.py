@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import check_int
+
 
 def _check_streaks(streaks: torch.Tensor) -> torch.Tensor:
     if not isinstance(streaks, torch.Tensor) or streaks.dim() != 1:
@@ -30,11 +32,6 @@ def _check_streaks(streaks: torch.Tensor) -> torch.Tensor:
     return streaks
 
 
-def _check_int(value: int, name: str, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
-
-
 def dense_tau(streaks: torch.Tensor) -> float:
     """Mean of streak + 1 over all scored anchors."""
     streaks = _check_streaks(streaks)
@@ -48,8 +45,8 @@ def live_rounds(streaks: torch.Tensor, first_anchor: int, max_rounds: int) -> li
     anchor is past the last scored one, or after `max_rounds` (>= 1) rounds.
     """
     streaks = _check_streaks(streaks)
-    _check_int(first_anchor, "first_anchor", 0)
-    _check_int(max_rounds, "max_rounds", 1)
+    check_int("first_anchor", first_anchor, 0)
+    check_int("max_rounds", max_rounds, 1)
     values = streaks.tolist()
     taus = []
     anchor = first_anchor
@@ -69,6 +66,6 @@ def live_tau(streaks: torch.Tensor, first_anchor: int, max_rounds: int) -> float
 def acceptance_curve(streaks: torch.Tensor, max_depth: int) -> list[float]:
     """For d = 1..max_depth (>= 1): the share of anchors whose streak is >= d."""
     streaks = _check_streaks(streaks)
-    _check_int(max_depth, "max_depth", 1)
+    check_int("max_depth", max_depth, 1)
     depths = torch.arange(1, max_depth + 1, device=streaks.device)
     return (streaks.unsqueeze(0) >= depths.unsqueeze(1)).double().mean(dim=1).tolist()

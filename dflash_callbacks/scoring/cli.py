@@ -1,4 +1,8 @@
-"""`dflash-callbacks score` and `dflash-callbacks compare`."""
+"""`dflash-callbacks score` and `dflash-callbacks compare`.
+
+Both check every input before any work starts (`score` runs the same preflight as the
+callback, the baseline included), then print a per-task table.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +10,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from .config import BACKENDS, DTYPES, ScoringConfig
-from .report import EvalReport, comparable, comparison_table
+from ..checks import DTYPES
+from ..kernels.head_stats import BACKENDS
+from .config import ScoringConfig
+from .report import EvalReport, comparable, comparison_table, read_results
+
+
+class UsageError(ValueError):
+    """A command-line argument that can not work; printed as one `error:` line."""
 
 
 def int_list(text: str) -> list[int]:
@@ -21,12 +31,12 @@ def add_scoring_arguments(p: argparse.ArgumentParser) -> None:
     d = ScoringConfig()
     p.add_argument("--budgets", type=int_list, default=d.ddtree_budgets, help="DDTree node budgets (default 4,8)")
     p.add_argument("--topk", type=int_list, default=d.topk, help="top@k widths, e.g. 4,8 (default none)")
-    p.add_argument("--window", type=int, default=None, help="score the first N completion tokens (default all)")
-    p.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
+    p.add_argument("--window", type=int, default=d.window, help="score the first N completion tokens (default all)")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="default: the drafter's")
     p.add_argument("--max-rounds", type=int, default=d.max_rounds, help="rounds of the live schedule")
-    p.add_argument("--tasks", type=lambda s: s.split(","), default=None, help="comma-separated subset of tasks")
+    p.add_argument("--tasks", type=lambda s: s.split(","), default=d.tasks, help="comma-separated subset of tasks")
     p.add_argument("--anchors-per-forward", type=int, default=d.anchors_per_forward)
-    p.add_argument("--vocab-chunk", type=int, default=None)
+    p.add_argument("--vocab-chunk", type=int, default=d.vocab_chunk)
     p.add_argument("--backend", choices=BACKENDS, default=d.backend)
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", choices=list(DTYPES), default=d.dtype)
@@ -40,11 +50,18 @@ def scoring_config(args: argparse.Namespace) -> ScoringConfig:
     )
 
 
+def check_output(option: str, path: Path | None) -> None:
+    if path is not None and not path.parent.is_dir():
+        raise UsageError(f"{option} {path}: the folder {path.parent} does not exist")
+
+
 def add_score_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", required=True, type=Path, help="drafter folder (published layout or snapshot)")
     p.add_argument("--cache", required=True, type=Path, help="hidden-state cache folder")
     p.add_argument("--target", required=True, type=Path, help="target folder (only embed_tokens and lm_head are read)")
     p.add_argument("--baseline", type=Path, default=None, help="baseline drafter folder or saved report JSON")
+    p.add_argument("--baseline-cache-dir", type=Path, default=None,
+                   help="where baseline reports are cached (default ~/.cache/dflash_callbacks/baselines)")
     p.add_argument("--json", type=Path, default=None, help="write our report here")
     p.add_argument("--baseline-json", type=Path, default=None, help="write the baseline's report here")
     p.add_argument("--aggregate", choices=("live", "dense"), default="live", help="aggregate shown in the table")
@@ -52,43 +69,64 @@ def add_score_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_score(args: argparse.Namespace) -> int:
-    from ..cache.format import HiddenStateCache
-    from ..model import TargetHead, load_drafter
-    from .scorer import score_drafter
+    from ..model.io import read_config, read_state_shapes
+    from .service import ScoringService, ServiceSpec, preflight
 
-    config = scoring_config(args)
-    cache = HiddenStateCache(args.cache)
-    head = TargetHead.from_pretrained(args.target)
-
-    def score(folder: Path) -> EvalReport:
-        return score_drafter(load_drafter(folder), cache, head, config, name=str(folder), progress=True)
-
-    ours = score(args.drafter)
+    check_output("--json", args.json)
+    check_output("--baseline-json", args.baseline_json)
+    if not args.drafter.is_dir():
+        raise UsageError(f"--drafter {args.drafter} is not a folder: give a drafter folder (config.json and "
+                         "*.safetensors) or a snapshot folder")
+    spec = ServiceSpec(
+        cache=str(args.cache), target=str(args.target),
+        baseline=None if args.baseline is None else str(args.baseline),
+        scoring=scoring_config(args).to_dict(),
+        baseline_cache_dir=None if args.baseline_cache_dir is None else str(args.baseline_cache_dir),
+    )
+    preflight(spec, read_config(args.drafter), read_state_shapes(args.drafter))
+    service = ScoringService(spec)
+    ours = service.score_folder(args.drafter, progress=True)
     if args.json:
         ours.to_json(args.json)
-    baseline = None
-    if args.baseline is not None:
-        baseline = EvalReport.load(args.baseline) if args.baseline.is_file() else score(args.baseline)
-        if args.baseline_json:
-            baseline.to_json(args.baseline_json)
-        for problem in comparable(ours, baseline):
-            print(f"warning: {problem}", file=sys.stderr)
+    baseline = service.baseline(progress=True)
+    if baseline is not None and args.baseline_json:
+        baseline.to_json(args.baseline_json)
     print(comparison_table(ours, baseline, args.aggregate))
     return 0
 
 
 def add_compare_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("ours", type=Path, help="report JSON of our drafter")
-    p.add_argument("baseline", type=Path, help="report JSON of the baseline")
+    p.add_argument("ours", type=Path, help="our report: a report JSON, or a run's results.jsonl (see --step)")
+    p.add_argument("baseline", type=Path, help="the baseline's report JSON")
+    p.add_argument("--step", type=int, default=None, help="with a results.jsonl: the step to compare (default: the last)")
     p.add_argument("--aggregate", choices=("live", "dense"), default="live")
     p.add_argument("--force", action="store_true", help="compare even if cache or block size differ")
 
 
+def load_ours(path: Path, step: int | None) -> EvalReport:
+    if path.suffix != ".jsonl":
+        if step is not None:
+            raise UsageError("--step picks a report from a results.jsonl; this is a single report")
+        return EvalReport.load(path)
+    if not path.is_file():
+        raise UsageError(f"no results file at {path}")
+    reports = read_results(path).reports
+    if not reports:
+        raise UsageError(f"{path} holds no report")
+    if step is None:
+        return max(reports, key=lambda r: r.step)
+    chosen = [r for r in reports if r.step == step]
+    if not chosen:
+        raise UsageError(f"{path} has no report of step {step}; it has steps {sorted(r.step for r in reports)}")
+    return chosen[-1]
+
+
 def run_compare(args: argparse.Namespace) -> int:
-    ours, baseline = EvalReport.load(args.ours), EvalReport.load(args.baseline)
+    ours, baseline = load_ours(args.ours, args.step), EvalReport.load(args.baseline)
     problems = comparable(ours, baseline)
     if problems and not args.force:
-        print("refusing to compare: " + "; ".join(problems) + " (use --force to compare anyway)", file=sys.stderr)
-        return 2
+        raise UsageError("refusing to compare: " + "; ".join(problems) + " (use --force to compare anyway)")
+    for problem in problems:
+        print(f"warning: {problem}", file=sys.stderr)
     print(comparison_table(ours, baseline, args.aggregate))
     return 0

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-BACKENDS = ("auto", "torch", "triton", "reference")
+from ..checks import DTYPES, check_choice, check_device, check_int, check_int_list, check_str_list
+from ..kernels.head_stats import BACKENDS
+from .methods import Method, scored_methods
+
+MAX_DDTREE_BUDGET = 1024
 
 
 @dataclass
@@ -25,44 +29,34 @@ class ScoringConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16
 
     def __post_init__(self) -> None:
-        self.ddtree_budgets = [int(n) for n in self.ddtree_budgets]
-        self.topk = [int(k) for k in self.topk]
-        for n in self.ddtree_budgets:
-            if not 1 <= n <= 1024:
-                raise ValueError(f"ddtree_budgets must be integers in [1, 1024]; got {n}")
-        for k in self.topk:
-            if k < 1:
-                raise ValueError(f"topk widths must be integers >= 1; got {k}")
-        if len(set(self.ddtree_budgets)) != len(self.ddtree_budgets) or len(set(self.topk)) != len(self.topk):
-            raise ValueError(f"duplicate budgets or widths: ddtree_budgets={self.ddtree_budgets}, topk={self.topk}")
-        for name in ("window", "block_size"):
-            value = getattr(self, name)
-            if value is not None and value < (2 if name == "block_size" else 1):
-                raise ValueError(f"{name} must be None or an integer >= {2 if name == 'block_size' else 1}; got {value}")
-        for name in ("max_rounds", "anchors_per_forward"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be an integer >= 1; got {getattr(self, name)}")
-        if self.vocab_chunk is not None and self.vocab_chunk < 1:
-            raise ValueError(f"vocab_chunk must be None or an integer >= 1; got {self.vocab_chunk}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {list(BACKENDS)}; got {self.backend!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {list(DTYPES)}; got {self.dtype!r}")
-        if self.device != "auto":
-            torch.device(self.device)  # raises on a malformed device string
+        self.ddtree_budgets = check_int_list("ddtree_budgets", self.ddtree_budgets, 1)
+        if any(n > MAX_DDTREE_BUDGET for n in self.ddtree_budgets):
+            raise ValueError(f"ddtree_budgets must be at most {MAX_DDTREE_BUDGET}; got {self.ddtree_budgets}")
+        self.topk = check_int_list("topk", self.topk, 1)
+        check_int("window", self.window, 1, optional=True)
+        check_int("block_size", self.block_size, 2, optional=True)
+        check_int("max_rounds", self.max_rounds, 1)
+        check_int("anchors_per_forward", self.anchors_per_forward, 1)
+        check_int("vocab_chunk", self.vocab_chunk, 1, optional=True)
+        self.tasks = check_str_list("tasks", self.tasks, optional=True)
+        if self.tasks is not None and not self.tasks:
+            raise ValueError("tasks must be None (every task of the cache) or a non-empty list of task names")
+        check_choice("backend", self.backend, BACKENDS)
+        check_choice("dtype", self.dtype, DTYPES)
+        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {self.device!r} "
+                             "(whether it exists here is checked before scoring starts)")
 
     @property
-    def methods(self) -> list[str]:
-        return ["vanilla"] + [f"ddtree@{n}" for n in self.ddtree_budgets] + [f"top@{k}" for k in self.topk]
+    def methods(self) -> list[Method]:
+        return scored_methods(self.ddtree_budgets, self.topk)
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
     def resolved_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        return check_device("scoring.device", self.device)
 
     def to_dict(self) -> dict:
         return asdict(self)

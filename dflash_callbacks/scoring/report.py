@@ -1,4 +1,9 @@
-"""EvalReport: the numbers of one scoring run, as JSON, and the comparison table."""
+"""EvalReport: the numbers of one scoring run, as JSON, and the comparison table.
+
+A report is read back strictly (`EvalReport.from_dict`): anything that is not the shape
+below, or holds a number that is not finite, is refused with ValueError naming what is
+wrong, so a damaged or foreign file is never logged as a score.
+"""
 
 from __future__ import annotations
 
@@ -9,16 +14,20 @@ from pathlib import Path
 from typing import Any
 
 from ..files import atomic_write
+from .methods import AGGREGATES, Method, Monitor
 
-AGGREGATES = ("dense", "live")
+TASK_FIELDS = ("dense", "live", "curve", "live_rounds", "anchors")
 
 
 @dataclass
 class EvalReport:
     """Per task and method: {"dense", "live", "curve", "live_rounds", "anchors"}; tau units.
 
-    JSON shape: {"step", "drafter", "cache": {"path", "fingerprint"}, "block_size",
-    "tasks": {TASK: {METHOD: {...}}}, "mean": {METHOD: {"dense", "live"}}, ...}.
+    JSON shape: {"step", "snapshot_id", "drafter", "cache": {"path", "fingerprint"},
+    "block_size", "tasks": {TASK: {METHOD: {...}}}, "mean": {METHOD: {"dense", "live"}}, ...}.
+    `step` and `snapshot_id` name the snapshot scored (None for a drafter folder);
+    `seconds` is the scorer's own time; `peak_memory` its peak accelerator memory in bytes
+    (None on the CPU); `created` the Unix time scoring started; `extra` anything else.
     """
 
     drafter: str
@@ -26,9 +35,11 @@ class EvalReport:
     block_size: int
     tasks: dict[str, dict[str, dict[str, Any]]]
     step: int | None = None
+    snapshot_id: str | None = None
     drafter_block_size: int | None = None
     scoring: dict[str, Any] = field(default_factory=dict)
     seconds: float | None = None
+    peak_memory: int | None = None
     created: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -47,15 +58,15 @@ class EvalReport:
             }
         return out
 
-    def value(self, monitor: str, task: str = "mean") -> float:
+    def value(self, monitor: str | Monitor, task: str = "mean") -> float:
         """`"ddtree@8/live"` -> the mean (or one task's) value."""
-        method, _, aggregate = monitor.partition("/")
-        aggregate = aggregate or "live"
-        if method not in self.methods or aggregate not in AGGREGATES:
-            raise KeyError(
-                f"{monitor!r} is not in this report; methods: {self.methods}, aggregates: {list(AGGREGATES)}"
-            )
-        return self.mean[method][aggregate] if task == "mean" else self.tasks[task][method][aggregate]
+        monitor = Monitor.parse(monitor)
+        method = str(monitor.method)
+        if method not in self.methods:
+            raise KeyError(f"{monitor} is not in this report; it holds the methods {self.methods}")
+        if task == "mean":
+            return self.mean[method][monitor.aggregate]
+        return self.tasks[task][method][monitor.aggregate]
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -70,24 +81,111 @@ class EvalReport:
         return text
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "EvalReport":
+    def from_dict(cls, raw: Any) -> EvalReport:
+        """A report from its JSON object; ValueError saying what is wrong for anything else."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"not a report: a JSON object was expected, found {type(raw).__name__}")
         raw = dict(raw)
         raw.pop("mean", None)
-        known = {f for f in cls.__dataclass_fields__}
-        missing = {"drafter", "cache", "block_size", "tasks"} - set(raw)
+        missing = [k for k in ("drafter", "cache", "block_size", "tasks") if k not in raw]
         if missing:
-            raise ValueError(f"not an EvalReport: missing {sorted(missing)}")
-        extra = {k: raw.pop(k) for k in list(raw) if k not in known}
+            raise ValueError(f"not a report: it has no {', '.join(repr(k) for k in missing)}")
+        _check_shape(raw)
+        extra = {k: raw.pop(k) for k in list(raw) if k not in cls.__dataclass_fields__}
         report = cls(**raw)
         report.extra.update(extra)
         return report
 
     @classmethod
-    def load(cls, path: str | Path) -> "EvalReport":
+    def load(cls, path: str | Path) -> EvalReport:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no report at {path}")
         try:
-            return cls.from_dict(json.loads(Path(path).read_text()))
+            return cls.from_dict(json.loads(path.read_text()))
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not a JSON report: {e}") from e
+            raise ValueError(f"{path} is not a JSON report: {e}") from None
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check_shape(raw: dict) -> None:
+    def bad(what: str) -> ValueError:
+        return ValueError(f"not a report: {what}")
+
+    if not isinstance(raw["drafter"], str):
+        raise bad("'drafter' is not a string")
+    if not isinstance(raw["cache"], dict) or not isinstance(raw["cache"].get("fingerprint"), str):
+        raise bad("'cache' is not an object with a 'fingerprint' string")
+    if isinstance(raw["block_size"], bool) or not isinstance(raw["block_size"], int) or raw["block_size"] < 2:
+        raise bad(f"'block_size' is {raw['block_size']!r}, not an integer >= 2")
+    step = raw.get("step")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise bad(f"'step' is {step!r}, not an integer >= 0 or null")
+    tasks = raw["tasks"]
+    if not isinstance(tasks, dict) or not tasks:
+        raise bad("'tasks' is not a non-empty object of task -> method -> numbers")
+    methods = None
+    for task, per_method in tasks.items():
+        if not isinstance(per_method, dict) or not per_method:
+            raise bad(f"task {task!r} is not an object of method -> numbers")
+        if methods is None:
+            methods = list(per_method)
+            for method in methods:
+                try:
+                    Method.parse(method)
+                except ValueError as e:
+                    raise bad(f"task {task!r}: {e}") from None
+        elif list(per_method) != methods:
+            raise bad(f"task {task!r} holds the methods {list(per_method)}, another task {methods}")
+        for method, numbers in per_method.items():
+            if not isinstance(numbers, dict) or not all(_is_number(numbers.get(agg)) for agg in AGGREGATES):
+                raise bad(f"task {task!r}, {method}: 'dense' and 'live' must be finite numbers")
+            curve = numbers.get("curve", [])
+            if not isinstance(curve, list) or not all(_is_number(x) for x in curve):
+                raise bad(f"task {task!r}, {method}: 'curve' must be a list of finite numbers")
+
+
+@dataclass
+class Results:
+    """What a results.jsonl holds: reports and error lines in file order, and the lines
+    that are neither (each as "line N: why")."""
+
+    reports: list[EvalReport] = field(default_factory=list)
+    errors: list[dict] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+
+def parse_record(raw: Any) -> EvalReport | dict:
+    """One results.jsonl object: an EvalReport with a step, or an error line {"step", "error", ...}."""
+    if isinstance(raw, dict) and "error" in raw:
+        if not isinstance(raw["error"], str) or isinstance(raw.get("step"), bool) or not isinstance(raw.get("step"), int):
+            raise ValueError("an error line needs an integer 'step' and an 'error' string")
+        return raw
+    report = EvalReport.from_dict(raw)
+    if report.step is None:
+        raise ValueError("a report in results.jsonl needs a 'step'")
+    return report
+
+
+def read_results(path: str | Path) -> Results:
+    """Every line of a results.jsonl; a torn or foreign line is skipped and named, never fatal."""
+    results = Results()
+    path = Path(path)
+    if not path.is_file():
+        return results
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        try:
+            record = parse_record(json.loads(line))
+        except (ValueError, TypeError) as e:
+            results.skipped.append(f"line {number}: {e}")
+            continue
+        (results.reports if isinstance(record, EvalReport) else results.errors).append(record)
+    return results
 
 
 def comparable(ours: EvalReport, baseline: EvalReport) -> list[str]:
@@ -125,7 +223,6 @@ def comparison_table(ours: EvalReport, baseline: EvalReport | None = None, aggre
         rows.append(row)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
-    title = f"{aggregate} tau (tokens per target forward), block size {ours.block_size}"
-    if ours.step is not None:
-        title += f", step {ours.step}"
+    title = f"{aggregate} tau (tokens per target forward, 1 to {ours.block_size}; higher is better)"
+    title += f", block size {ours.block_size}" + (f", step {ours.step}" if ours.step is not None else "")
     return title + "\n" + "\n".join(lines)

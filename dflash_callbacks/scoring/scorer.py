@@ -18,6 +18,7 @@ labels are tok[a+1 .. a+B-1], invalid past the end of the sequence.
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -34,20 +35,42 @@ from .config import ScoringConfig
 from .report import EvalReport
 
 
+class NonFiniteError(ValueError):
+    """NaN or Inf where a score would come from: an error for that report, never a number."""
+
+
 def streaks_from_stats(stats, valid: torch.Tensor, config: ScoringConfig) -> dict[str, torch.Tensor]:
-    """Per-anchor streaks of every configured method from the LM-head statistics."""
+    """Per-anchor streaks of every configured method from the LM-head statistics.
+
+    NaN or Inf logits would otherwise count as acceptance (no logit is greater than a
+    NaN label logit, so its rank is 0): a non-finite log-sum-exp or label log-prob on any
+    row raises NonFiniteError instead.
+    """
     n, depth = valid.shape
+    finite = torch.isfinite(stats.lse) & torch.isfinite(stats.label_logprob)
+    if not bool(finite.all()):
+        bad = int((~finite).sum())
+        raise NonFiniteError(
+            f"the drafter's logits are NaN or Inf at {bad} of {finite.numel()} (anchor, depth) rows "
+            f"(NaN hidden states or weights, or an overflow in {stats.lse.dtype}-accumulated scoring "
+            "of a low-precision dtype: try scoring.dtype=float32)"
+        )
 
     def leading(ok: torch.Tensor) -> torch.Tensor:
         return (ok & valid).long().cumprod(dim=1).sum(dim=1)
 
-    out = {"vanilla": leading(stats.label_order.view(n, depth) == 0)}
+    ddtree = {}
     if config.ddtree_budgets:
         top = stats.top_logprobs.view(n, depth, -1)
         ddtree = ddtree_streaks_from_top(top, stats.label_logprob.view(n, depth), valid, config.ddtree_budgets)
-        out.update((f"ddtree@{b}", ddtree[b]) for b in config.ddtree_budgets)
-    for k in config.topk:
-        out[f"top@{k}"] = leading(stats.label_rank.view(n, depth) < k)
+    out = {}
+    for method in config.methods:
+        if method.kind == "vanilla":
+            out[str(method)] = leading(stats.label_order.view(n, depth) == 0)
+        elif method.kind == "ddtree":
+            out[str(method)] = ddtree[method.n]
+        else:
+            out[str(method)] = leading(stats.label_rank.view(n, depth) < method.n)
     return out
 
 
@@ -114,6 +137,10 @@ def summarize(task: TaskStreaks, config: ScoringConfig, block_size: int) -> dict
     return out
 
 
+class Cancelled(RuntimeError):
+    """Scoring was cancelled between two tasks (`score_drafter(cancel=...)`)."""
+
+
 def score_drafter(
     drafter: DFlashDrafter,
     cache,
@@ -121,11 +148,15 @@ def score_drafter(
     config: ScoringConfig | None = None,
     *,
     step: int | None = None,
+    snapshot_id: str | None = None,
     name: str | None = None,
     progress: bool = False,
+    cancel: threading.Event | None = None,
 ) -> EvalReport:
     """Score `drafter` on every task of `cache` (a HiddenStateCache). The drafter and the
-    head are moved to the configured device and dtype (in place)."""
+    head are moved to the configured device and dtype (in place). NaN or Inf anywhere on
+    the way raises NonFiniteError naming the task; a set `cancel` event raises Cancelled
+    before the next task."""
     config = config or ScoringConfig()
     started = time.time()
     drafter_block = drafter.config.block_size
@@ -144,9 +175,16 @@ def score_drafter(
     unknown = sorted(set(names) - set(cache.task_names))
     if unknown:
         raise ValueError(f"tasks {unknown} are not in the cache; it holds {cache.task_names}")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     tasks = {}
     for task_name in tqdm(names, desc=f"scoring {name or 'drafter'}", disable=not progress, unit="task"):
-        streaks = score_task(drafter, head, cache.task(task_name), config, block_size, progress)
+        if cancel is not None and cancel.is_set():
+            raise Cancelled(f"scoring was cancelled before task {task_name!r}")
+        try:
+            streaks = score_task(drafter, head, cache.task(task_name), config, block_size, progress)
+        except NonFiniteError as e:
+            raise NonFiniteError(f"task {task_name!r}: {e}") from None
         tasks[task_name] = summarize(streaks, config, block_size)
     return EvalReport(
         drafter=name or "drafter",
@@ -154,8 +192,10 @@ def score_drafter(
         block_size=block_size,
         tasks=tasks,
         step=step,
+        snapshot_id=snapshot_id,
         drafter_block_size=drafter_block,
         scoring=config.to_dict(),
         seconds=time.time() - started,
+        peak_memory=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         created=started,
     )

@@ -5,14 +5,15 @@ runs a training script:
 
     python tests/scripts/train_run.py --world W --root R --max-steps 40 --every 2 \
         [--devices 2 --strategy ddp|fsdp2] [--eval-cache C ...] [--stop-min-ratio 10] \
-        [--ckpt-every 3] [--resume CKPT] [--record]
+        [--ckpt-every 3] [--resume CKPT] [--record] [--corrupt-at-start FILE]
 
 - `--world` is a folder made by `tests/synthetic.py:build_world` (built here if missing).
 - With `--strategy ddp` Lightning re-launches this script for rank 1 (gloo on CPU);
   `fsdp2` uses Lightning's ModelParallelStrategy, whose `configure_model` applies
   `fully_shard` to the drafter.
-- One DrafterEvalCallback per `--eval-cache` (the first writes to R/dflash, the next
-  to R/dflash-1, ...); all score the same snapshots of the drafter.
+- One DrafterEvalCallback per `--eval-cache` (the first named `dflash`, writing its run
+  folder under R/dflash, the next `dflash-1` under R/dflash-1, ...); all score the same
+  snapshots of the drafter.
 - `--record` makes every rank write R/rank{N}.json after `fit` returns: the final step,
   the stop decision, what each eval callback saw, and per-step invariants that were
   checked on that rank (on ranks other than 0: no runner, no scoring thread).
@@ -114,6 +115,17 @@ class FSDP2Module(DFlashTrainingModule):
         fully_shard(self.drafter, mesh=mesh)
 
 
+class CorruptAtStart(pl.Callback):
+    """Zero a file at on_train_start (after every setup check passed): a disk going bad mid-run."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def on_train_start(self, trainer, pl_module):
+        if trainer.global_rank == 0:
+            self.path.write_bytes(b"\0" * self.path.stat().st_size)
+
+
 class StepSleep(pl.Callback):
     def __init__(self, seconds: float):
         self.seconds = seconds
@@ -178,7 +190,7 @@ class CaptureCheck(pl.Callback):
 
         drafter = pl_module.drafter
         sharded = is_sharded(drafter)
-        snap = capture(drafter, self.config, step, trainer.current_epoch, is_rank_zero=trainer.global_rank == 0)
+        snap = capture(drafter, self.config, step, trainer.current_epoch, None, is_rank_zero=trainer.global_rank == 0)
         return sharded, snap
 
     def on_train_start(self, trainer, pl_module):
@@ -241,6 +253,7 @@ def parse(argv=None):
     p.add_argument("--init-from-baseline", action="store_true", help="start from the baseline drafter's weights")
     p.add_argument("--capture-check", type=int, default=0, help="FSDP2: compare captures with full tensors at this step")
     p.add_argument("--record", action="store_true")
+    p.add_argument("--corrupt-at-start", type=Path, default=None, help="zero this file once training starts")
     return p.parse_args(argv)
 
 
@@ -265,13 +278,13 @@ def main(argv=None) -> int:
             keep_last=args.keep_last, on_error=args.on_error,
             scoring={"ddtree_budgets": [4], "device": "cpu", "anchors_per_forward": args.anchors_per_forward},
             dirpath=args.root / ("dflash" if i == 0 else f"dflash-{i}"), baseline_cache_dir=args.root / "bc",
-            wait_timeout=300, verbose=False,
+            wait_timeout=300, verbose=False, name="dflash" if i == 0 else f"dflash-{i}",
         ))
     callbacks: list = list(evals)
     stop = None
     if args.stop_min_ratio is not None:
         stop = TrailingBaselineStop(monitor="ddtree@4/live", min_ratio=args.stop_min_ratio, patience=args.stop_patience,
-                                    verbose=False)
+                                    verbose=False, eval_callback="dflash")
         callbacks.append(stop)
     recorder = Recorder(evals, stop)
     callbacks.append(recorder)
@@ -281,6 +294,8 @@ def main(argv=None) -> int:
         callbacks.insert(0, check)
     if args.step_sleep:
         callbacks.append(StepSleep(args.step_sleep))
+    if args.corrupt_at_start:
+        callbacks.insert(0, CorruptAtStart(args.corrupt_at_start))
     if args.ckpt_every:
         from lightning.pytorch.callbacks import ModelCheckpoint
 

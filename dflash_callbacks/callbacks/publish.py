@@ -1,0 +1,208 @@
+"""Publishing a report, on the training thread, in this order:
+
+1. append it to results.jsonl (before anything else: a crash loses no finished report);
+2. log it at the snapshot's step to every logger (W&B gets extras, below);
+3. put the run-level means in `trainer.callback_metrics` (for EarlyStopping, ModelCheckpoint);
+4. hand it to the subscribers (`DrafterEvalCallback.subscribe`).
+
+A step that fails (a full disk, a broken logger, a subscriber that raises) is reported
+through `fail` and the other steps still run; a report that could not be appended is
+kept and appended again before the next one.
+
+Metric keys (PREFIX is the callback's `name`, "dflash" by default; AGG live or dense;
+TASK a task name or `mean`):
+    PREFIX/{method}/{AGG}/{TASK}          ours
+    PREFIX/delta/{method}/{AGG}/{TASK}    ours - baseline
+    PREFIX/ratio/{method}/{AGG}/{TASK}    ours / baseline
+    PREFIX/baseline/{method}/{AGG}/{TASK} the baseline (logged with every report)
+    PREFIX/step                           the snapshot's step (the x axis in W&B)
+    PREFIX/score_seconds                  time from the snapshot to its report
+    PREFIX/errors                         failed evaluations so far
+W&B also gets, per report, a table of the live aggregate per task (PREFIX/live_table),
+one acceptance-curve plot per method (ours and the baseline: the share of anchors whose
+streak reaches each depth, mean over tasks), and, once, the cache fingerprint and block
+sizes in the run config.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities import rank_zero_info
+
+from ..scoring.methods import AGGREGATES
+from ..scoring.report import EvalReport, ratio
+from .run_folder import ResultsWriteError, RunFolder
+
+Subscriber = Callable[[EvalReport, "EvalReport | None"], object]
+
+
+class ReportSource(Callback):
+    """A callback that publishes reports: what TrailingBaselineStop links to at setup.
+    DrafterEvalCallback is the one this package ships."""
+
+    name: str
+    baseline_report: EvalReport | None = None
+
+    def scored_methods(self) -> list[str]:
+        """The method names every report of this source holds."""
+        raise NotImplementedError
+
+    def subscribe(self, fn: Subscriber) -> Callable[[], None]:
+        """Call `fn(report, baseline)` on the training thread for every new report; returns an unsubscribe."""
+        raise NotImplementedError
+
+    def run_history(self, trainer, pl_module) -> list[dict]:
+        """This run's reports so far, by step: [{"step", "mean": {method: {aggregate: value}}}]."""
+        raise NotImplementedError
+
+
+def report_metrics(prefix: str, report: EvalReport, baseline: EvalReport | None) -> dict[str, float]:
+    """Every number of a report (and its comparison with the baseline), flat."""
+    out: dict[str, float] = {}
+    for task in list(report.tasks) + ["mean"]:
+        for method in report.methods:
+            for agg in AGGREGATES:
+                ours = report.value(f"{method}/{agg}", task)
+                out[f"{prefix}/{method}/{agg}/{task}"] = ours
+                if baseline is None or method not in baseline.methods or (task != "mean" and task not in baseline.tasks):
+                    continue
+                base = baseline.value(f"{method}/{agg}", task)
+                out[f"{prefix}/baseline/{method}/{agg}/{task}"] = base
+                out[f"{prefix}/delta/{method}/{agg}/{task}"] = ours - base
+                out[f"{prefix}/ratio/{method}/{agg}/{task}"] = ratio(ours, base)
+    return {k: v for k, v in out.items() if not math.isnan(v)}
+
+
+def table_columns(report: EvalReport, baseline: EvalReport | None, aggregate: str = "live") -> list[str]:
+    columns = ["task"]
+    for method in report.methods:
+        ours = f"{method} {aggregate}"
+        columns += [f"{ours} ours"] + ([f"{ours} baseline", f"{ours} delta", f"{ours} ratio"] if baseline else [])
+    return columns
+
+
+def table_rows(report: EvalReport, baseline: EvalReport | None, aggregate: str = "live") -> list[list]:
+    """One row per task and one for the mean: per method ours (baseline, delta, ratio)."""
+    rows = []
+    for task in list(report.tasks) + ["mean"]:
+        row: list = [task]
+        for method in report.methods:
+            ours = report.value(f"{method}/{aggregate}", task)
+            row.append(round(ours, 4))
+            if baseline is not None:
+                base = baseline.value(f"{method}/{aggregate}", task)
+                row += [round(base, 4), round(ours - base, 4), round(ratio(ours, base), 4)]
+        rows.append(row)
+    return rows
+
+
+def mean_curve(report: EvalReport, method: str) -> list[float]:
+    """The acceptance curve averaged over tasks (each task weighs the same)."""
+    curves = [t[method]["curve"] for t in report.tasks.values()]
+    return [sum(c[d] for c in curves) / len(curves) for d in range(min(len(c) for c in curves))]
+
+
+def summary_line(prefix: str, report: EvalReport, baseline: EvalReport | None) -> str:
+    parts = []
+    for method in report.methods:
+        ours = report.value(f"{method}/live")
+        text = f"{method} {ours:.2f}"
+        if baseline is not None and method in baseline.methods:
+            base = baseline.value(f"{method}/live")
+            text += f" (baseline {base:.2f}, {100 * ours / base:.0f}%)" if base else ""
+        parts.append(text)
+    return f"{prefix} step {report.step}: live tau " + ", ".join(parts)
+
+
+class Publisher:
+    def __init__(self, prefix: str, run: RunFolder, fail: Callable[[object, str], None], verbose: bool):
+        self.prefix, self.run, self.fail, self.verbose = prefix, run, fail, verbose
+        self.subscribers: list[Subscriber] = []
+        self.unsaved: list[dict] = []  # records whose append failed, retried first
+        self._wandb_defined: set[int] = set()
+
+    def record(self, trainer, record: dict | None) -> bool:
+        """Append a results.jsonl line (earlier failed ones first; None: only retry those);
+        False if something could not be written."""
+        if record is not None:
+            self.unsaved.append(record)
+        while self.unsaved:
+            try:
+                self.run.append(self.unsaved[0])
+            except ResultsWriteError as e:
+                self.fail(trainer, f"{e} ({len(self.unsaved)} line(s) held in memory, retried with the next report)")
+                return False
+            self.unsaved.pop(0)
+        return True
+
+    def publish(self, trainer, report: EvalReport, baseline: EvalReport | None, score_seconds: float,
+                errors: int) -> None:
+        self.record(trainer, {**report.to_dict(), "score_seconds": score_seconds})
+        metrics = report_metrics(self.prefix, report, baseline)
+        metrics.update({f"{self.prefix}/step": float(report.step), f"{self.prefix}/score_seconds": score_seconds,
+                        f"{self.prefix}/errors": float(errors)})
+        for logger in trainer.loggers:
+            try:
+                if isinstance(logger, WandbLogger):
+                    self._log_wandb(logger, report, baseline, metrics)
+                else:
+                    logger.log_metrics(metrics, step=report.step)
+            except Exception as e:  # one broken logger must not cost the others their numbers
+                self.fail(trainer, f"logging step {report.step} to {type(logger).__name__} failed: "
+                                   f"{type(e).__name__}: {e}")
+        self.fill_callback_metrics(trainer, report, baseline)
+        if self.verbose:
+            rank_zero_info(summary_line(self.prefix, report, baseline))
+        self.notify(trainer, report, baseline)
+
+    def fill_callback_metrics(self, trainer, report: EvalReport, baseline: EvalReport | None) -> None:
+        for key, value in report_metrics(self.prefix, report, baseline).items():
+            if key.endswith("/mean"):
+                trainer.callback_metrics[key] = torch.tensor(value)
+
+    def notify(self, trainer, report: EvalReport, baseline: EvalReport | None) -> None:
+        for fn in list(self.subscribers):
+            try:
+                fn(report, baseline)
+            except Exception as e:
+                self.fail(trainer, f"subscriber {getattr(fn, '__qualname__', fn)!s} raised on step {report.step}: "
+                                   f"{type(e).__name__}: {e}")
+
+    def log_error_count(self, trainer, errors: int) -> None:
+        for logger in trainer.loggers:
+            try:
+                logger.log_metrics({f"{self.prefix}/errors": float(errors)}, step=trainer.global_step)
+            except Exception:
+                pass  # the warning already says it; a broken logger can not take the count
+
+    def _log_wandb(self, logger: WandbLogger, report: EvalReport, baseline: EvalReport | None, metrics: dict) -> None:
+        import wandb
+
+        run = logger.experiment
+        p = self.prefix
+        if id(run) not in self._wandb_defined:
+            run.define_metric(f"{p}/step")
+            for key in metrics:
+                summary = "max" if key not in (f"{p}/step", f"{p}/score_seconds", f"{p}/errors") else None
+                run.define_metric(key, step_metric=f"{p}/step", **({"summary": summary} if summary else {}))
+            run.config.update({p: {"cache": report.cache.get("path"), "cache_fingerprint": report.cache["fingerprint"],
+                                   "block_size": report.block_size, "drafter_block_size": report.drafter_block_size,
+                                   "methods": report.methods, "scoring": report.scoring}}, allow_val_change=True)
+            self._wandb_defined.add(id(run))
+        extras = {f"{p}/live_table": wandb.Table(columns=table_columns(report, baseline),
+                                                 data=table_rows(report, baseline))}
+        for method in report.methods:
+            ys, keys = [mean_curve(report, method)], ["ours"]
+            if baseline is not None and method in baseline.methods:
+                ys.append(mean_curve(baseline, method))
+                keys.append("baseline")
+            depths = list(range(1, len(ys[0]) + 1))
+            extras[f"{p}/curve/{method}"] = wandb.plot.line_series(
+                xs=depths, ys=ys, keys=keys, xname="depth (draft tokens)",
+                title=f"{method}: share of anchors accepting at least d tokens, step {report.step}")
+        run.log({**metrics, **extras, "trainer/global_step": report.step})

@@ -1,0 +1,106 @@
+"""Argument checks shared by every public entry point, and the one table of dtypes.
+
+Each check raises ValueError (TypeError where the kind of value is wrong) with a
+message that names the argument, what it must be, and what it got. YAML and the CLIs
+reach the same checks through the constructors, so a value is refused the same way
+from Python, from a config file and from the command line.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, value in DTYPES.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"unsupported dtype {dtype}; expected one of {list(DTYPES)}")
+
+
+def is_int(value: Any) -> bool:
+    """A real integer: bool, float and str are not."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: Any, minimum: int, *, optional: bool = False) -> int | None:
+    """`value` if it is an integer >= minimum (or None when optional), else ValueError."""
+    if optional and value is None:
+        return None
+    if not is_int(value) or value < minimum:
+        kind = f"None or an integer >= {minimum}" if optional else f"an integer >= {minimum}"
+        raise ValueError(f"{name} must be {kind}; got {value!r}")
+    return value
+
+
+def check_int_list(name: str, value: Any, minimum: int) -> list[int]:
+    """A list (or tuple) of distinct integers >= minimum; a string or a single number is refused."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ValueError(f"{name} must be a list of integers >= {minimum}, e.g. [4, 8]; got {value!r}")
+    for item in value:
+        if not is_int(item) or item < minimum:
+            raise ValueError(f"{name} must be a list of integers >= {minimum}; got {item!r} in {list(value)!r}")
+    if len(set(value)) != len(value):
+        raise ValueError(f"{name} holds a value twice: {list(value)!r}")
+    return list(value)
+
+
+def check_str_list(name: str, value: Any, *, optional: bool = False) -> list[str] | None:
+    """A list (or tuple) of strings; a bare string is refused (it is not a list of names)."""
+    if optional and value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{name} must be a list of names, e.g. ['fizzbuzz']; got {value!r}")
+    return list(value)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false; got {value!r}")
+    return value
+
+
+def check_number(name: str, value: Any, *, above: float | None = None, optional: bool = False) -> float | None:
+    """A finite real number (int or float, not bool), > above when given."""
+    if optional and value is None:
+        return None
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or (above is not None and value <= above):
+        kind = "a finite number" + (f" > {above:g}" if above is not None else "")
+        raise ValueError(f"{name} must be {'None or ' if optional else ''}{kind}; got {value!r}")
+    return float(value)
+
+
+def check_choice(name: str, value: Any, legal: Iterable[Any]) -> Any:
+    legal = list(legal)
+    if value not in legal:
+        raise ValueError(f"{name} must be one of {legal}; got {value!r}")
+    return value
+
+
+def check_device(name: str, device: str) -> torch.device:
+    """'auto' (cuda when available, else cpu), 'cpu', 'cuda' or 'cuda:N' that exists on this machine."""
+    if not isinstance(device, str):
+        raise ValueError(f"{name} must be a string such as 'auto', 'cpu', 'cuda' or 'cuda:1'; got {device!r}")
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"{name} must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {device!r}") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"a CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
+            raise ValueError(f"{name}={device!r}, but CUDA is not available here (torch {torch.__version__} is "
+                             f"{build}); use 'cpu' or 'auto'")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(f"{name}={device!r}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif resolved.type != "cpu":
+        raise ValueError(f"{name}={device!r} is not supported; use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+    return resolved

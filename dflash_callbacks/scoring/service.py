@@ -1,0 +1,282 @@
+"""The one way to score: a drafter (weights in memory, a published folder or a snapshot)
+against a cache with a target's head, and the baseline once. No Lightning here.
+
+Every entry point uses it: the callback's thread runner, the process runner's worker,
+`dflash-callbacks watch` and `dflash-callbacks score`.
+
+    spec = ServiceSpec(cache=..., target=..., baseline=..., scoring={...})
+    preflight(spec, drafter_config)        # before any work: raises PreflightError listing every problem
+    service = ScoringService(spec)         # loads the target's embedding and LM head
+    report = service.score(config, state, step=400, snapshot_id="...")
+    report = service.score_folder("runs/x/snapshots/step-00000400")
+    baseline = service.baseline()          # scored once per (weights, cache, scoring config), cached on disk
+
+Nothing that is not a finite number is ever reported: NaN or Inf weights, hidden states
+or logits raise NonFiniteError for that report.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..cache.format import CacheError, HiddenStateCache
+from ..checks import check_device
+from ..model import DFlashDrafter, DrafterConfig, TargetHead, load_drafter
+from ..model.drafter import check_state_dict
+from ..model.geometry import anchor_range
+from ..model.io import read_config, read_snapshot_meta, read_state_shapes, safetensors_files
+from ..model.target_head import head_shapes
+from .config import ScoringConfig
+from .report import EvalReport
+from .scorer import NonFiniteError, score_drafter
+
+VERIFY_BYTES = 4 << 30
+"""Preflight reads every cache file (sha256, finite hidden states) when they total at most this;
+above it, sizes are checked up front and each file's contents on its first read."""
+
+
+class PreflightError(ValueError):
+    """The inputs do not fit together; the message lists every problem found."""
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """Plain arguments a ScoringService is built from (picklable, for a spawned worker)."""
+
+    cache: str
+    target: str
+    baseline: str | None = None
+    scoring: dict = field(default_factory=dict)
+    baseline_cache_dir: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def default_baseline_cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "dflash_callbacks" / "baselines"
+
+
+def weights_fingerprint(folder: str | os.PathLike) -> str:
+    """sha256 over config.json and every weight file of a drafter folder (full contents)."""
+    folder = Path(folder)
+    digest = hashlib.sha256()
+    for file in [folder / "config.json", *safetensors_files(folder)]:
+        digest.update(file.name.encode())
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+def check_finite_weights(state: Mapping[str, torch.Tensor], what: str) -> None:
+    bad = [name for name, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:
+        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise NonFiniteError(f"{what} holds NaN or Inf weights in {shown}; not scored")
+
+
+# ---------------------------------------------------------------- preflight
+
+
+def preflight(spec: ServiceSpec, drafter: DrafterConfig | None, drafter_shapes: Mapping[str, tuple] | None = None) -> None:
+    """Check, before any work, that the drafter (its config, and its tensor shapes when
+    given), the cache, the target, the scoring config, the device and the baseline fit
+    together. Without a drafter (`watch`, before it has seen a snapshot), the checks that
+    need one are left out and the target is held against the cache. Raises PreflightError
+    with one line per problem."""
+    config = ScoringConfig(**spec.scoring)  # a bad value raises on its own, naming the field
+    problems: list[str] = []
+    problems += _device_problems(config)
+    if drafter is not None and drafter_shapes is not None:
+        problems += _shape_problems(drafter, drafter_shapes, "the drafter")
+    block = config.block_size or (drafter.block_size if drafter is not None else None)
+    try:
+        cache = HiddenStateCache(spec.cache)
+    except (OSError, CacheError) as e:
+        cache = None
+        problems.append(f"cache: {e}")
+    if cache is not None:
+        problems += _cache_problems(cache, drafter, config, block)
+    vocab = drafter.vocab_size if drafter is not None else cache.vocab_size if cache is not None else None
+    hidden = drafter.hidden_size if drafter is not None else cache.hidden_size if cache is not None else None
+    problems += _target_problems(spec.target, vocab, hidden, "the drafter's" if drafter is not None else "the cache's")
+    if spec.baseline is not None and cache is not None:
+        problems += _baseline_problems(Path(spec.baseline), cache, block)
+    if problems:
+        raise PreflightError("the scoring inputs do not fit together:\n  " + "\n  ".join(problems))
+
+
+def _device_problems(config: ScoringConfig) -> list[str]:
+    try:
+        device = check_device("scoring.device", config.device)
+    except ValueError as e:
+        return [str(e)]
+    if config.backend == "triton":
+        from ..kernels import triton_head_stats as th
+
+        if not th.is_available():
+            return ["scoring.backend='triton' needs the triton package; install it or use backend 'auto' or 'torch'"]
+        if device.type != "cuda" and not th.is_interpreted():
+            return ["scoring.backend='triton' runs on CUDA devices only (or on the CPU under TRITON_INTERPRET=1); "
+                    "use backend 'auto' or 'torch' on the CPU"]
+    return []
+
+
+def _shape_problems(config: DrafterConfig, shapes: Mapping[str, tuple], what: str) -> list[str]:
+    with torch.device("meta"):
+        expected = DFlashDrafter(config).state_dict()
+    try:
+        check_state_dict(expected, {k: torch.empty(s, device="meta") for k, s in shapes.items()})
+    except ValueError as e:
+        return [f"{what}: {e}"]
+    return []
+
+
+def _cache_problems(cache: HiddenStateCache, drafter: DrafterConfig | None, config: ScoringConfig,
+                    block: int | None) -> list[str]:
+    problems = []
+    if drafter is not None:
+        try:
+            cache.check_compatible(drafter, block_size=block)
+        except ValueError as e:
+            problems.append(str(e))
+    unknown = sorted(set(config.tasks or []) - set(cache.task_names))
+    if unknown:
+        problems.append(f"scoring.tasks {unknown} are not in the cache {cache.path}; it holds {cache.task_names}")
+    names = [n for n in config.tasks or cache.task_names if n in cache.task_names]
+    if not names:
+        return problems + [f"the cache {cache.path} holds no task to score"]
+    entries = [cache.entry(n) for n in names]
+    for e in entries:
+        if not anchor_range(e["prompt_len"], e["num_tokens"], config.window):
+            problems.append(f"cache task {e['name']!r} has no anchor to score: {e['prompt_len']} prompt tokens and "
+                            f"{e['num_tokens']} in all (a completion of at least 2 tokens is needed)")
+    completion = {e["name"]: e["num_tokens"] - e["prompt_len"] for e in entries}
+    longest = max(completion, key=completion.get)
+    if block is not None and block > completion[longest]:
+        problems.append(
+            f"block size {block} is larger than the cache {cache.path} allows: a block drafts {block - 1} tokens, "
+            f"but the longest completion ({longest!r}, {completion[longest]} tokens) has labels for at most "
+            f"{completion[longest] - 1}; use a block size <= {completion[longest]} or a cache with longer completions"
+        )
+    try:
+        cache.check_sizes(names)
+        if sum(e["num_bytes"] for e in entries) <= VERIFY_BYTES:
+            cache.verify(names)
+    except CacheError as e:
+        problems.append(str(e))
+    return problems
+
+
+def _target_problems(target: str, vocab: int | None, hidden: int | None, whose: str) -> list[str]:
+    try:
+        shapes = head_shapes(target)
+    except (OSError, ValueError) as e:
+        return [f"target: {e}"]
+    problems = []
+    for name, (rows, width) in shapes.items():
+        if vocab is not None and rows != vocab:
+            problems.append(f"the target's {name} has {rows} rows but {whose} vocabulary is {vocab}")
+        if hidden is not None and width != hidden:
+            problems.append(f"the target's {name} is {width} wide but {whose} hidden size is {hidden}")
+    return problems
+
+
+def _baseline_problems(source: Path, cache: HiddenStateCache, block: int | None) -> list[str]:
+    if not source.exists():
+        return [f"baseline {source} does not exist (give a drafter folder or a saved report JSON)"]
+    if source.is_file():
+        try:
+            report = EvalReport.load(source)
+        except ValueError as e:
+            return [f"baseline: {e}"]
+        problems = []
+        if report.cache.get("fingerprint") != cache.fingerprint:
+            problems.append(f"baseline report {source} was scored on cache {report.cache.get('fingerprint')}, "
+                            f"this run scores {cache.fingerprint}")
+        if block is not None and report.block_size != block:
+            problems.append(f"baseline report {source} was scored at block size {report.block_size}, this run at {block}")
+        return problems
+    try:
+        config = read_config(source)
+        problems = _shape_problems(config, read_state_shapes(source), f"baseline {source}")
+        cache.check_compatible(config, block_size=block)
+    except (OSError, ValueError) as e:
+        return [f"baseline {source}: {e}"]
+    return problems
+
+
+# ---------------------------------------------------------------- scoring
+
+
+class ScoringService:
+    def __init__(self, spec: ServiceSpec):
+        self.spec = spec
+        self.config = ScoringConfig(**spec.scoring)
+        self.cache = HiddenStateCache(spec.cache)
+        self.head = TargetHead.from_pretrained(spec.target)
+        check_finite_weights(self.head.state_dict(), f"the target head of {spec.target}")
+        self._baseline: EvalReport | None = None
+
+    def score(
+        self, config: DrafterConfig, state: Mapping[str, torch.Tensor], *, step: int | None = None,
+        snapshot_id: str | None = None, name: str | None = None, cancel: threading.Event | None = None,
+        progress: bool = False,
+    ) -> EvalReport:
+        """Score weights held in memory (a snapshot not yet written, or being written)."""
+        name = name or (f"step {step}" if step is not None else "drafter")
+        check_finite_weights(state, name)
+        drafter = DFlashDrafter.from_state_dict(config, dict(state))
+        return score_drafter(drafter, self.cache, self.head, self.config, step=step, snapshot_id=snapshot_id,
+                             name=name, cancel=cancel, progress=progress)
+
+    def score_folder(
+        self, folder: str | os.PathLike, *, cancel: threading.Event | None = None, progress: bool = False
+    ) -> EvalReport:
+        """Score a published drafter folder or a snapshot; a snapshot's report carries the step
+        and snapshot id its own snapshot.json records, so it names exactly what was scored."""
+        meta = read_snapshot_meta(folder) or {}
+        drafter = load_drafter(folder)
+        check_finite_weights(drafter.state_dict(), str(folder))
+        return score_drafter(drafter, self.cache, self.head, self.config, step=meta.get("step"),
+                             snapshot_id=meta.get("snapshot_id"), name=str(folder), cancel=cancel, progress=progress)
+
+    def baseline(self, *, cancel: threading.Event | None = None, progress: bool = False) -> EvalReport | None:
+        """The baseline's report: from a saved report JSON, from the on-disk cache of
+        earlier runs, or scored now (and cached)."""
+        if self._baseline is not None or self.spec.baseline is None:
+            return self._baseline
+        source = Path(self.spec.baseline)
+        if source.is_file():
+            report = EvalReport.load(source)
+        else:
+            key = {"weights": weights_fingerprint(source), "cache": self.cache.fingerprint,
+                   "scoring": self.config.fingerprint_fields()}
+            digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+            cache_dir = Path(self.spec.baseline_cache_dir or default_baseline_cache_dir())
+            cached = cache_dir / f"baseline-{digest}.json"
+            if cached.is_file():
+                report = EvalReport.load(cached)
+            else:
+                report = self.score_folder(source, cancel=cancel, progress=progress)
+                report.extra["baseline_key"] = key
+                cache_dir.mkdir(parents=True, exist_ok=True)
+                report.to_json(cached)
+        if report.cache.get("fingerprint") != self.cache.fingerprint:
+            raise ValueError(f"baseline {source} was scored on cache {report.cache.get('fingerprint')}, "
+                             f"this run scores {self.cache.fingerprint}")
+        block = self.config.block_size
+        if block is not None and report.block_size != block:
+            raise ValueError(f"baseline {source} was scored at block size {report.block_size}, this run at {block}")
+        self._baseline = report
+        return report
