@@ -37,8 +37,9 @@ def records(dirpath: Path) -> list[dict]:
 def audit(folder: Path, scored_elsewhere: list[EvalReport] = ()) -> dict:
     """Check one run folder (or every run under a dirpath): each step at most once in
     results.jsonl; each report names the snapshot id that snapshot.json of its step
-    records (when still on disk); each watcher report and each report in
-    `scored_elsewhere` (e.g. cb.reports) is in results.jsonl. Adds to AUDIT; returns the
+    records (when still on disk); each watcher report of a snapshot (its step and id) ended
+    in results.jsonl as a report or an error, and each report in `scored_elsewhere`
+    (e.g. cb.reports) is in results.jsonl. Adds to AUDIT; returns the
     counts of this folder."""
     folders = [Path(folder)] if is_run_folder(folder) else run_dirs(folder)
     counts = {"runs": len(folders), "reports": 0, "lost": 0, "duplicated": 0, "mismatched": 0}
@@ -50,13 +51,15 @@ def audit(folder: Path, scored_elsewhere: list[EvalReport] = ()) -> dict:
         steps = [r.step if isinstance(r, EvalReport) else r["step"] for r in lines]
         counts["duplicated"] += len(steps) - len(set(steps))
         recorded = {(r.step, r.snapshot_id) for r in results.reports}
+        ended = recorded | {(e["step"], e.get("snapshot_id")) for e in results.errors}
         for report in results.reports:
             on_disk = run.snapshot_path(report.step)
             if on_disk.is_dir() and run.snapshot_id(on_disk) != report.snapshot_id:
                 counts["mismatched"] += 1
         for step, file in run.list_reports():
             found = run.read_report(file)
-            if isinstance(found, EvalReport) and found.snapshot_id is not None and (step, found.snapshot_id) not in recorded:
+            finished = isinstance(found, EvalReport) and found.step == step and found.snapshot_id is not None
+            if finished and (step, found.snapshot_id) not in ended:
                 counts["lost"] += 1
         counts["lost"] += sum((r.step, r.snapshot_id) not in recorded for r in scored_elsewhere)
     for key, value in counts.items():

@@ -33,31 +33,11 @@ from runs import assert_clean, records
 
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
-from train_run import make_loader, make_module, shared_world, world_paths, write_cache  # noqa: E402
-
-SCORING = {"ddtree_budgets": [4], "device": "cpu"}
-
+from train_run import SCORING, eval_cb, fit, shared_world, world_paths, write_cache  # noqa: E402
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> Path:
     return shared_world(tmp_path_factory.getbasetemp() / "reliability-world")
-
-
-def eval_cb(world: Path, tmp_path: Path, **kwargs) -> DrafterEvalCallback:
-    paths = world_paths(world)
-    args = dict(cache=paths["cache"], target=paths["target"], every_n_train_steps=2, scoring=SCORING,
-                dirpath=tmp_path / "d", verbose=False, wait_timeout=300)
-    args.update(kwargs)
-    return DrafterEvalCallback(**args)
-
-
-def fit(world: Path, tmp_path: Path, callbacks: list, max_steps: int, logger=False, ckpt_path=None,
-        module: DFlashTrainingModule | None = None) -> pl.Trainer:
-    trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=logger, callbacks=callbacks,
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         default_root_dir=tmp_path, log_every_n_steps=1000)
-    trainer.fit(module or make_module(world), make_loader(world), ckpt_path=ckpt_path)
-    return trainer
 
 
 def results(tmp_path: Path, folder: str = "d") -> list[dict]:

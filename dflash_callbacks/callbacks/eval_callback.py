@@ -279,9 +279,10 @@ class DrafterEvalCallback(ReportSource):
                                   key=lambda h: h["step"])
         done = {r.snapshot_id for r in results.reports} | {e.get("snapshot_id") for e in results.errors}
         self._taken = {h["step"] for h in self.history}
-        for _, path in self.run.list_reports():
+        for step, path in self.run.list_reports():
             found = self.run.read_report(path)
-            if isinstance(found, EvalReport) and found.snapshot_id is not None and found.snapshot_id not in done and found.step not in self._taken:
+            if (isinstance(found, EvalReport) and found.step == step and found.snapshot_id is not None
+                    and found.snapshot_id not in done and step not in self._taken):
                 self._recovered.append(found)
                 done.add(found.snapshot_id)
                 self._taken.add(found.step)

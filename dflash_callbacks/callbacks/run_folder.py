@@ -190,7 +190,7 @@ class RunFolder:
         try:
             return EvalReport.from_dict(raw)
         except (ValueError, TypeError) as e:
-            return WatcherError(f"{path} is not a report: {e}", raw.get("snapshot_id") if isinstance(raw, dict) else None)
+            return WatcherError(f"{path}: {e}", raw.get("snapshot_id") if isinstance(raw, dict) else None)
 
     def last_heartbeat(self) -> float | None:
         """When a watcher last wrote its heartbeat here or in the parent folder it watches."""

@@ -19,7 +19,8 @@ runs a training script:
   checked on that rank (on ranks other than 0: no runner, no scoring thread).
 
 It also exports the pieces the in-process tests share with it (same module, data and
-hyperparameters): `shared_world`, `world_paths`, `make_module`, `make_loader`, `write_cache`.
+hyperparameters): `shared_world`, `world_paths`, `make_module`, `make_loader`, `write_cache`,
+and `eval_cb` / `fit` for runs inside the test process.
 """
 
 from __future__ import annotations
@@ -97,6 +98,28 @@ def write_cache(world: Path, folder: Path, tasks: list[tuple[str, int, int]], co
         path = Path(folder) / f"{name}.safetensors"
         path.write_bytes(b"\0" * path.stat().st_size)
     return Path(folder)
+
+
+SCORING = {"ddtree_budgets": [4], "device": "cpu"}
+
+
+def eval_cb(world: Path, tmp_path: Path, **kwargs) -> DrafterEvalCallback:
+    """The eval callback of the in-process tests: every 2 steps, runs under tmp_path/d."""
+    paths = world_paths(world)
+    args = dict(cache=paths["cache"], target=paths["target"], every_n_train_steps=2, scoring=SCORING,
+                dirpath=tmp_path / "d", verbose=False, wait_timeout=300)
+    args.update(kwargs)
+    return DrafterEvalCallback(**args)
+
+
+def fit(world: Path, tmp_path: Path, callbacks: list, max_steps: int, logger=False, ckpt_path=None,
+        module: DFlashTrainingModule | None = None, **trainer_kwargs) -> pl.Trainer:
+    trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=logger, callbacks=callbacks,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=trainer_kwargs.pop("enable_checkpointing", False),
+                         default_root_dir=tmp_path, log_every_n_steps=1000, **trainer_kwargs)
+    trainer.fit(module or make_module(world), make_loader(world), ckpt_path=ckpt_path)
+    return trainer
 
 
 # ---------------------------------------------------------------- callbacks of the script

@@ -1,0 +1,169 @@
+"""Every CLI checks its inputs before any work starts and answers an ordinary mistake with
+one `error: ...` line per problem and exit status 2; `--debug` shows the traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_callbacks.cli import main as cli_main
+from dflash_callbacks.model import DrafterConfig
+
+from synthetic import build_world
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    return build_world(tmp_path_factory.mktemp("cli-world"))
+
+
+def score_args(world, **kw) -> list[str]:
+    args = {"--drafter": world.baseline, "--cache": world.cache, "--target": world.target, "--budgets": "4",
+            "--device": "cpu"}
+    args.update(kw)
+    return ["score"] + [str(x) for pair in args.items() for x in pair if x is not None]
+
+
+def fails(argv, capsys, *expected) -> str:
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err and all(line.startswith("error: ") for line in err.splitlines()), err
+    assert "Traceback" not in err
+    for text in expected:
+        assert text in err, err
+    return err
+
+
+def test_score_mistakes_are_one_line_each(world, tmp_path, capsys):
+    fails(score_args(world, **{"--drafter": tmp_path / "nope"}), capsys, "--drafter", "is not a folder")
+    fails(score_args(world, **{"--drafter": world.baseline / "config.json"}), capsys, "is not a folder")
+    fails(score_args(world, **{"--drafter": world.target}), capsys,
+          "drafter config", "no field 'num_hidden_layers'", "is this a DFlash drafter config?")
+    fails(score_args(world, **{"--tasks": "long,fizzbuzz"}), capsys,
+          "scoring.tasks ['fizzbuzz'] are not in the cache")
+    fails(score_args(world, **{"--cache": tmp_path / "no-cache"}), capsys, "cache: no cache folder at")
+    fails(score_args(world, **{"--target": world.cache}), capsys, "target: ")
+    if not torch.cuda.is_available():
+        fails(score_args(world, **{"--device": "cuda"}), capsys, "scoring.device='cuda', but CUDA is not available")
+        fails(score_args(world, **{"--backend": "triton"}), capsys, "backend='triton' runs on CUDA devices only")
+
+
+def test_score_checks_the_baseline_and_the_output_folder_before_scoring_ours(world, tmp_path, capsys):
+    started = time.time()
+    fails(score_args(world, **{"--baseline": tmp_path / "basline"}), capsys,
+          f"baseline {tmp_path / 'basline'} does not exist")
+    fails(score_args(world, **{"--json": tmp_path / "no-folder" / "ours.json"}), capsys,
+          "--json", "the folder", "does not exist")
+    assert not (tmp_path / "no-folder").exists() and not list(tmp_path.glob(".*tmp*"))
+    assert time.time() - started < 30
+
+
+def test_score_uses_the_baseline_cache_and_writes_both_reports(world, tmp_path, capsys):
+    args = score_args(world, **{"--baseline": world.baseline, "--baseline-cache-dir": tmp_path / "bc",
+                                "--json": tmp_path / "ours.json", "--baseline-json": tmp_path / "base.json"})
+    assert cli_main(args) == 0
+    assert "| **mean** |" in capsys.readouterr().out
+    cached = list((tmp_path / "bc").glob("baseline-*.json"))
+    assert len(cached) == 1 and json.loads(cached[0].read_text())["tasks"] == \
+        json.loads((tmp_path / "base.json").read_text())["tasks"]
+
+
+@pytest.mark.parametrize("edit,field", [
+    (lambda c: c.pop("hidden_size"), "no field 'hidden_size'"),
+    (lambda c: c.__setitem__("hidden_size", "32"), "field 'hidden_size' must be a positive integer; got '32'"),
+    (lambda c: c.__setitem__("num_hidden_layers", [2]), "field 'num_hidden_layers' must be a positive integer"),
+    (lambda c: c.__setitem__("dflash_config", [1]), "field 'dflash_config' must be an object"),
+])
+def test_a_broken_drafter_config_names_the_file_and_the_field(world, tmp_path, capsys, edit, field):
+    folder = shutil.copytree(world.baseline, tmp_path / "drafter")
+    config = json.loads((folder / "config.json").read_text())
+    edit(config)
+    (folder / "config.json").write_text(json.dumps(config))
+    fails(score_args(world, **{"--drafter": folder}), capsys, f"drafter config {folder / 'config.json'}", field)
+    (folder / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"config.json: a drafter config is a JSON object; got list"):
+        DrafterConfig.from_file(folder)
+
+
+def test_debug_shows_the_traceback(world, tmp_path):
+    from dflash_callbacks.scoring.service import PreflightError
+
+    with pytest.raises(PreflightError, match="cache: no cache folder at"):
+        cli_main(["--debug"] + score_args(world, **{"--cache": tmp_path / "no-cache"}))
+    run = subprocess.run([sys.executable, "-m", "dflash_callbacks.cli", *score_args(world, **{"--cache": tmp_path})],
+                         capture_output=True, text=True, env={**os.environ, "DFLASH_DEBUG": "1"})
+    assert run.returncode == 1 and "Traceback" in run.stderr
+
+
+def test_compare_takes_reports_and_results_jsonl(world, tmp_path, capsys):
+    assert cli_main(score_args(world, **{"--json": tmp_path / "a.json"})) == 0
+    capsys.readouterr()
+    report = json.loads((tmp_path / "a.json").read_text())
+    lines = [{**report, "step": step} for step in (2, 4)]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 6, "error": "x"}\n')
+    assert cli_main(["compare", str(tmp_path / "results.jsonl"), str(tmp_path / "a.json")]) == 0
+    assert "step 4" in capsys.readouterr().out  # default: the last step with a report
+    assert cli_main(["compare", str(tmp_path / "results.jsonl"), str(tmp_path / "a.json"), "--step", "2"]) == 0
+    assert "step 2" in capsys.readouterr().out
+    fails(["compare", str(tmp_path / "results.jsonl"), str(tmp_path / "a.json"), "--step", "3"], capsys,
+          "has no report of step 3; it has steps [2, 4]")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    fails(["compare", str(tmp_path / "list.json"), str(tmp_path / "a.json")], capsys,
+          "not a report: a JSON object was expected, found list")
+    fails(["compare", str(tmp_path / "missing.json"), str(tmp_path / "a.json")], capsys, "no report at")
+
+
+def test_extract_refuses_a_missing_target_without_asking_the_hub(tmp_path, capsys):
+    fails(["extract", "--target", str(tmp_path / "Qwen3-8B"), "--out", str(tmp_path / "c"), "--layer-ids", "1"],
+          capsys, "target folder", "does not exist", "nothing is downloaded")
+    if not torch.cuda.is_available():
+        (tmp_path / "t").mkdir()
+        (tmp_path / "t" / "config.json").write_text("{}")
+        fails(["extract", "--target", str(tmp_path / "t"), "--out", str(tmp_path / "c"), "--layer-ids", "1",
+               "--device", "cuda"], capsys, "--device='cuda', but CUDA is not available")
+
+
+def test_watch_refuses_what_can_not_work_and_logs_what_it_scores(world, tmp_path, capsys):
+    base = ["watch", "--cache", str(world.cache), "--target", str(world.target), "--budgets", "4", "--device", "cpu"]
+    fails([*base, "--dir", str(tmp_path / "runs-typo")], capsys, "--dir", "is not a folder")
+    assert not (tmp_path / "runs-typo").exists()
+    fails([*base, "--dir", str(tmp_path), "--poll-seconds", "-1"], capsys, "--poll-seconds and --idle-exit must be >= 0")
+    fails([*base, "--dir", str(tmp_path), "--baseline", str(tmp_path / "nope")], capsys, "baseline")
+
+    # a run folder with one snapshot: it is scored and logged
+    from dflash_callbacks.callbacks.run_folder import RunFolder
+    from dflash_callbacks.callbacks.snapshot import Snapshot
+
+    run = RunFolder.create(tmp_path / "runs", "run-a")
+    run.write_snapshot(Snapshot(3, 0, world.config, {k: v.clone() for k, v in world.drafter.state_dict().items()}))
+    run.unlock()
+    assert cli_main([*base, "--dir", str(tmp_path / "runs"), "--once"]) == 0
+    out = capsys.readouterr().out
+    assert "watch: run-a step 3: live tau vanilla" in out
+    report = run.read_report(run.report_path(3))
+    assert report.step == 3 and report.snapshot_id == run.snapshot_id(run.snapshot_path(3))
+    assert (tmp_path / "runs" / "watcher.json").is_file()
+
+
+def test_demo_help_lists_every_setting_and_output(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["demo", "--help"])
+    out = capsys.readouterr().out
+    for key in ("train.max_steps = 600", "eval.every_n_train_steps = 25", "stop.grace_steps = 250",
+                "eval.scoring.topk = [4]", "wandb = 'offline'"):
+        assert key in out
+    for output in ("world/", "baseline-reports/", "results.jsonl", "csv/", "wandb/", "live_tau.png"):
+        assert output in out
+
+
+def test_demo_overrides_name_the_key(capsys):
+    fails(["demo", "train.max_steps=abc"], capsys, "config key 'train.max_steps'")
+    fails(["demo", "train.max_steps"], capsys, "override 'train.max_steps' is not key=value")

@@ -1,0 +1,562 @@
+"""Trust at the edges: evaluation never kills the run, never loses a report, never logs a
+wrong number. Each test reproduces one way it used to go wrong, with real files, real
+processes and real signals, and every run folder goes through the audit (runs.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from safetensors.torch import save_file
+
+from dflash_callbacks import TrailingBaselineStop, save_drafter
+from dflash_callbacks.cache.format import new_manifest, open_for_writing, write_task
+from dflash_callbacks.callbacks import runners
+from dflash_callbacks.callbacks.run_folder import RunFolder
+from dflash_callbacks.cli import main as cli_main
+from dflash_callbacks.files import atomic_write_json
+from dflash_callbacks.scoring.scorer import NonFiniteError
+from dflash_callbacks.scoring.service import PreflightError, ScoringService, ServiceSpec
+
+from runs import assert_clean, records, run_dir
+
+SCRIPTS = Path(__file__).parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+from train_run import SCORING, eval_cb, fit, shared_world, world_paths, write_cache  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> Path:
+    return shared_world(tmp_path_factory.getbasetemp() / "reliability-world")
+
+
+class CountBatches(pl.Callback):
+    batches = 0
+
+    def on_train_batch_start(self, *args):
+        self.batches += 1
+
+
+def refused_before_training(world, tmp_path, cb, message) -> None:
+    counter = CountBatches()
+    with pytest.raises(PreflightError, match=message):
+        fit(world, tmp_path, [cb, counter], max_steps=4)
+    assert counter.batches == 0 and not (tmp_path / "d").exists()
+
+
+# ---------------------------------------------------------------- the run never dies
+
+
+def test_a_failed_append_leaves_no_torn_line_and_is_written_once_the_disk_takes_it(tmp_path):
+    """RLIMIT_FSIZE makes the kernel refuse writes past a size (EFBIG), as a full disk does:
+    the line is cut back whole, and appends go through again once there is room."""
+    script = textwrap.dedent(f"""
+        import json, resource, signal
+        from dflash_callbacks.callbacks.run_folder import RunFolder, ResultsWriteError
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        run = RunFolder.create({str(tmp_path)!r}, "r")
+        run.append({{"step": 1, "error": "first"}})
+        size = run.results_path.stat().st_size
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size + 40, resource.RLIM_INFINITY))
+        try:
+            run.append({{"step": 2, "error": "x" * 200}})
+            print("appended")
+        except ResultsWriteError as e:
+            print("refused", run.results_path.stat().st_size == size, e)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        run.append({{"step": 2, "error": "x" * 200}})
+        print(json.dumps([json.loads(l)["step"] for l in run.results_path.read_text().splitlines()]))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    first, last = out.stdout.strip().splitlines()
+    assert first.startswith("refused True") and "File too large" in first
+    assert json.loads(last) == [1, 2]
+
+
+def test_results_file_unwritable_for_a_while_costs_no_report(world, tmp_path):
+    """After the first report, a folder takes the place of results.jsonl (every append fails);
+    after the third it is put back. Training goes on, each failure is counted, the reports
+    are still logged, and the lines held in memory land in the file, once each, in order."""
+    cb = eval_cb(world, tmp_path, busy="queue", max_pending=8)
+    seen = []
+
+    def disk(report, baseline):
+        seen.append(report.step)
+        path = cb.run.results_path
+        if len(seen) == 1:
+            path.rename(path.with_name("saved.jsonl"))
+            path.mkdir()
+        elif len(seen) == 3:
+            path.rmdir()
+            path.with_name("saved.jsonl").rename(path)
+
+    cb.subscribe(disk)
+    with pytest.warns(UserWarning, match=r"appending to .*results.jsonl failed|can not open .*results.jsonl"):
+        trainer = fit(world, tmp_path, [cb], max_steps=10)
+    assert trainer.global_step == 10 and seen == [2, 4, 6, 8, 10]
+    assert cb.errors == 2  # the appends of steps 4 and 6
+    assert [r["step"] for r in records(tmp_path / "d")] == [2, 4, 6, 8, 10]
+    assert_clean(tmp_path / "d", cb.reports)
+
+
+def test_a_subscriber_that_raises_is_counted_and_training_goes_on(world, tmp_path):
+    cb = eval_cb(world, tmp_path, busy="queue", max_pending=8)
+    calls = []
+    cb.subscribe(lambda report, baseline: 1 / 0)
+    cb.subscribe(lambda report, baseline: calls.append(report.step))  # the next subscriber still gets it
+    with pytest.warns(UserWarning, match=r"subscriber .* raised on step 2: ZeroDivisionError"):
+        trainer = fit(world, tmp_path, [cb], max_steps=6)
+    assert trainer.global_step == 6 and calls == [2, 4, 6] and cb.errors == 3
+    assert_clean(tmp_path / "d", cb.reports)
+
+
+class HostileWatcher(threading.Thread):
+    """Plays `dflash-callbacks watch` badly: for each new snapshot of the run it writes the
+    next of `payloads` (a function of (step, snapshot_id) -> JSON value) as its report."""
+
+    def __init__(self, dirpath: Path, payloads):
+        super().__init__(daemon=True)
+        self.dirpath, self.payloads, self.done, self.stop = dirpath, list(payloads), set(), threading.Event()
+
+    def run(self):
+        from dflash_callbacks.callbacks.run_folder import write_heartbeat
+
+        while not self.stop.is_set():
+            if self.dirpath.is_dir():
+                write_heartbeat(self.dirpath)
+                for folder in [p for p in self.dirpath.iterdir() if (p / "run.json").is_file()]:
+                    run = RunFolder(folder)
+                    for step, snap in run.list_snapshots():
+                        if step in self.done or not self.payloads:
+                            continue
+                        self.done.add(step)
+                        payload = self.payloads.pop(0)(step, run.snapshot_id(snap))
+                        run.reports_dir.mkdir(exist_ok=True)
+                        atomic_write_json(run.report_path(step), payload)
+            time.sleep(0.05)
+
+
+def test_malformed_watcher_reports_are_errors_not_crashes(world, tmp_path):
+    """External runner: a report file that is JSON but not a report (a list, tasks as a list,
+    no step) is an error for that snapshot; the next snapshot is taken and scored."""
+    service = ScoringService(ServiceSpec(str(world / "cache"), str(world / "target"), None, SCORING))
+
+    def good(step, snapshot_id):
+        return service.score_folder(RunFolder(run_dir(tmp_path / "d")).snapshot_path(step)).to_dict()
+
+    def no_step(step, snapshot_id):
+        payload = good(step, snapshot_id)
+        del payload["step"]
+        return payload
+
+    def tasks_as_list(step, snapshot_id):
+        return {**good(step, snapshot_id), "tasks": [1, 2]}
+
+    watcher = HostileWatcher(tmp_path / "d", [lambda s, i: [1, 2, 3], tasks_as_list, no_step, good])
+    watcher.start()
+    cb = eval_cb(world, tmp_path, runner="external", keep_last=4, wait_timeout=60, busy="queue", max_pending=8)
+    try:
+        with pytest.warns(UserWarning, match=r"step 2 failed: RuntimeError: .*not a report"):
+            trainer = fit(world, tmp_path, [cb], max_steps=8)
+    finally:
+        watcher.stop.set()
+    lines = records(tmp_path / "d")
+    assert trainer.global_step == 8 and [r["step"] for r in lines] == [2, 4, 6, 8]
+    assert "not a report: a JSON object was expected, found list" in lines[0]["error"]
+    assert "not a report: 'tasks' is not a non-empty object" in lines[1]["error"]
+    assert "the report names step None" in lines[2]["error"]
+    assert "tasks" in lines[3] and [r.step for r in cb.reports] == [8] and cb.errors == 3
+    assert_clean(tmp_path / "d", cb.reports)
+
+
+def test_a_stale_report_of_another_snapshot_is_never_taken_for_this_one(world, tmp_path):
+    """External runner: the watcher first writes a report of the same step but another
+    snapshot (an old watcher finishing late), then the right one: only the right one counts."""
+    service = ScoringService(ServiceSpec(str(world / "cache"), str(world / "target"), None, SCORING))
+    folder = {}
+
+    def scored(step, snapshot_id, as_id):
+        report = service.score_folder(RunFolder(run_dir(tmp_path / "d")).snapshot_path(step))
+        report.snapshot_id = as_id
+        folder[step] = snapshot_id
+        return report.to_dict()
+
+    watcher = HostileWatcher(tmp_path / "d", [lambda s, i: scored(s, i, "0" * 16)])
+    watcher.start()
+    cb = eval_cb(world, tmp_path, runner="external", keep_last=2, wait_timeout=60, every_n_train_steps=4)
+
+    class RightOneLater(pl.Callback):
+        def on_train_end(self, trainer, pl_module):  # before cb waits: give the right report after the stale one
+            run = cb.run
+            time.sleep(0.5)
+            service.score_folder(run.snapshot_path(4)).to_json(run.report_path(4))
+
+    try:
+        fit(world, tmp_path, [RightOneLater(), cb], max_steps=4, enable_checkpointing=False)
+    finally:
+        watcher.stop.set()
+    (line,) = records(tmp_path / "d")
+    assert line["step"] == 4 and line["snapshot_id"] == folder[4] != "0" * 16
+    assert cb.errors == 0
+    assert_clean(tmp_path / "d", cb.reports)
+
+
+def test_a_results_line_that_is_json_but_not_a_report_is_skipped_with_its_line_number(world, tmp_path):
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    first = eval_cb(world, tmp_path)
+    fit(world, tmp_path, [first, ckpt], max_steps=4, enable_checkpointing=True)
+    with open(first.run.results_path, "a") as f:
+        f.write("[1, 2]\n")
+        f.write('{"step": "x", "tasks": {}}\n')
+    second = eval_cb(world, tmp_path)
+    with pytest.warns(UserWarning, match=r"results.jsonl line 3: not a report: a JSON object was expected"):
+        trainer = fit(world, tmp_path, [second], max_steps=6, ckpt_path=str(tmp_path / "ckpt" / "epoch=1-step=4.ckpt"))
+    assert trainer.global_step == 6 and [h["step"] for h in second.history] == [2, 4, 6]
+
+
+# ---------------------------------------------------------------- no report lost or mismatched
+
+
+def worker_pids(parent: int) -> list[int]:
+    """Live processes whose parent is `parent` (from /proc)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == parent and fields[0] != "Z":
+                out.append(int(entry.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigkilled_training_takes_its_scoring_worker_with_it(world, tmp_path):
+    """runner="process": SIGKILL the training process while its worker scores; the worker
+    does not outlive it (it would hold the memory and, on a GPU, a CUDA context)."""
+    slow = write_cache(world, tmp_path / "slow-cache", [("slow", 300, 4)])
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "train_run.py"), "--world", str(world), "--root", str(tmp_path / "run"),
+         "--max-steps", "100000", "--every", "2", "--runner", "process", "--no-baseline", "--eval-cache", str(slow),
+         "--anchors-per-forward", "1", "--step-sleep", "0.02"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline, workers = time.time() + 120, []
+        while time.time() < deadline and not workers:
+            workers = [pid for pid in worker_pids(proc.pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+            time.sleep(0.2)
+        assert workers, "no scoring worker started"
+        time.sleep(1.0)  # let it start scoring
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.time() + 15
+    while time.time() < deadline and any(alive(pid) for pid in workers):
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in workers), "the scoring worker outlived the SIGKILLed training process"
+
+
+def test_external_runner_killed_and_resumed_adopts_the_watchers_report_and_the_stop_sees_it(world, tmp_path):
+    """train_run.py (external runner, no watcher yet, checkpoint every 2 steps) is SIGKILLed
+    once it wrote the snapshot of step 2. A watcher then scores it: a report the killed run
+    never read. The resumed run (from the checkpoint of step 2) records that report, once,
+    with the snapshot's id, and TrailingBaselineStop's history (no baseline: it records,
+    it does not decide) has it."""
+    root = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "train_run.py"), "--world", str(world), "--root", str(root),
+         "--max-steps", "100000", "--every", "2", "--runner", "external", "--ckpt-every", "2",
+         "--step-sleep", "0.05", "--keep-last", "2", "--no-baseline"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            snaps = list(root.glob("dflash/*/snapshots/step-00000002/snapshot.json"))
+            if snaps and (root / "ckpt" / "step=2.ckpt").is_file():
+                break
+            time.sleep(0.05)
+        assert snaps, "no snapshot of step 2"
+    finally:
+        proc.kill()
+        proc.wait()
+    folder = snaps[0].parents[2]
+    snapshot_id = json.loads(snaps[0].read_text())["snapshot_id"]
+    paths = world_paths(world)
+    assert cli_main(["watch", "--dir", str(root / "dflash"), "--cache", str(paths["cache"]), "--target",
+                     str(paths["target"]), "--budgets", "4", "--device", "cpu", "--once"]) == 0
+    assert RunFolder(folder).read_report(RunFolder(folder).report_path(2)).snapshot_id == snapshot_id
+
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "dflash_callbacks.cli", "watch", "--dir", str(root / "dflash"), "--cache",
+         str(paths["cache"]), "--target", str(paths["target"]), "--budgets", "4", "--device", "cpu",
+         "--poll-seconds", "0.2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    cb = eval_cb(world, tmp_path, runner="external", keep_last=2, dirpath=root / "dflash")
+    stop = TrailingBaselineStop(monitor="ddtree@4/live", min_ratio=0.01, verbose=False)
+    try:
+        with pytest.warns(UserWarning, match="no baseline report"):
+            fit(world, root, [cb, stop], max_steps=6, ckpt_path=str(root / "ckpt" / "step=2.ckpt"))
+    finally:
+        watcher.kill()
+    assert cb.run.path == folder
+    lines = records(root / "dflash")
+    assert sorted(r["step"] for r in lines) == [2, 4, 6]
+    assert next(r for r in lines if r["step"] == 2)["snapshot_id"] == snapshot_id
+    assert [s for s, _ in stop.history] == [2, 4, 6]
+    assert_clean(root / "dflash", cb.reports)
+
+
+def test_external_runner_with_one_kept_snapshot_and_a_queue_never_prunes_an_unscored_snapshot(world, tmp_path):
+    """keep_last=1, busy="queue": snapshots come faster than a slow watcher scores them. Each
+    is written only after the one before was scored, so none is deleted unscored."""
+    paths = world_paths(world)
+    slow = write_cache(world, tmp_path / "slow-cache", [("slow", 200, 4)])
+    dirpath = tmp_path / "d"
+    dirpath.mkdir()
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "dflash_callbacks.cli", "watch", "--dir", str(dirpath), "--cache", str(slow),
+         "--target", str(paths["target"]), "--budgets", "4", "--device", "cpu", "--poll-seconds", "0.1",
+         "--anchors-per-forward", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    cb = eval_cb(world, tmp_path, cache=slow, runner="external", keep_last=1, busy="queue", max_pending=3,
+                 wait_timeout=120)
+
+    class AtMostOne(pl.Callback):
+        most = 0
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.most = max(self.most, len(cb.run.list_snapshots()))
+
+    bound = AtMostOne()
+    try:
+        fit(world, tmp_path, [cb, bound], max_steps=12)
+    finally:
+        watcher.kill()
+    lines = records(dirpath)
+    assert lines and all("tasks" in r for r in lines) and cb.errors == 0 and bound.most <= 1
+    assert [r["step"] for r in lines] == [r.step for r in cb.reports]
+    assert_clean(dirpath, cb.reports)
+
+
+def test_a_snapshot_write_failure_with_the_external_runner_does_not_stop_later_snapshots(world, tmp_path):
+    """The defect: one failed write left `pending` at 1 forever, so busy="skip" skipped every later snapshot."""
+    paths = world_paths(world)
+    dirpath = tmp_path / "d"
+    dirpath.mkdir()
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "dflash_callbacks.cli", "watch", "--dir", str(dirpath), "--cache", str(paths["cache"]),
+         "--target", str(paths["target"]), "--budgets", "4", "--device", "cpu", "--poll-seconds", "0.1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    cb = eval_cb(world, tmp_path, runner="external", keep_last=2, wait_timeout=120)
+
+    class BlockFirstWrite(pl.Callback):  # after cb: its run folder exists
+        def on_train_start(self, trainer, pl_module):
+            cb.run.snapshots_dir.write_text("a file where the folder goes")
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if cb.errors and cb.run.snapshots_dir.is_file():
+                cb.run.snapshots_dir.unlink()
+
+    try:
+        with pytest.warns(UserWarning, match="writing the snapshot failed"):
+            fit(world, tmp_path, [cb, BlockFirstWrite()], max_steps=10)
+    finally:
+        watcher.kill()
+    lines = records(dirpath)
+    assert "writing the snapshot failed" in lines[0]["error"]
+    assert len(cb.reports) >= 2 and cb.reports[-1].step == 10
+    assert_clean(dirpath, cb.reports)
+
+
+# ---------------------------------------------------------------- waiting at the end
+
+
+def test_wait_timeout_must_be_positive(world, tmp_path):
+    for bad in (0, -1, "60"):
+        with pytest.raises(ValueError, match=f"wait_timeout must be a finite number > 0; got {bad!r}"):
+            eval_cb(world, tmp_path, wait_timeout=bad)
+
+
+def test_reports_still_pending_when_wait_timeout_runs_out_are_recorded_not_dropped(world, tmp_path):
+    slow = write_cache(world, tmp_path / "slow-cache", [("slow", 300, 4), ("slow2", 300, 4)])
+    cb = eval_cb(world, tmp_path, cache=slow, busy="queue", max_pending=4, wait_timeout=0.5,
+                 scoring={**SCORING, "anchors_per_forward": 1})
+    started = time.time()
+    with pytest.warns(UserWarning, match=r"not scored: wait_timeout=0.5 s ran out at the end of training"):
+        fit(world, tmp_path, [cb], max_steps=4)
+    lines = records(tmp_path / "d")
+    assert [r["step"] for r in lines] == [2, 4] and time.time() - started < 60
+    assert all("not scored: wait_timeout=0.5 s ran out" in r["error"] for r in lines) and cb.errors == 2
+    assert_clean(tmp_path / "d", cb.reports)
+
+
+def test_external_runner_without_a_watcher_says_so_and_does_not_wait_an_hour(world, tmp_path, monkeypatch):
+    monkeypatch.setattr(runners, "WATCHER_TIMEOUT", 1.5)
+    cb = eval_cb(world, tmp_path, runner="external", keep_last=2)  # wait_timeout 300
+    started = time.time()
+    with pytest.warns(UserWarning, match=r"no `dflash-callbacks watch` has written to .* for 2 s; step 2 was not scored"):
+        fit(world, tmp_path, [cb], max_steps=2)
+    assert time.time() - started < 60
+    (line,) = records(tmp_path / "d")
+    assert line["step"] == 2 and "no `dflash-callbacks watch`" in line["error"]
+
+
+# ---------------------------------------------------------------- a wrong number is never logged
+
+
+def overflowing_drafter(world: Path, folder: Path) -> Path:
+    """Finite weights that overflow float16 (final norm weights of 1e5 > 65504, its largest value)."""
+    paths = world_paths(world)
+    from safetensors.torch import load_file
+
+    state = load_file(str(paths["baseline"] / "model.safetensors"))
+    state["norm.weight"] = torch.full_like(state["norm.weight"], 1e5)
+    return save_drafter(folder, paths["config"], state)
+
+
+def test_float16_overflow_is_an_error_and_never_a_score(world, tmp_path):
+    paths = world_paths(world)
+    service = ScoringService(ServiceSpec(str(paths["cache"]), str(paths["target"]), None,
+                                         {**SCORING, "dtype": "float16"}))
+    with pytest.raises(NonFiniteError, match=r"task 'long': the drafter's logits are NaN or Inf at \d+ of"):
+        service.score_folder(overflowing_drafter(world, tmp_path / "big"))
+    same = ScoringService(ServiceSpec(str(paths["cache"]), str(paths["target"]), None, SCORING))
+    assert same.score_folder(tmp_path / "big").mean  # float32 takes it: the error was the overflow
+
+
+def test_the_score_cli_refuses_nan_weights_and_overflow(world, tmp_path, capsys):
+    paths = world_paths(world)
+    from safetensors.torch import load_file
+
+    state = load_file(str(paths["baseline"] / "model.safetensors"))
+    state["fc.weight"][0, 0] = float("nan")
+    nan = save_drafter(tmp_path / "nan", paths["config"], state)
+    args = ["score", "--cache", str(paths["cache"]), "--target", str(paths["target"]), "--budgets", "4",
+            "--device", "cpu"]
+    assert cli_main([*args, "--drafter", str(nan)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "NaN or Inf weights in fc.weight" in err and "Traceback" not in err
+    assert cli_main([*args, "--drafter", str(overflowing_drafter(world, tmp_path / "big")), "--dtype", "float16"]) == 2
+    assert "logits are NaN or Inf" in capsys.readouterr().err
+
+
+def test_float16_overflow_in_the_callback_is_an_error_line_not_a_row(world, tmp_path):
+    cb = eval_cb(world, tmp_path, scoring={**SCORING, "dtype": "float16"})
+
+    class Blow(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            with torch.no_grad():
+                pl_module.drafter.norm.weight.fill_(1e5)
+
+    with pytest.warns(UserWarning, match="logits are NaN or Inf"):
+        fit(world, tmp_path, [Blow(), cb], max_steps=2)
+    (line,) = records(tmp_path / "d")
+    assert "tasks" not in line and "NonFiniteError" in line["error"] and cb.reports == []
+
+
+def cache_with(world: Path, folder: Path, hidden_fill=None, prompt_len: int = 4, tokens: int = 20) -> Path:
+    write_cache(world, folder, [("t", tokens, prompt_len)])
+    if hidden_fill is not None:
+        from dflash_callbacks.cache.format import HiddenStateCache
+
+        task = HiddenStateCache(folder).task("t")
+        hidden = task.hidden.clone()
+        hidden[3] = hidden_fill
+        info = HiddenStateCache(folder)
+        write_task(folder, "t", task.input_ids, hidden, prompt_len)
+        assert info.layer_ids  # the manifest stays valid: write_task records the new size and sha256
+    return folder
+
+
+def test_nan_hidden_states_in_the_cache_are_refused_before_training(world, tmp_path):
+    cb = eval_cb(world, tmp_path, cache=cache_with(world, tmp_path / "nan-cache", hidden_fill=float("nan")))
+    refused_before_training(world, tmp_path, cb, r"task 't': .* holds NaN or Inf hidden states at 1 of 20 positions")
+
+
+def test_a_target_head_of_another_vocabulary_or_width_is_refused_before_training(world, tmp_path):
+    paths = world_paths(world)
+    vocab, hidden = paths["config"].vocab_size, paths["config"].hidden_size
+    for name, shape, message in [
+        ("wide-vocab", (vocab + 4, hidden), rf"the target's lm_head has {vocab + 4} rows but the drafter's vocabulary is {vocab}"),
+        ("other-width", (vocab, hidden * 2), rf"the target's lm_head is {hidden * 2} wide but the drafter's hidden size is {hidden}"),
+    ]:
+        target = tmp_path / name
+        target.mkdir()
+        save_file({"model.embed_tokens.weight": torch.randn(*shape), "lm_head.weight": torch.randn(*shape)},
+                  str(target / "model.safetensors"))
+        (target / "config.json").write_text("{}")
+        refused_before_training(world, tmp_path, eval_cb(world, tmp_path, target=target), message)
+
+
+def test_a_damaged_cache_or_a_task_with_no_anchor_is_refused_before_training(world, tmp_path):
+    truncated = shutil.copytree(world / "cache", tmp_path / "truncated")
+    data = (truncated / "long.safetensors").read_bytes()
+    (truncated / "long.safetensors").write_bytes(data[:-10])
+    refused_before_training(world, tmp_path, eval_cb(world, tmp_path, cache=truncated),
+                            r"task 'long': file .* is \d+ bytes but the manifest says \d+: truncated")
+    flipped = shutil.copytree(world / "cache", tmp_path / "flipped")
+    data = bytearray((flipped / "short.safetensors").read_bytes())
+    data[-5] ^= 0x01
+    (flipped / "short.safetensors").write_bytes(bytes(data))
+    refused_before_training(world, tmp_path, eval_cb(world, tmp_path, cache=flipped),
+                            r"task 'short': file .* has sha256 .* but the manifest says")
+    no_anchor = cache_with(world, tmp_path / "no-anchor", prompt_len=19, tokens=20)
+    refused_before_training(world, tmp_path, eval_cb(world, tmp_path, cache=no_anchor),
+                            r"cache task 't' has no anchor to score: 19 prompt tokens and 20 in all")
+
+
+def test_a_device_that_is_not_here_is_refused_before_training(world, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a machine with CUDA has the device")
+    refused_before_training(world, tmp_path, eval_cb(world, tmp_path, device="cuda"),
+                            r"scoring.device='cuda', but CUDA is not available here")
+
+
+# ---------------------------------------------------------------- the stop callback, linked at setup
+
+
+def test_a_monitor_that_is_not_scored_fails_before_training(world, tmp_path):
+    counter = CountBatches()
+    stop = TrailingBaselineStop(monitor="ddtree@8/live")
+    with pytest.raises(ValueError, match=r"monitors 'ddtree@8/live', but 'dflash' scores only \['vanilla', 'ddtree@4'\]"):
+        fit(world, tmp_path, [eval_cb(world, tmp_path), stop, counter], max_steps=4)
+    assert counter.batches == 0
+
+
+def test_the_stop_callback_finds_its_eval_callback_or_says_why_not(world, tmp_path):
+    with pytest.raises(ValueError, match="needs a DrafterEvalCallback in trainer.callbacks"):
+        fit(world, tmp_path, [TrailingBaselineStop(monitor="ddtree@4/live")], max_steps=1)
+    two = [eval_cb(world, tmp_path), eval_cb(world, tmp_path, name="other", scoring={**SCORING, "topk": [2]})]
+    with pytest.raises(ValueError, match=r"several DrafterEvalCallbacks \['dflash', 'other'\]; name the one"):
+        fit(world, tmp_path, [*two, TrailingBaselineStop(monitor="ddtree@4/live")], max_steps=1)
+    with pytest.raises(ValueError, match=r"eval_callback='nope'\): no DrafterEvalCallback of that name"):
+        fit(world, tmp_path, [*two, TrailingBaselineStop(monitor="ddtree@4/live", eval_callback="nope")], max_steps=1)
+    stop = TrailingBaselineStop(monitor="top@2/live", eval_callback="other", min_ratio=0.01, verbose=False)
+    two = [eval_cb(world, tmp_path / "a"), eval_cb(world, tmp_path / "b", name="other", scoring={**SCORING, "topk": [2]})]
+    fit(world, tmp_path, [*two, stop], max_steps=4)
+    assert stop.source is two[1] and [s for s, _ in stop.history] == [2, 4]
