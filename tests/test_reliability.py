@@ -24,7 +24,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from dflash_callbacks.callbacks import DrafterEvalCallback
+from dflash_callbacks.callbacks import DrafterEvalCallback, TrailingBaselineStop
 from dflash_callbacks.config import CONF_DIR, CallbacksConfig, build_callbacks, load_config
 from dflash_callbacks.scoring.service import PreflightError
 from dflash_callbacks.training import DFlashTrainingModule
@@ -303,14 +303,24 @@ def test_sigkilled_training_resumes_from_its_checkpoint_and_loses_nothing(world,
             return None
 
     ckpts = sorted(root.glob("ckpt/step=*.ckpt"), key=lambda p: int(p.stem.split("=")[1]), reverse=True)
-    ckpt = next(p for p in ckpts if loads(p) is not None)
+    ckpt = next(p for p in ckpts if loads(p) is not None and loads(p) < max(steps_before))  # reports came after it
     resumed_from = loads(ckpt)
     max_steps = max(steps_before + [resumed_from]) + 4
 
     cb = eval_cb(world, tmp_path, dirpath=root / "dflash")
+    stop = TrailingBaselineStop(monitor="ddtree@4/live", verbose=False)
+
+    class StopHistoryAtStart(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.steps = [s for s, _ in stop.history]
+
+    at_start = StopHistoryAtStart()
     with pytest.warns(UserWarning, match="ended in a torn line"):
-        trainer = fit(world, root, [cb], max_steps=max_steps, ckpt_path=ckpt)
+        trainer = fit(world, root, [cb, stop, at_start], max_steps=max_steps, ckpt_path=ckpt)
     assert trainer.global_step == max_steps and cb.run.path == results_path.parent
+    # the stop callback's history was rebuilt from results.jsonl: it has the reports that
+    # were appended between the checkpoint and the kill, not only those in the checkpoint
+    assert at_start.steps == sorted(steps_before) and any(step > resumed_from for step in at_start.steps)
 
     text = results_path.read_text()
     assert text.startswith("".join(line + "\n" for line in lines)), "a line finished before the kill changed"
