@@ -227,8 +227,8 @@ def _chunked(
             here = (y >= c0) & (y < c1)  # rows whose label is in this tile
             z_here = z.gather(1, (y - c0).clamp(0, c1 - c0 - 1)[:, None])[:, 0]
             z_y = torch.where(here, z_here, z_y)
-            n_gt += (z > pivot[:, None]).sum(-1) - (here & (z_here > pivot)).long()  # y itself never counts
-            n_tie += ((z == pivot[:, None]) & (column[None, c0:c1] < y[:, None])).sum(-1)
+            n_gt += (z > pivot[:, None]).sum(-1, dtype=torch.int32) - (here & (z_here > pivot)).int()  # not y itself
+            n_tie += ((z == pivot[:, None]) & (column[None, c0:c1] < y[:, None])).sum(-1, dtype=torch.int32)
             if k > 0:
                 best = z.topk(min(k, c1 - c0), dim=-1).values
                 both = torch.cat([top, best], dim=-1)
