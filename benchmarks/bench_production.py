@@ -194,6 +194,8 @@ def main(argv=None) -> dict:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(result, indent=2))
 
+    save()
+
     def config(backend: str) -> ScoringConfig:
         return ScoringConfig(**METHODS, device=args.device, dtype=args.dtype, backend=backend)
 
