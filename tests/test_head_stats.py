@@ -557,7 +557,7 @@ def interpreter_results(triton_children):
 # checked against partials from the materialised logits and, merged, against the
 # reference
 _SMALL_TILE_CASES = ("int-fp32-V-odd", "int-bf16", "int-fp16", "rand-bf16", "rand-fp16-N1", "M1", "V1", "N-gt-tile",
-                     "N-gt-V", "N-at-kernel-limit", "dup-fp32", "dup-bf16")
+                     "N-gt-V", "N-at-kernel-limit", "dup-bf16")
 TRITON_JOBS = [(name, "default") for name in CASES] + [(name, "tiles-16") for name in _SMALL_TILE_CASES]
 
 
