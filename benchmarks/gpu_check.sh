@@ -1,14 +1,35 @@
 #!/usr/bin/env bash
-# GPU check of the fused LM-head statistics kernel (one CUDA device, a few minutes on
-# an H200). Installs nothing. Runs tests/test_head_stats.py for real on CUDA (the
-# CUDA variants run the Triton kernel natively and compare it with the reference;
-# any CUDA test skipped counts as a failure), then benchmarks/bench_kernels.py at toy
-# and production sizes.
+# GPU check of the LM-head statistics (one CUDA device; at most about 5.5 minutes on
+# an H200 after the machine has started). Installs nothing; imports neither wandb nor
+# omegaconf. Steps, each under its own `timeout`, each writing its files into
+# OUTPUT_DIR as it finishes (a killed run keeps the finished steps' files):
+#
+#   1. tests      (110 s) tests/test_head_stats.py natively on CUDA: both backends
+#                 against the reference on every case, realistic sizes, the kernel's
+#                 pivot == its own z_y on tensor cores, fp32 under TF32, auto follows
+#                 its table (a skipped CUDA test counts as a failure); the Triton
+#                 interpreter and sm_90 compile checks run too.
+#   2. kernels    (75 s)  bench_kernels.py at one task's rows (7,665) and the whole
+#                 production set (76,800) x H 5120 x V 248,320, bf16, top-8: GEMM
+#                 floor, reference (one task only: it needs ~30 GB), torch, triton;
+#                 time over the floor, rank/order mismatches against the reference.
+#   3. production (80 s)  bench_production.py --size production: end-to-end scoring
+#                 of 10 synthetic tasks with each backend against the floor (drafter
+#                 forwards + bare GEMM), peak memory, whether the reports agree.
+#   4. sweep      (50 s)  bench_kernels.py at one task's rows, the kernel with its
+#                 default and four other tile configs (for TILE_CONFIGS), one timed
+#                 run each after the compiling one.
+#
+# The limits add up to 315 s plus a few seconds of setup. Not yet run on a GPU: the
+# limits are the budget, sized from estimates (see each script), not measurements.
 #
 # Usage: benchmarks/gpu_check.sh [OUTPUT_DIR]     (default: $OUT, else ./gpu-results)
-# Writes into OUTPUT_DIR: env.txt, nvidia-smi.txt, pytest_head_stats.txt,
-# pytest_head_stats.xml, bench_top8.{md,json}, bench_top64.{md,json}, summary.txt.
-# Exit status: 0 when the tests passed and both benchmarks ran, else 1.
+# Writes: env.txt, nvidia-smi.txt, pytest_head_stats.{txt,xml}, kernels.{md,json,log},
+# production.{md,json,log}, sweep.{md,json,log}, summary.txt.
+# Exit status 0 when every step passed.
+#
+# GPU_CHECK_CPU_SMOKE=1 runs the same plumbing on the CPU at toy sizes (a missing GPU
+# and skipped CUDA tests are then not failures), to check the script itself.
 set -euo pipefail
 
 out_dir="${1:-${OUT:-./gpu-results}}"
@@ -18,6 +39,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET
 export TRITON_DEFAULT_FP_FUSION="${TRITON_DEFAULT_FP_FUSION:-1}"
+smoke="${GPU_CHECK_CPU_SMOKE:-0}"
+started=$SECONDS
 
 status=0
 summary="$out_dir/summary.txt"
@@ -25,8 +48,8 @@ summary="$out_dir/summary.txt"
 note() { echo "$*" | tee -a "$summary"; }
 
 nvidia-smi > "$out_dir/nvidia-smi.txt" 2>&1 || note "nvidia-smi failed (see nvidia-smi.txt)"
-python - > "$out_dir/env.txt" 2>&1 <<'PY' || { note "FAIL: no usable CUDA device (see env.txt)"; exit 1; }
-import platform, torch
+if ! python - "$smoke" > "$out_dir/env.txt" 2>&1 <<'PY'
+import platform, sys, torch
 print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
 try:
     import triton
@@ -34,44 +57,101 @@ try:
 except ImportError:
     print("triton MISSING")
     raise
-assert torch.cuda.is_available(), "torch.cuda.is_available() is False"
-print("device", torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))
+if sys.argv[1] != "1":
+    assert torch.cuda.is_available(), "torch.cuda.is_available() is False"
+    print("device", torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))
 PY
+then
+    cat "$out_dir/env.txt"
+    note "FAIL: no usable CUDA device or triton (see env.txt)"
+    exit 1
+fi
 cat "$out_dir/env.txt"
 
-# 1. tests, CUDA variants included (Triton compiles each configuration once)
+# step NAME LIMIT CMD...: runs CMD under `timeout LIMIT`, stdout to NAME.md, stderr to NAME.log
+step() {
+    local name="$1" limit="$2"
+    shift 2
+    local t0=$SECONDS rc=0
+    timeout "$limit" "$@" > "$out_dir/$name.md" 2> "$out_dir/$name.log" || rc=$?
+    if [[ $rc -ne 0 ]]; then
+        note "FAIL: $name exited $rc after $((SECONDS - t0)) s (124: timed out at $limit s; see $name.log)"
+        status=1
+    else
+        note "ok: $name in $((SECONDS - t0)) s"
+    fi
+    return 0
+}
+
+# 1. tests
+if [[ $smoke == 1 ]]; then
+    tests_k=(-k "merge or split_plan or auto")  # the plumbing only: no CUDA here
+    device=cpu kernel_sizes=tiny production_size=toy sweep_sizes=tiny
+else
+    tests_k=()
+    device=cuda kernel_sizes=production-task,production production_size=production sweep_sizes=production-task
+fi
 t0=$SECONDS
 rc=0
-timeout 330 python -m pytest tests/test_head_stats.py -q -rs -p no:cacheprovider \
+timeout 110 python -m pytest tests/test_head_stats.py -q -rs -p no:cacheprovider ${tests_k[@]+"${tests_k[@]}"} \
     --junitxml="$out_dir/pytest_head_stats.xml" > "$out_dir/pytest_head_stats.txt" 2>&1 || rc=$?
-tail -n 25 "$out_dir/pytest_head_stats.txt"
+tail -n 15 "$out_dir/pytest_head_stats.txt"
 if [[ $rc -ne 0 ]]; then
-    note "FAIL: pytest tests/test_head_stats.py exited $rc (124: timed out)"
+    note "FAIL: tests exited $rc after $((SECONDS - t0)) s (124: timed out at 110 s)"
     status=1
-elif grep -q "needs triton and a CUDA device" "$out_dir/pytest_head_stats.txt"; then
+elif [[ $smoke != 1 ]] && grep -q "needs triton and a CUDA device" "$out_dir/pytest_head_stats.txt"; then
     note "FAIL: CUDA tests were skipped"
     status=1
 else
-    note "ok: tests/test_head_stats.py passed on CUDA in $((SECONDS - t0)) s"
+    note "ok: tests in $((SECONDS - t0)) s ($(tail -n 1 "$out_dir/pytest_head_stats.txt"))"
 fi
 
-# 2. benchmarks: toy, production H/V with 4096 rows (reference fits), full production
-bench() {
-    local name="$1" limit="$2"
-    shift 2
-    local t1=$SECONDS rc=0
-    timeout "$limit" python benchmarks/bench_kernels.py --device cuda --json "$out_dir/$name.json" "$@" \
-        > "$out_dir/$name.md" 2> "$out_dir/$name.log" || rc=$?
-    cat "$out_dir/$name.md"
-    if [[ $rc -ne 0 ]]; then
-        note "FAIL: bench $name exited $rc (124: timed out; see $name.log)"
-        status=1
-    else
-        note "ok: bench $name in $((SECONDS - t1)) s"
-    fi
-}
-bench bench_top8 150 --sizes toy,production-4k-rows,production --top-n 8 --repeat 2 --warmup 1
-bench bench_top64 90 --sizes toy,production --top-n 64 --repeat 2 --warmup 1 --backends triton,torch
+# 2.-4. benchmarks
+step kernels 75 python benchmarks/bench_kernels.py --device "$device" --sizes "$kernel_sizes" --top-n 8 \
+    --repeat 2 --warmup 1 --backends floor,reference,torch,triton --json "$out_dir/kernels.json"
+step production 80 python benchmarks/bench_production.py --size "$production_size" --device "$device" \
+    --backends torch,triton --json "$out_dir/production.json"
+step sweep 50 python benchmarks/bench_kernels.py --device "$device" --sizes "$sweep_sizes" --top-n 8 \
+    --repeat 1 --warmup 1 --backends floor,triton \
+    --triton-configs 128x128x64w8s4,64x128x64w8s4,64x64x64w4s3,128x128x128w8s2 --json "$out_dir/sweep.json"
 
-note "gpu_check finished with status $status; results in $out_dir"
+# summary: the headline numbers of every JSON that exists
+python - "$out_dir" <<'PY' | tee -a "$summary" || true
+import json, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+for name in ("kernels", "sweep"):
+    f = out / f"{name}.json"
+    if not f.is_file():
+        print(f"{name}: no results")
+        continue
+    for r in json.loads(f.read_text())["rows"]:
+        if r.get("status") != "ok":
+            print(f"{name} {r['size']} {r['backend']}: {r.get('status', 'unfinished')}")
+            continue
+        extra = f", {r['x_floor']:.2f}x floor" if "x_floor" in r else ""
+        if "rank_mismatches" in r:
+            extra += f", rank/order mismatches vs {r['compared_to']}: {r['rank_mismatches']}/{r['order_mismatches']}"
+        print(f"{name} {r['size']} (M={r['M']}) {r['backend']}: {r['time_s']:.4f} s{extra}")
+f = out / "production.json"
+if f.is_file():
+    result = json.loads(f.read_text())
+    floor = result.get("floor")
+    if floor:
+        print(f"production floor: {floor['seconds']:.3f} s (GEMM {floor['gemm_s']:.3f} s)")
+    else:
+        print(f"production: built in {result['meta']['build_s']:.1f} s, no floor measured")
+    for r in result["runs"]:
+        if r["status"] != "ok":
+            print(f"production {r['backend']}: {r['status']}")
+            continue
+        same = "" if r["agrees_with"] == "-" else f", report identical to {r['agrees_with']}'s: {r['identical_report']}"
+        peak = f", peak {r['peak_gpu_bytes'] / 2**30:.1f} GiB" if r["peak_gpu_bytes"] else ""
+        print(f"production {r['backend']}: {r['seconds']:.3f} s, {r['x_floor']:.2f}x floor{peak}{same}")
+else:
+    print("production: no results")
+PY
+
+note "gpu_check finished with status $status in $((SECONDS - started)) s; results in $out_dir"
 exit "$status"

@@ -95,3 +95,30 @@ def test_scoring_config_rejects_impossible_values():
         ScoringConfig(dtype="int8")
     with pytest.raises(ValueError, match="block_size must be None or an integer >= 2"):
         ScoringConfig(block_size=1)
+
+
+@pytest.mark.parametrize("max_head_rows", [None, 7, 40])
+def test_head_stats_gets_the_whole_task_in_bounded_calls(world, monkeypatch, max_head_rows):
+    """The LM-head statistics run once per task over every chunk's drafts, or in calls
+    of at most MAX_HEAD_ROWS rows (whole chunks; a chunk above the bound goes alone);
+    the streaks do not depend on the batching."""
+    from dflash_callbacks.scoring import scorer
+
+    drafter, head, cache = world
+    config = ScoringConfig(ddtree_budgets=[4], topk=[2], anchors_per_forward=4, device="cpu")
+    task = cache.task("long")
+    calls = []
+    real = scorer.head_stats
+    monkeypatch.setattr(scorer, "head_stats", lambda hidden, *a, **k: calls.append(len(hidden)) or real(hidden, *a, **k))
+    if max_head_rows:
+        monkeypatch.setattr(scorer, "MAX_HEAD_ROWS", max_head_rows)
+    fast = score_task(drafter, head, task, config, block_size=6)
+    rows = [min(4, 34 - a) * 5 for a in range(0, 34, 4)]  # anchors 5..38 in chunks of 4, 5 depths each
+    assert sum(calls) == sum(rows)
+    if max_head_rows is None:
+        assert calls == [sum(rows)]
+    else:
+        assert len(calls) > 1 and all(c <= max(max_head_rows, 20) for c in calls)
+    slow = score_task_naive(drafter, head, task, config, block_size=6)
+    for method in config.methods:
+        assert torch.equal(fast.streaks[method], slow.streaks[method]), method

@@ -21,14 +21,37 @@ Backends:
 - "torch": chunked. Rows in chunks of `row_chunk_size` (default TILE_ELEMENTS //
   chunk_size), the vocabulary in tiles of `chunk_size` columns (default 8192); per
   tile an online logsumexp (running max, rescaled sum), the label's logit when its
-  tile passes, the rank counts against a pivot (z_y from a row dot before the pass),
-  and a running top-N merged with `torch.topk`. Peak extra memory is one
-  [row_chunk, chunk_size] fp32 tile plus temporaries of that size, never [M, V].
-- "triton": the fused kernel in `triton_head_stats.py`; CUDA tensors, or CPU tensors
-  under TRITON_INTERPRET=1. For top_n above its register limit (`MAX_KERNEL_TOP_N`,
-  64) the whole call runs on the chunked torch path instead, so the five outputs
-  always come from one pass and stay mutually consistent.
-- "auto": "triton" for CUDA tensors when triton imports, else "torch".
+  tile passes, the rank counts against a pivot, and a running top-N merged with
+  `torch.topk`. Peak extra memory is one [row_chunk, chunk_size] fp32 tile plus
+  temporaries of that size, never [M, V]. No host synchronisation inside the loops.
+  The tile GEMM (`_logits`): on CUDA, bf16/fp16 operands go straight into a
+  tensor-core GEMM with fp32 accumulation and fp32 output
+  (`torch.mm(h, w.T, out_dtype=torch.float32)`, torch >= 2.8; no upcast copy of the
+  weight); on the CPU, where torch has no 16-bit GEMM with fp32 output (`mm.dtype`
+  is CUDA-only in torch 2.13), the tile of the weight is upcast to fp32 (exact) and
+  multiplied in fp32 (also the fallback on CUDA before torch 2.8). fp32 operands use
+  an IEEE fp32 GEMM; if the process lets fp32 matmuls round their inputs (TF32 via
+  `torch.backends.cuda.matmul.allow_tf32`, `set_float32_matmul_precision("high")` or
+  "medium", or the `fp32_precision` settings), that GEMM runs in fp64 and is
+  rounded to fp32 instead: no global setting is read-modified (scoring runs beside
+  training threads), products stay exact, the accumulation is at least as precise.
+  The reference uses the same fp32 rule. The rank pivot is computed before the pass
+  by the same GEMM routine on the rows' own label columns (the diagonal of
+  `_logits(h, weight[y])`), see Tolerances.
+- "triton": the split-V kernel and merge in `triton_head_stats.py`; CUDA tensors, or
+  CPU tensors under TRITON_INTERPRET=1. For top_n above its register limit
+  (`MAX_KERNEL_TOP_N`, 64) the whole call runs on the chunked torch path instead, so
+  the five outputs always come from one pass and stay mutually consistent.
+- "auto": `auto_backend(device, M, H, V)`, from the evidence table `AUTO_TABLE`
+  (device kind -> size regimes by M*H*V -> backend, with the measurement that
+  justifies it). Deterministic: no in-process timing, so two runs of one config use
+  one backend. Today every entry is "torch": on an H200 (main at 751fb1f, production
+  scoring) the previous row-tiled Triton kernel took 22.6 s against 7.3 s for the
+  torch path with its then fp32 GEMM; the split-V kernel and the bf16-GEMM torch
+  path have not been measured on a GPU, and the torch path is the one whose GEMM is
+  cuBLAS (within a few x of the 0.28 s bf16 floor by construction: same GEMM plus
+  elementwise passes over fp32 tiles). `benchmarks/gpu_check.sh` measures both; an
+  entry changes to "triton" only with a measurement showing it faster at that size.
 
 Tolerances against the reference: lse, label_logprob and top_logprobs differ only by
 fp32 summation-order rounding (the matmul's, about sqrt(H) * 6e-8 * |z|, and the
@@ -36,8 +59,17 @@ online logsumexp's); the tests hold them to 1e-5 absolute (+1e-6 relative).
 Within every backend, label_logprob and top_logprobs are computed from the same logit
 value, so when y is the argmax label_logprob == top_logprobs[:, 0] bitwise. Ranks
 and orders are exact whenever the logits are exact in fp32 (e.g. small-integer
-inputs); otherwise a token whose logit is within rounding of z_y can be counted on
-either side, as for any two fp32 evaluations of the same matmul.
+inputs). Otherwise ranks are counted against a pivot: the Triton kernel computes it
+with the same dot as its logit tiles, so it is bitwise its own z_y (tested) and a
+token tied with y in the kernel's logits (a duplicate of y's weight row) counts as a
+tie exactly as in the reference. The torch path's pivot comes from a second call of
+the same GEMM routine; it equals the tile's z_y whenever the library sums both
+products in the same order, which it usually does (on this CPU: every row at 4 of 5
+test shapes, 99% at the fifth; a row dot matched 10-25%) but does not promise
+(kernel choice depends on the shape; split-K/stream-K orders can differ between
+output tiles). Where they differ, a token whose logit is within rounding of z_y, a
+duplicate row included, can be counted on either side, as for any two fp32
+evaluations of the same matmul.
 """
 
 from __future__ import annotations
@@ -53,6 +85,19 @@ DEFAULT_CHUNK_SIZE = 8192
 """Default vocabulary tile width of the torch path."""
 TILE_ELEMENTS = 1 << 23
 """Default rows per chunk of the torch path = max(1, TILE_ELEMENTS // chunk_size)."""
+
+AUTO_TABLE: dict[str, tuple[tuple[float, str, str], ...]] = {
+    # device kind: ((smallest M*H*V of the regime, backend, evidence), ...), ascending
+    "cuda": (
+        (0, "torch", "unmeasured on GPU in this regime; torch is the safe default (cuBLAS GEMM)"),
+        (1e12, "torch", "H200, main 751fb1f, production scoring (calls of 960 rows x 5120 x 248,320): the "
+                        "previous row-tiled kernel 22.6 s vs the torch path (fp32 GEMM then) 7.3 s; the split-V "
+                        "kernel and the bf16-GEMM torch path not yet measured"),
+    ),
+    "cpu": ((0, "torch", "the Triton kernel runs on the CPU only in its interpreter (tests)"),),
+}
+"""What backend="auto" runs, by device kind and size regime, with the evidence (see
+the module doc). Device kinds not listed run "torch"."""
 
 
 class HeadStats(NamedTuple):
@@ -76,14 +121,16 @@ def head_stats(
 
     `chunk_size` is the vocabulary tile width of the torch path (default 8192), also
     when "triton" falls back to it above the kernel's top-N limit; the kernel keeps its
-    own register-sized tiles (`triton_head_stats.triton_head_stats` exposes them) and
+    own tiles and split count (`triton_head_stats.triton_head_stats` exposes them) and
     the reference ignores it.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     labels = _validate(hidden, weight, labels, top_n, chunk_size)
     if backend == "auto":
-        backend = "triton" if hidden.is_cuda and _triton_imports() else "torch"
+        backend = auto_backend(hidden.device, hidden.shape[0], hidden.shape[1], weight.shape[0])
+        if backend == "triton" and not _triton_imports():
+            backend = "torch"
     if backend == "reference":
         return _reference(hidden, weight, labels, top_n)
     if backend == "torch":
@@ -97,7 +144,14 @@ def head_stats(
         if not hidden.is_cuda and not th.is_interpreted():
             th.triton_head_stats(hidden, weight, labels, 0)  # raises the CPU/interpreter error
         return _chunked(hidden, weight, labels, top_n, chunk_size, None)
-    return HeadStats(*th.triton_head_stats(hidden, weight, labels, top_n))
+    return th.triton_head_stats(hidden, weight, labels, top_n)
+
+
+def auto_backend(device: torch.device | str, m: int, h: int, v: int) -> str:
+    """The backend "auto" runs for M rows, width H and V columns on `device`: the entry
+    of `AUTO_TABLE` for the device kind whose regime holds M*H*V."""
+    regimes = AUTO_TABLE.get(torch.device(device).type, ((0, "torch", "not in AUTO_TABLE"),))
+    return [backend for low, backend, _ in regimes if m * h * v >= low][-1]
 
 
 def head_stats_reference(hidden: Tensor, weight: Tensor, labels: Tensor, top_n: int) -> HeadStats:
@@ -122,7 +176,7 @@ def head_stats_torch(
 
 
 def _reference(hidden: Tensor, weight: Tensor, labels: Tensor, top_n: int) -> HeadStats:
-    z = hidden.float() @ weight.float().T
+    z = _fp32_matmul(hidden.float(), weight.float())
     m, v = z.shape
     lse = torch.logsumexp(z, dim=-1)
     z_y = z.gather(1, labels[:, None])
@@ -152,11 +206,12 @@ def _chunked(
         torch.full((m, top_n), float("-inf"), device=dev),
     )
     k = min(top_n, v)
+    column = torch.arange(v, device=dev)
     for r0 in range(0, m, row_chunk):
         r1 = min(m, r0 + row_chunk)
-        h = hidden[r0:r1].float()
+        h = _gemm_operand(hidden[r0:r1])
         y = labels[r0:r1]
-        pivot = (h * weight[y].float()).sum(-1)  # the rank pivot: z_y before the pass
+        pivot = torch.cat([_logits(h[g : g + tile], weight[y[g : g + tile]]).diagonal() for g in range(0, r1 - r0, tile)])
         run_max = torch.full((r1 - r0,), float("-inf"), device=dev)
         run_sum = torch.zeros(r1 - r0, device=dev)
         z_y = torch.zeros(r1 - r0, device=dev)
@@ -165,21 +220,15 @@ def _chunked(
         top = torch.empty(r1 - r0, 0, device=dev)
         for c0 in range(0, v, tile):
             c1 = min(v, c0 + tile)
-            z = h @ weight[c0:c1].float().T  # [rows, tile] fp32: the only large temporary
+            z = _logits(h, weight[c0:c1])  # [rows, tile] fp32: the only large temporary
             new_max = torch.maximum(run_max, z.amax(-1))  # online logsumexp, rescaled sum
             run_sum = run_sum * torch.exp(run_max - new_max) + (z - new_max[:, None]).exp_().sum(-1)
             run_max = new_max
-            n_gt += (z > pivot[:, None]).sum(-1, dtype=torch.int32)
-            n_eq = (z == pivot[:, None]).sum(-1, dtype=torch.int32)
-            n_tie += torch.where(y >= c1, n_eq, 0)  # ties in tiles wholly below y count
-            here = ((y >= c0) & (y < c1)).nonzero()[:, 0]  # rows whose label is in this tile
-            if here.numel():
-                zh, j = z[here], y[here] - c0
-                zyh = zh[torch.arange(here.numel(), device=dev), j]
-                z_y[here] = zyh
-                n_gt[here] -= (zyh > pivot[here]).long()  # y itself never counts
-                left = torch.arange(c1 - c0, device=dev)[None, :] < j[:, None]
-                n_tie[here] += ((zh == pivot[here, None]) & left).sum(-1)
+            here = (y >= c0) & (y < c1)  # rows whose label is in this tile
+            z_here = z.gather(1, (y - c0).clamp(0, c1 - c0 - 1)[:, None])[:, 0]
+            z_y = torch.where(here, z_here, z_y)
+            n_gt += (z > pivot[:, None]).sum(-1, dtype=torch.int32) - (here & (z_here > pivot)).int()  # not y itself
+            n_tie += ((z == pivot[:, None]) & (column[None, c0:c1] < y[:, None])).sum(-1, dtype=torch.int32)
             if k > 0:
                 best = z.topk(min(k, c1 - c0), dim=-1).values
                 both = torch.cat([top, best], dim=-1)
@@ -191,6 +240,42 @@ def _chunked(
         out.label_order[r0:r1] = n_gt + n_tie
         out.top_logprobs[r0:r1, :k] = top - run_lse[:, None]
     return out
+
+
+_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()  # torch.mm(..., out_dtype=), torch >= 2.8
+
+
+def _gemm_operand(h: Tensor) -> Tensor:
+    """The rows as `_logits` takes them: 16-bit on CUDA (tensor-core GEMM), else fp32."""
+    return h if h.is_cuda and h.dtype != torch.float32 and _MM_OUT_DTYPE else h.float()
+
+
+def _logits(h: Tensor, w: Tensor) -> Tensor:
+    """h @ w.T as fp32 [rows, cols] with exact products and fp32 accumulation (see
+    the module doc): h from `_gemm_operand`, w rows of the weight in its own dtype."""
+    if h.dtype != torch.float32:
+        return torch.mm(h, w.T, out_dtype=torch.float32)
+    return _fp32_matmul(h, w.float())
+
+
+def _fp32_matmul(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b.T for fp32 a, b with IEEE fp32 products: in fp64 (rounded to fp32) when
+    the process lets fp32 matmuls on this device round their inputs (TF32, bf16)."""
+    if _fp32_matmul_is_ieee(a.device):
+        return a @ b.T
+    return (a.double() @ b.double().T).float()
+
+
+def _fp32_matmul_is_ieee(device: torch.device) -> bool:
+    """Whether torch runs fp32 matmuls on `device` in IEEE fp32. Reads the per-backend
+    `fp32_precision` settings (torch >= 2.9; "none" inherits), else the legacy global
+    `torch.get_float32_matmul_precision()` (which also reflects `allow_tf32`)."""
+    backends = torch.backends
+    leaf = backends.cuda.matmul if device.type == "cuda" else backends.mkldnn.matmul
+    for setting in (getattr(leaf, "fp32_precision", None), getattr(backends, "fp32_precision", None)):
+        if setting not in (None, "none"):
+            return setting == "ieee"
+    return torch.get_float32_matmul_precision() == "highest"
 
 
 def _triton_imports() -> bool:

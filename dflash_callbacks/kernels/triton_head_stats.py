@@ -1,52 +1,75 @@
-"""Fused LM-head statistics in one Triton kernel: lm_head matmul + logsumexp + the
-label's log-prob, rank and tie order + the running top-N logits, without ever
-writing the [M, V] logits.
+"""Fused LM-head statistics in Triton, split over rows and vocabulary: the LM-head
+matmul, logsumexp, the label's log-prob, rank and tie order and the top-N logits,
+without ever writing the [M, V] logits.
 
 Contract: the same as `head_stats.head_stats_reference` (see `head_stats.py`), for
-`1 <= top_n <= MAX_KERNEL_TOP_N` or `top_n == 0`; `head_stats.head_stats` routes
-larger `top_n` to the chunked torch path.
+`0 <= top_n <= MAX_KERNEL_TOP_N`; `head_stats.head_stats` routes larger `top_n` to the
+chunked torch path.
 
-How one program works (it owns `BLOCK_M` rows):
+Two passes:
 
-1. Prologue: the pivot `p = <hidden[m], weight[y_m]>` in fp32 (a gathered row dot,
-   M*H work, nothing stored). Counting ranks needs a pivot before the pass.
-2. One stream over the vocabulary in tiles of `BLOCK_V` columns. Per tile:
-   `z = hidden_block @ weight_tile.T` by `tl.dot` with fp32 accumulation over
-   `BLOCK_H`-wide slices of H (fp32 inputs use IEEE fp32 products, never TF32);
-   online logsumexp (running max and rescaled sum); the label's logit is picked up
-   from the tile that holds column y (this is the value `label_logprob` uses, so it
-   is bitwise the value the top-N list holds when y is among the top);
-   `#{v != y : z_v > p}` and `#{v < y : z_v == p}` are counted; the running top-N
-   is merged (below).
-3. Epilogue: lse = max + log(sum); stores lse, z_y - lse, the two counts and the
-   top-N logits minus lse.
+1. `_split_kernel` on a grid of (row tiles of BLOCK_M) x (vocabulary splits of
+   `split_width` columns, a multiple of BLOCK_V). Program (i, s):
+   a. The pivot p = z_y of each of its rows, computed by the same function as every
+      logit tile (`_logit_tile`: `tl.dot` over BLOCK_H-wide slices of H in the same
+      order) applied to the rows' label columns; p is the diagonal of that tile. So p
+      is bitwise the value the tile holding y computes, and a token tied with y in
+      the kernel's logits (e.g. a duplicate of y's weight row) counts as a tie. The
+      tests check p == z_y bitwise (`SplitPartials.pivot`), in the interpreter and
+      on CUDA.
+   b. One stream over its split in tiles of BLOCK_V columns: z = hidden @ weight.T by
+      `tl.dot` with fp32 accumulation (bf16/fp16 operands straight into the tensor
+      cores; fp32 operands with input_precision="ieee", never TF32); online
+      logsumexp (running max, rescaled sum); the label's logit from the tile that
+      holds y; #{v != y : z_v > p} and #{v < y : z_v == p}; the running top-N.
+   c. Writes its partials (`split_merge.SplitPartials`).
+2. `split_merge.merge_splits` (torch ops): log-add-exp of the splits, summed counts,
+   top-N of the union of the split lists, label_logprob = z_y - lse.
 
-Running top-N: the kernel keeps `TOP_K = next_power_of_two(top_n)` values per row in
-registers, sorted descending, for `top_n <= MAX_KERNEL_TOP_N` (64; DDTree budgets used
-in practice are 4, 8, ..., 64). Per tile, and only when some logit in the tile beats a
-row's current TOP_K-th value, a bitonic top-k network takes the tile's TOP_K best per
-row in ascending order; `maximum(running, tile_best)` is then a bitonic sequence
-holding the TOP_K largest of the union, and one bitonic merge sorts it descending.
-The tile is widened to at least TOP_K columns. Above MAX_KERNEL_TOP_N this module
-refuses (`head_stats` then uses the chunked torch path for all outputs, so they stay
-mutually consistent). The network is written here with min/max reductions rather than
-taken from `tl.topk` / `tl.sort`: the same algorithm, but Triton's versions use an
-xor-sum reduction that the interpreter runs element by element in Python (minutes
-per call at these tile sizes), which would keep the kernel out of CPU tests.
+Running top-N: per row a list of TOP_K = max(8, next_power_of_two(top_n)) register
+slots, the first top_n live (start at -inf), the rest pinned at +inf so they are never
+the minimum; kth = min of the list. A tile whose row maxima (computed for the
+logsumexp anyway) are all <= kth costs nothing more: the common case once a split is
+under way. Otherwise, while some row took a value in the last round, every row takes
+its largest remaining logit above kth (ties: lowest column first; "remaining" =
+ordered after the last one it took) into the slot holding kth and recomputes kth: at
+most top_n + 1 rounds per tile, usually one or two. Values only, in no order: the
+merge sorts. Only max/min reductions and selects, which stay vectorised in the
+interpreter (tl.sort / tl.topk reduce with an xor-sum that the interpreter runs per
+element in Python: minutes per call).
 
-Ranks use the pivot from step 1, which can differ from the tile's z_y in the last
-fp32 bit; ranks are exact whenever the logits are exact in fp32 (e.g. integer-valued)
-and otherwise exact up to such near-ties, like any fp32 reference.
+Split count (`split_plan`): enough splits that the grid holds about
+PROGRAMS_PER_SM x (streaming multiprocessors) programs, each split at least
+MIN_TILES_PER_SPLIT tiles wide (the pivot tile and the first fill of the top-N list
+are per-split overheads); one split when V is small. At the production size (one
+task: ~7,700 rows, V = 248,320, BLOCK_M = BLOCK_V = 128, 132 SMs) that is 60 row tiles
+x 18 splits of 108 tiles.
 
-Triton is imported guarded: without triton this module imports, `is_available()` is
-False and `triton_head_stats` raises. Interpreter mode (CPU tensors) is fixed when
-the kernel is decorated, i.e. when this module is first imported: TRITON_INTERPRET=1
-must be in the environment by then.
+Tile configuration (`TILE_CONFIGS`): one per operand width, a heuristic table rather
+than `triton.autotune` (autotuning keyed on M would re-tune for every task length,
+and every config costs a compile on a fresh machine). The 16-bit entry is sized for
+Hopper wgmma (128 x 128 tiles, BLOCK_H 64, two warpgroups); neither entry has been
+timed on a GPU yet: `benchmarks/bench_kernels.py --triton-configs` times alternatives.
+Offline facts (Triton 3.9, sm_90 cubin, `compile_for_target` + cuobjdump): the bf16
+entry pipelines the K loop (cp.async, 3 stages, 96 KiB shared) into wgmma and uses
+255 registers with a 32-byte spill stack; 64 x 128 x 64 with 8 warps uses 196 and
+does not spill.
+
+Interpreter (TRITON_INTERPRET=1, CPU tensors): Triton 3.9's interpreter computes
+`tl.dot` of bfloat16 operands wrongly, so there the bf16 tiles are upcast to fp32
+before the dot (bf16 products are exact in fp32: the same math). Interpreter mode is
+fixed when the kernel is decorated, i.e. when this module is first imported:
+TRITON_INTERPRET=1 must be in the environment by then. Triton is imported guarded:
+without it this module imports, `is_available()` is False and the launchers raise.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+from .split_merge import SplitPartials, merge_splits
 
 try:  # guarded: the package must import on machines without triton
     import triton
@@ -57,10 +80,28 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 
 MAX_KERNEL_TOP_N = 64
 """The largest top_n the kernel keeps in registers itself."""
+PROGRAMS_PER_SM = 8
+"""Target grid size of `split_plan`, in programs per streaming multiprocessor."""
+MIN_TILES_PER_SPLIT = 8
+"""The narrowest split `split_plan` makes, in BLOCK_V tiles."""
 
-_BLOCK_M = 64
-_BLOCK_V = 128
-_BLOCK_H = 64
+
+class TileConfig(NamedTuple):
+    block_m: int
+    block_v: int
+    block_h: int
+    num_warps: int
+    num_stages: int
+
+
+TILE_CONFIGS = {  # unmeasured heuristics (see module doc)
+    "16bit": TileConfig(block_m=128, block_v=128, block_h=64, num_warps=8, num_stages=3),
+    "fp32": TileConfig(block_m=64, block_v=128, block_h=32, num_warps=8, num_stages=3),
+}
+
+
+def default_config(dtype: torch.dtype) -> TileConfig:
+    return TILE_CONFIGS["fp32" if dtype == torch.float32 else "16bit"]
 
 
 def is_available() -> bool:
@@ -70,119 +111,99 @@ def is_available() -> bool:
 
 def is_interpreted() -> bool:
     """True when the kernel was built in Triton's CPU interpreter (TRITON_INTERPRET=1)."""
-    return triton is not None and type(_head_stats_kernel).__name__ == "InterpretedFunction"
+    return triton is not None and type(_split_kernel).__name__ == "InterpretedFunction"
+
+
+def split_plan(m: int, v: int, block_m: int, block_v: int, sm_count: int) -> tuple[int, int]:
+    """(number of splits, split width in columns) for M rows and V columns (see module doc)."""
+    row_tiles = -(-max(m, 1) // block_m)
+    v_tiles = -(-v // block_v)
+    splits = min(max(1, v_tiles // MIN_TILES_PER_SPLIT), -(-PROGRAMS_PER_SM * sm_count // row_tiles))
+    return fixed_splits(v, block_v, max(splits, 1))
+
+
+def fixed_splits(v: int, block_v: int, splits: int) -> tuple[int, int]:
+    """(splits, width) for about `splits` equal splits of whole tiles (fewer when V has
+    fewer tiles than that); every split holds at least one column."""
+    v_tiles = -(-v // block_v)
+    width = -(-v_tiles // min(splits, v_tiles)) * block_v
+    return -(-v // width), width
 
 
 if triton is not None:
 
-    # Bitonic network on a row block x [2**LOG_M, 2**LOG_C] viewed as a hypercube
-    # [2] * (LOG_M + LOG_C): bit j of the flat index (j < LOG_C: a column bit) is
-    # hypercube axis n_dims - 1 - j. A compare-exchange takes the min and the max of
-    # each pair of partners (plain reductions over a size-2 axis, which compile to
-    # register ops and stay vectorised in the interpreter, unlike xor_sum-based
-    # tl.sort / tl.topk / tl.flip, whose generic reduce the interpreter runs per
-    # element in Python).
-
     @triton.jit
-    def _bit(n_dims: tl.constexpr, j: tl.constexpr):
-        """Bit j of the flat index, broadcastable against the hypercube."""
-        return tl.reshape(tl.arange(0, 2), [1] * (n_dims - 1 - j) + [2] + [1] * j)
-
-    @triton.jit
-    def _compare_exchange(h, flip, j: tl.constexpr, n_dims: tl.constexpr):
-        """Orders each partner pair differing in bit j: ascending where flip is 0."""
-        lo = tl.min(h, axis=n_dims - 1 - j, keep_dims=True)
-        hi = tl.max(h, axis=n_dims - 1 - j, keep_dims=True)
-        return tl.where((_bit(n_dims, j) ^ flip) != 0, hi, lo)
-
-    @triton.jit
-    def _bitonic_merge(h, stage: tl.constexpr, order: tl.constexpr, n_dims: tl.constexpr):
-        """Sorts bitonic runs of 2**stage: order 0 ascending, 1 descending, 2 alternating
-        (run r ascending for even r)."""
-        for i in tl.static_range(stage):
-            if order == 2:
-                h = _compare_exchange(h, _bit(n_dims, stage), stage - 1 - i, n_dims)
-            else:
-                h = _compare_exchange(h, order, stage - 1 - i, n_dims)
-        return h
-
-    @triton.jit
-    def _row_topk_ascending(x, LOG_M: tl.constexpr, LOG_C: tl.constexpr, LOG_K: tl.constexpr):
-        """The 2**LOG_K largest values of each row of x [2**LOG_M, 2**LOG_C], ascending
-        (bitonic top-k: sort runs of 2**LOG_K alternately, then repeatedly keep the
-        pairwise max of neighbouring runs, a bitonic run holding their top, and re-sort)."""
-        if LOG_K == 0:
-            out = tl.max(x, axis=1, keep_dims=True)
-        else:
-            h = tl.reshape(x, [2] * (LOG_M + LOG_C))
-            for s in tl.static_range(1, LOG_K + 1):
-                h = _bitonic_merge(h, s, 2 if s < LOG_C else 0, LOG_M + LOG_C)
-            for i in tl.static_range(LOG_K + 1, LOG_C + 1):
-                # dims before this step: LOG_M + LOG_C - (i - LOG_K - 1); bit LOG_K's axis:
-                h = tl.max(h, axis=LOG_M + LOG_C - i)
-                h = _bitonic_merge(h, LOG_K, 2 if i < LOG_C else 0, LOG_M + LOG_C - (i - LOG_K))
-            out = tl.reshape(h, [2**LOG_M, 2**LOG_K])
-        return out
-
-    @triton.jit(do_not_specialize=["M", "V", "H", "TOP_N"])  # sizes vary per call: one compile per config
-    def _head_stats_kernel(
-        h_ptr, w_ptr, y_ptr,  # hidden [M, H], weight [V, H], labels [M] int64
-        lse_ptr, lp_ptr, gt_ptr, tie_ptr, top_ptr,  # outputs
-        M, V, H,
-        stride_hm, stride_hk, stride_wv, stride_wk, stride_top,
-        TOP_N,  # columns of the top output actually stored
-        TOP_K: tl.constexpr,  # running top width (power of two, or 0 for none)
-        BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-        LOG_M: tl.constexpr, LOG_V: tl.constexpr, LOG_K: tl.constexpr,  # log2 of the three widths
-        DOT_FP32: tl.constexpr,  # fp32 IEEE products (fp32 inputs: never TF32; see launcher)
+    def _logit_tile(
+        h_ptr, w_ptr, rows64, row_ok, cols64, col_ok, H,
+        stride_hm, stride_hk, stride_wv, stride_wk,
+        BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, DOT_FP32: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        """z [BLOCK_M, BLOCK_V] fp32 = hidden[rows] @ weight[cols].T (masked entries 0)."""
+        acc = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_H):
+            ks = k0 + tl.arange(0, BLOCK_H)
+            k_ok = ks < H
+            a = tl.load(
+                h_ptr + rows64[:, None] * stride_hm + ks[None, :] * stride_hk,
+                mask=row_ok[:, None] & k_ok[None, :], other=0.0,
+            )
+            b = tl.load(
+                w_ptr + cols64[:, None] * stride_wv + ks[None, :] * stride_wk,
+                mask=col_ok[:, None] & k_ok[None, :], other=0.0,
+            )
+            if DOT_FP32:
+                acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
+        return acc
+
+    @triton.jit(do_not_specialize=["M", "V", "SPLIT_V", "TOP_N"])  # vary per call: one compile per config
+    def _split_kernel(
+        h_ptr, w_ptr, y_ptr,  # hidden [M, H], weight [V, H], labels [M] int64
+        max_ptr, sum_ptr, zy_ptr, gt_ptr, tie_ptr, top_ptr, piv_ptr,  # partials [S, M] ([S, M, TOP_N])
+        M, V, H, SPLIT_V, TOP_N,
+        stride_hm, stride_hk, stride_wv, stride_wk,
+        TOP_K: tl.constexpr,  # register slots of the running top list (0: no list)
+        BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+        DOT_FP32: tl.constexpr,  # upcast the operands and use IEEE fp32 products (see launcher)
+    ):
+        pid_m = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        row0 = pid_m * BLOCK_M
+        rows = row0 + tl.arange(0, BLOCK_M)
         row_ok = rows < M
         rows64 = rows.to(tl.int64)
         labels = tl.load(y_ptr + rows, mask=row_ok, other=0)
-        ks0 = tl.arange(0, BLOCK_H)
+        jj = tl.arange(0, BLOCK_V)
 
-        # 1. pivot p = <hidden[m], weight[y_m]> in fp32
-        pivot = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_H):
-            ks = k0 + ks0
-            mk = row_ok[:, None] & (ks < H)[None, :]
-            a = tl.load(h_ptr + rows64[:, None] * stride_hm + ks[None, :] * stride_hk, mask=mk, other=0.0)
-            b = tl.load(w_ptr + labels[:, None] * stride_wv + ks[None, :] * stride_wk, mask=mk, other=0.0)
-            pivot += tl.sum(a.to(tl.float32) * b.to(tl.float32), axis=1)
+        # a. pivot: the diagonal of the logit tile of the rows' own label columns
+        lab_ok = (jj < BLOCK_M) & (row0 + jj < M)
+        lab_cols = tl.load(y_ptr + row0 + jj, mask=lab_ok, other=0)
+        zp = _logit_tile(h_ptr, w_ptr, rows64, row_ok, lab_cols.to(tl.int64), lab_ok, H,
+                         stride_hm, stride_hk, stride_wv, stride_wk, BLOCK_M, BLOCK_V, BLOCK_H, DOT_FP32)
+        pivot = tl.sum(tl.where(tl.arange(0, BLOCK_M)[:, None] == jj[None, :], zp, 0.0), axis=1)
 
-        # 2. one stream over V
+        # b. one stream over this split's columns
+        v_start = pid_s * SPLIT_V
+        v_end = tl.minimum(V, v_start + SPLIT_V)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         s_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         z_y = tl.zeros([BLOCK_M], dtype=tl.float32)
         n_gt = tl.zeros([BLOCK_M], dtype=tl.int32)
         n_tie = tl.zeros([BLOCK_M], dtype=tl.int32)
         if TOP_K > 0:
-            top = tl.full([BLOCK_M, TOP_K], float("-inf"), dtype=tl.float32)
-        for v0 in range(0, V, BLOCK_V):
-            cols = v0 + tl.arange(0, BLOCK_V)
-            col_ok = cols < V
-            cols64 = cols.to(tl.int64)
-            acc = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
-            for k0 in range(0, H, BLOCK_H):
-                ks = k0 + ks0
-                k_ok = ks < H
-                a = tl.load(
-                    h_ptr + rows64[:, None] * stride_hm + ks[None, :] * stride_hk,
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0,
-                )
-                b = tl.load(  # [BLOCK_H, BLOCK_V]: the weight tile, transposed by addressing
-                    w_ptr + cols64[None, :] * stride_wv + ks[:, None] * stride_wk,
-                    mask=k_ok[:, None] & col_ok[None, :], other=0.0,
-                )
-                if DOT_FP32:
-                    acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(a, b, acc)
+            kk = tl.arange(0, TOP_K)
+            top = tl.zeros([BLOCK_M, TOP_K], dtype=tl.float32) + tl.where(kk < TOP_N, float("-inf"), float("inf"))[None, :]
+            kth = tl.min(top, axis=1)
+        for v0 in range(v_start, v_end, BLOCK_V):
+            cols = v0 + jj
+            col_ok = cols < v_end
+            acc = _logit_tile(h_ptr, w_ptr, rows64, row_ok, cols.to(tl.int64), col_ok, H,
+                              stride_hm, stride_hk, stride_wv, stride_wk, BLOCK_M, BLOCK_V, BLOCK_H, DOT_FP32)
             z = tl.where(col_ok[None, :], acc, float("-inf"))
 
-            m_new = tl.maximum(m_i, tl.max(z, axis=1))
+            row_max = tl.max(z, axis=1)
+            m_new = tl.maximum(m_i, row_max)
             s_i = s_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
             m_i = m_new
 
@@ -192,62 +213,64 @@ if triton is not None:
             n_tie += tl.sum(((z == pivot[:, None]) & (cols[None, :] < labels[:, None])).to(tl.int32), axis=1)
 
             if TOP_K > 0:
-                kth = tl.min(top, axis=1)  # running list is sorted: min == TOP_K-th largest
-                if tl.sum((z > kth[:, None]).to(tl.int32)) > 0:  # skip tiles with nothing new
-                    best = _row_topk_ascending(z, LOG_M, LOG_V, LOG_K)  # [BLOCK_M, TOP_K]
-                    # descending running list vs ascending tile best: their elementwise max
-                    # is bitonic and holds the TOP_K largest of both; sort it descending
-                    h = tl.reshape(tl.maximum(top, best), [2] * (LOG_M + LOG_K))
-                    top = tl.reshape(_bitonic_merge(h, LOG_K, 1, LOG_M + LOG_K), [BLOCK_M, TOP_K])
+                # insert the tile's logits above kth, largest first (ties: lowest column
+                # first); (last, last_j) is the latest one taken, so the candidates left
+                # are those ordered after it and still above kth
+                last = tl.full([BLOCK_M], float("inf"), dtype=tl.float32)
+                last_j = tl.full([BLOCK_M], -1, dtype=tl.int32)
+                more = tl.max((row_max > kth).to(tl.int32)) > 0
+                while more:
+                    after = (z < last[:, None]) | ((z == last[:, None]) & (jj[None, :] > last_j[:, None]))
+                    cand = after & (z > kth[:, None])
+                    best = tl.max(tl.where(cand, z, float("-inf")), axis=1)
+                    first = tl.min(tl.where(cand & (z == best[:, None]), jj[None, :], BLOCK_V), axis=1)
+                    take = best > kth
+                    slot = tl.min(tl.where(top == kth[:, None], kk[None, :], TOP_K), axis=1)
+                    top = tl.where((kk[None, :] == slot[:, None]) & take[:, None], best[:, None], top)
+                    kth = tl.min(top, axis=1)
+                    last = tl.where(take, best, last)
+                    last_j = tl.where(take, first, last_j)
+                    more = tl.max(take.to(tl.int32)) > 0
 
-        # 3. epilogue
-        lse = m_i + tl.log(s_i)
-        tl.store(lse_ptr + rows, lse, mask=row_ok)
-        tl.store(lp_ptr + rows, z_y - lse, mask=row_ok)
-        tl.store(gt_ptr + rows, n_gt, mask=row_ok)
-        tl.store(tie_ptr + rows, n_tie, mask=row_ok)
+        # c. partials of (split, rows)
+        out = pid_s.to(tl.int64) * M + rows64
+        tl.store(max_ptr + out, m_i, mask=row_ok)
+        tl.store(sum_ptr + out, s_i, mask=row_ok)
+        tl.store(zy_ptr + out, z_y, mask=row_ok)
+        tl.store(gt_ptr + out, n_gt, mask=row_ok)
+        tl.store(tie_ptr + out, n_tie, mask=row_ok)
+        tl.store(piv_ptr + out, pivot, mask=row_ok)
         if TOP_K > 0:
-            kk = tl.arange(0, TOP_K)
-            tl.store(
-                top_ptr + rows64[:, None] * stride_top + kk[None, :],
-                top - lse[:, None],
-                mask=row_ok[:, None] & (kk < TOP_N)[None, :],
-            )
+            tl.store(top_ptr + out[:, None] * TOP_N + kk[None, :], top,
+                     mask=row_ok[:, None] & (kk < TOP_N)[None, :])
 
 
-def _constexprs(top_n: int, block_m: int, block_v: int, block_h: int, dot_fp32: bool) -> dict:
+def _constexprs(top_n: int, config: TileConfig, dot_fp32: bool) -> dict:
     """Validates the launch configuration; returns the kernel's constexpr arguments."""
-    if not 0 <= top_n <= MAX_KERNEL_TOP_N:
-        raise ValueError(f"the Triton kernel keeps 0 <= top_n <= {MAX_KERNEL_TOP_N}; got {top_n}")
-    for name, value in (("block_m", block_m), ("block_v", block_v), ("block_h", block_h)):
+    if isinstance(top_n, bool) or not isinstance(top_n, int) or not 0 <= top_n <= MAX_KERNEL_TOP_N:
+        raise ValueError(f"the Triton kernel keeps 0 <= top_n <= {MAX_KERNEL_TOP_N}; got {top_n!r}")
+    for name in ("block_m", "block_v", "block_h"):
+        value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
             raise ValueError(f"{name} must be a power of two >= 16; got {value!r}")
-    top_k = 1 << (top_n - 1).bit_length() if top_n > 0 else 0
-    block_v = max(block_v, top_k)  # the tile top-k takes at most the tile width
-    return {
-        "TOP_K": top_k, "BLOCK_M": block_m, "BLOCK_V": block_v, "BLOCK_H": block_h,
-        "LOG_M": block_m.bit_length() - 1, "LOG_V": block_v.bit_length() - 1,
-        "LOG_K": max(top_k, 1).bit_length() - 1, "DOT_FP32": dot_fp32,
-    }
+    if config.block_v < config.block_m:
+        raise ValueError(f"block_v must be >= block_m (the pivot tile holds one label column per row); got {config}")
+    top_k = max(8, 1 << (top_n - 1).bit_length()) if top_n > 0 else 0
+    return {"TOP_K": top_k, "BLOCK_M": config.block_m, "BLOCK_V": config.block_v, "BLOCK_H": config.block_h,
+            "DOT_FP32": dot_fp32}
 
 
-def triton_head_stats(
+def triton_head_partials(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
     top_n: int,
     *,
-    block_m: int = _BLOCK_M,
-    block_v: int = _BLOCK_V,
-    block_h: int = _BLOCK_H,
-    num_warps: int = 8,
-    num_stages: int = 3,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launches the kernel on already validated inputs (see `head_stats.head_stats`).
-
-    Returns (lse [M] fp32, label_logprob [M] fp32, label_rank [M] int64,
-    label_order [M] int64, top_logprobs [M, top_n] fp32). Requires
-    `0 <= top_n <= MAX_KERNEL_TOP_N`; block sizes are powers of two >= 16.
+    config: TileConfig | None = None,
+    num_splits: int | None = None,
+) -> tuple[SplitPartials, int]:
+    """Launches `_split_kernel` on already validated inputs; returns (partials, split
+    width). `config` defaults to `default_config(dtype)`; `num_splits` to `split_plan`.
     Raises RuntimeError when triton is missing, or for CPU tensors outside the
     interpreter (TRITON_INTERPRET=1 set before this module was first imported).
     """
@@ -258,59 +281,72 @@ def triton_head_stats(
             "backend='triton' on CPU tensors runs only in Triton's interpreter: set TRITON_INTERPRET=1 in the "
             "environment before triton is first imported, move the tensors to CUDA, or use backend='torch'"
         )
+    config = config or default_config(hidden.dtype)
     m, h = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
-    # Triton 3.9's interpreter gets tl.dot of bfloat16 operands wrong; there the tiles
-    # are upcast first (bf16 products are exact in fp32: the same math)
+    # the interpreter gets tl.dot of bf16 operands wrong: upcast there (exact products)
     dot_fp32 = hidden.dtype == torch.float32 or (hidden.dtype == torch.bfloat16 and is_interpreted())
-    consts = _constexprs(top_n, block_m, block_v, block_h, dot_fp32)
+    consts = _constexprs(top_n, config, dot_fp32)
+    if num_splits is None:
+        sm_count = torch.cuda.get_device_properties(dev).multi_processor_count if hidden.is_cuda else 1
+        splits, width = split_plan(m, v, config.block_m, config.block_v, sm_count)
+    else:
+        splits, width = fixed_splits(v, config.block_v, num_splits)
 
-    lse = torch.empty(m, dtype=torch.float32, device=dev)
-    logprob = torch.empty(m, dtype=torch.float32, device=dev)
-    n_gt = torch.empty(m, dtype=torch.int32, device=dev)
-    n_tie = torch.empty(m, dtype=torch.int32, device=dev)
-    top = torch.empty(m, top_n, dtype=torch.float32, device=dev)
-    if m == 0:
-        return lse, logprob, n_gt.long(), n_tie.long(), top
-    labels = labels.contiguous()
-    grid = (triton.cdiv(m, consts["BLOCK_M"]),)
-    _head_stats_kernel[grid](
-        hidden, weight, labels,
-        lse, logprob, n_gt, n_tie, top,
-        m, v, h,
-        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), max(top.stride(0), 1),
-        top_n,
-        **consts,
-        num_warps=num_warps, num_stages=num_stages,
+    f32, i32 = dict(dtype=torch.float32, device=dev), dict(dtype=torch.int32, device=dev)
+    parts = SplitPartials(
+        torch.empty(splits, m, **f32), torch.empty(splits, m, **f32), torch.empty(splits, m, **f32),
+        torch.empty(splits, m, **i32), torch.empty(splits, m, **i32), torch.empty(splits, m, top_n, **f32),
+        torch.empty(splits, m, **f32),
     )
-    rank = n_gt.long()
-    return lse, logprob, rank, rank + n_tie.long(), top
+    if m == 0:
+        return parts, width
+    labels = labels.contiguous()
+    grid = (triton.cdiv(m, config.block_m), splits)
+    _split_kernel[grid](
+        hidden, weight, labels,
+        parts.max, parts.sum_exp, parts.label_logit, parts.n_greater, parts.n_tied_below, parts.top, parts.pivot,
+        m, v, h, width, top_n,
+        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+        **consts,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return parts, width
+
+
+def triton_head_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    top_n: int,
+    *,
+    config: TileConfig | None = None,
+    num_splits: int | None = None,
+):
+    """The five statistics (a `head_stats.HeadStats`) from the kernel and the merge,
+    for `0 <= top_n <= MAX_KERNEL_TOP_N` (see `triton_head_partials` for the options)."""
+    parts, width = triton_head_partials(hidden, weight, labels, top_n, config=config, num_splits=num_splits)
+    return merge_splits(parts, labels.long(), width, top_n)
 
 
 _ARG_TYPES = {
     "h_ptr": "*{dt}", "w_ptr": "*{dt}", "y_ptr": "*i64",
-    "lse_ptr": "*fp32", "lp_ptr": "*fp32", "gt_ptr": "*i32", "tie_ptr": "*i32", "top_ptr": "*fp32",
+    "max_ptr": "*fp32", "sum_ptr": "*fp32", "zy_ptr": "*fp32", "gt_ptr": "*i32", "tie_ptr": "*i32",
+    "top_ptr": "*fp32", "piv_ptr": "*fp32",
 }
 _TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def compile_for_target(
-    dtype: torch.dtype,
-    top_n: int,
-    *,
-    arch: int = 90,
-    block_m: int = _BLOCK_M,
-    block_v: int = _BLOCK_V,
-    block_h: int = _BLOCK_H,
-    num_warps: int = 8,
-    num_stages: int = 3,
-):
+def compile_for_target(dtype: torch.dtype, top_n: int, *, arch: int = 90, config: TileConfig | None = None):
     """Compiles the kernel ahead of time for CUDA compute capability `arch` (e.g. 90
     for H100/H200) without needing a GPU, so CI can check the compiled path.
 
-    Returns triton's compiled kernel (`.asm` holds "ttir", "ttgir", "llir", "ptx",
-    "cubin"). Needs a non-interpreted build of the kernel and triton's NVIDIA backend.
+    Compiles the variant a launch on contiguous inputs with H a multiple of 16 gets:
+    unit inner strides as constants, pointers, H and row strides 16-divisible (Triton
+    specialises those at launch; without them it cannot pipeline the K loop). Returns
+    triton's compiled kernel (`.asm` holds "ttir", "ttgir", "llir", "ptx", "cubin").
+    Needs a non-interpreted build of the kernel and triton's NVIDIA backend.
     """
     if triton is None or is_interpreted():
         raise RuntimeError("compile_for_target needs triton imported without TRITON_INTERPRET=1")
@@ -319,16 +355,18 @@ def compile_for_target(
 
     if dtype not in _TRITON_DTYPES:
         raise ValueError(f"dtype must be one of {list(_TRITON_DTYPES)}; got {dtype}")
-    consts = _constexprs(top_n, block_m, block_v, block_h, dtype == torch.float32)
-    names = _head_stats_kernel.arg_names
+    config = config or default_config(dtype)
+    consts = {**_constexprs(top_n, config, dtype == torch.float32), "stride_hk": 1, "stride_wk": 1}
+    names = _split_kernel.arg_names
     signature = {
         n: "constexpr" if n in consts else _ARG_TYPES.get(n, "i32").format(dt=_TRITON_DTYPES[dtype]) for n in names
     }
+    aligned = [n for n in names if n.endswith("_ptr") or n in ("H", "stride_hm", "stride_wv")]
     src = ASTSource(
-        fn=_head_stats_kernel,
+        fn=_split_kernel,
         signature=signature,
         constexprs={(names.index(n),): v for n, v in consts.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned},
     )
-    return triton.compile(
-        src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages}
-    )
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)

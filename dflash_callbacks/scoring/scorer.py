@@ -11,9 +11,11 @@ labels are tok[a+1 .. a+B-1], invalid past the end of the sequence.
   mask (block i sees keys [0, a_i) and its own B keys).
 - The LM head never materialises [anchors, B-1, V]: `kernels.head_stats` streams over
   the vocabulary and keeps, per (anchor, depth), the log-sum-exp, the label's
-  log-prob, rank and order, and the top-N log-probs. Streaks follow from those alone:
-  vanilla from the label's order, top@k from its rank, DDTree from the closed form
-  (`kernels.ddtree.ddtree_streaks_from_top`).
+  log-prob, rank and order, and the top-N log-probs. It is called once per task with
+  the drafts of every chunk (at most `MAX_HEAD_ROWS` rows per call), so the GPU gets
+  enough rows to fill it (one task: ~7,700 rows; one chunk of 64 anchors: 960).
+  Streaks follow from those alone: vanilla from the label's order, top@k from its
+  rank, DDTree from the closed form (`kernels.ddtree.ddtree_streaks_from_top`).
 """
 
 from __future__ import annotations
@@ -74,6 +76,12 @@ def streaks_from_stats(stats, valid: torch.Tensor, config: ScoringConfig) -> dic
     return out
 
 
+MAX_HEAD_ROWS = 16384
+"""Most draft rows per `head_stats` call (whole chunks; a chunk above it goes alone):
+the drafts held until the call cost MAX_HEAD_ROWS x H in the drafter's dtype (168 MB
+in bf16 at H = 5120)."""
+
+
 @dataclass
 class TaskStreaks:
     name: str
@@ -101,6 +109,16 @@ def score_task(
     context = drafter.encode_context(target_hidden, torch.arange(context_len, device=device)[None])
     top_n = max(config.ddtree_budgets, default=0)
     parts: dict[str, list[torch.Tensor]] = {}
+    pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (drafts, labels, valid) per chunk
+
+    def flush() -> None:
+        drafts, labels, valid = (torch.cat(t) for t in zip(*pending))
+        pending.clear()
+        stats = head_stats(drafts, head.lm_head.weight, labels, top_n, backend=config.backend,
+                           chunk_size=config.vocab_chunk)
+        for method, values in streaks_from_stats(stats, valid, config).items():
+            parts.setdefault(method, []).append(values.cpu())
+
     chunks = range(0, len(anchors), config.anchors_per_forward)
     for start in tqdm(chunks, desc=task.name, disable=not progress, leave=False, unit="chunk"):
         chunk = torch.tensor(anchors[start : start + config.anchors_per_forward], device=device)
@@ -114,11 +132,10 @@ def score_task(
             block_attention_mask(chunk, block_size, C),
         )
         drafts = hidden.view(len(chunk), block_size, -1)[:, 1:].flatten(0, 1)
-        stats = head_stats(
-            drafts, head.lm_head.weight, labels.flatten(), top_n, backend=config.backend, chunk_size=config.vocab_chunk
-        )
-        for method, values in streaks_from_stats(stats, valid, config).items():
-            parts.setdefault(method, []).append(values.cpu())
+        if pending and sum(len(p[0]) for p in pending) + len(drafts) > MAX_HEAD_ROWS:
+            flush()
+        pending.append((drafts, labels.flatten(), valid))
+    flush()
     return TaskStreaks(task.name, anchors[0], {m: torch.cat(v) for m, v in parts.items()})
 
 
