@@ -1,41 +1,43 @@
-"""The lines a user adds to an existing Lightning training script of a DFlash drafter.
+"""Attach the dflash callbacks to an existing Lightning training run of a DFlash drafter.
 
-Your LightningModule keeps its drafter at `self.drafter` (a DFlashDrafter, or any
-module whose state_dict has the published keys and whose `.config` describes it).
-Run this file as it is to see it work on the toy world:
+    python examples/attach_to_existing_run.py        (about a minute on 2 CPU cores)
 
-    python examples/attach_to_existing_run.py
+The run below is "yours": a LightningModule that keeps its drafter at `.drafter` and a
+DataLoader. Here they train a toy drafter for the toy target, whose folders stand in for
+your target, your cache (`dflash-callbacks extract`) and your baseline drafter. The eval
+callback writes its run folder under `<default_root_dir>/dflash/<run id>/`; running the
+script again starts a new run folder next to it, and resuming from a checkpoint
+(`trainer.fit(..., ckpt_path=...)`) reopens the same one.
 """
-
-from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from torch.utils.data import DataLoader
 
 from dflash_callbacks import DrafterEvalCallback, TrailingBaselineStop
-from dflash_callbacks.demos.demo import DemoConfig, resolve_world, toy_module, training_data
+from dflash_callbacks.demos.toy import toy_world
+from dflash_callbacks.training import CacheSequences, DFlashTrainingModule, collate_sequences
 
-# --- your existing script: a module and its data (here: the toy world) -------------------------
 torch.set_num_threads(1)  # the toy models are tiny: one thread trains, the other core scores
-cfg = DemoConfig(out="runs/attach-example")
-cache, target, baseline = resolve_world(cfg)  # your cache, target and baseline folders
-module, data = toy_module(cfg.train), training_data(Path(cfg.out) / "world", cfg.train)
-# ------------------------------------------------------------------------------------------------
+world = toy_world("runs/attach-example/world")  # target, cache, baseline and training data folders
 
-# +++ the lines you add +++
+# your existing run
+module = DFlashTrainingModule(world.drafter_config, world.target, lr=3e-4)
+data = DataLoader(CacheSequences(world.training_data), batch_size=4, shuffle=True, collate_fn=collate_sequences)
+
+# the lines you add
 eval_cb = DrafterEvalCallback(
-    cache=cache,                 # from `dflash-callbacks extract`
-    target=target,               # only embed_tokens and lm_head are read
-    baseline=baseline,           # scored once, cached
-    every_n_train_steps=100,
-    drafter="drafter",           # or: lambda module: module.drafter
+    cache=world.cache,          # from `dflash-callbacks extract`
+    target=world.target,        # only embed_tokens and lm_head are read
+    baseline=world.baseline,    # scored once, cached
+    every_n_train_steps=50,
+    drafter="drafter",          # or: lambda module: module.drafter
     scoring={"ddtree_budgets": [4, 8], "device": "cpu"},
 )
-stop_cb = TrailingBaselineStop(monitor="ddtree@8/live", min_ratio=0.9, patience=3, grace_steps=200)
-trainer = pl.Trainer(max_steps=300, accelerator="cpu", callbacks=[eval_cb, stop_cb], logger=False,
-                     enable_checkpointing=False)
-# +++++++++++++++++++++++++
-
+stop_cb = TrailingBaselineStop(monitor="ddtree@8/live", min_ratio=0.9, patience=3, grace_steps=100)
+trainer = pl.Trainer(max_steps=150, accelerator="cpu", callbacks=[eval_cb, stop_cb], logger=False,
+                     enable_checkpointing=False, default_root_dir="runs/attach-example")
 trainer.fit(module, data)
-for report in eval_cb.reports:
-    print(eval_cb.summary_line(report))
+
+print(f"{len(eval_cb.reports)} reports in {eval_cb.run.results_path}")
+print(stop_cb.stop_reason or "not stopped: " + (stop_cb.last_decision.reason if stop_cb.last_decision else "no decision"))

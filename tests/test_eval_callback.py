@@ -143,3 +143,33 @@ def test_bad_arguments_fail_before_training(world, tmp_path):
     cb = DrafterEvalCallback(cache=world.cache, target=world.target, drafter="nope", dirpath=tmp_path)
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
         trainer(tmp_path, [cb], max_steps=2).fit(module, loader(world))
+
+
+def test_snapshot_buffers_are_allocated_once_reused_and_hold_their_steps_weights(world, tmp_path):
+    """The host buffers a snapshot is copied into are allocated once (before training, off the
+    training thread) and reused by every snapshot; scoring reads them directly (keep_last=0),
+    and each report still equals the weights of its own step."""
+    torch.manual_seed(0)
+    module = DFlashTrainingModule(world.config, world.target, lr=3e-3)
+    cb = DrafterEvalCallback(cache=world.cache, target=world.target, every_n_train_steps=2, scoring=SCORING,
+                             keep_last=0, dirpath=tmp_path / "d", verbose=False)
+
+    class AtCapture(pl.Callback):  # after cb: sees each snapshot right after its copy
+        def __init__(self):
+            self.buffers, self.weights = {}, {}
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if cb._staging is not None and cb._staging.step == trainer.global_step:
+                self.buffers[trainer.global_step] = tuple(t.data_ptr() for t in cb._staging.state.values())
+                self.weights[trainer.global_step] = {k: v.detach().clone()
+                                                     for k, v in pl_module.drafter.state_dict().items()}
+
+    seen = AtCapture()
+    trainer(tmp_path, [cb, seen], max_steps=12).fit(module, loader(world))
+    during = [r for r in cb.reports if r.step in seen.buffers]  # not the final one, taken in on_train_end
+    assert len(during) >= 3 and cb._pool.allocations == 1  # busy="skip": one set, allocated once
+    assert len({seen.buffers[r.step] for r in during}) == 1  # the same buffers for every snapshot
+    service = ScoringService(ServiceSpec(str(world.cache), str(world.target), None, SCORING))
+    for report in during:
+        assert report.tasks == service.score(world.config, seen.weights[report.step], step=report.step).tasks
+    assert_clean(tmp_path / "d", cb.reports)

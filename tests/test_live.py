@@ -10,11 +10,10 @@ import torch
 
 from dflash_callbacks import load_drafter
 from dflash_callbacks.cache.extract import load_target
-from dflash_callbacks.demos.demo import TOY_BASELINE_DIR
 from dflash_callbacks.model import TargetHead
 from dflash_callbacks.scoring.config import ScoringConfig
 from dflash_callbacks.scoring.scorer import score_task, summarize
-from dflash_callbacks.demos.toy.world import TOY_LAYER_IDS, build_toy_cache, toy_target_path
+from dflash_callbacks.demos.toy.world import TOY_BASELINE_DIR, TOY_LAYER_IDS, build_toy_cache, toy_target_path
 
 
 @torch.no_grad()

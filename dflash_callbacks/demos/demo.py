@@ -32,7 +32,6 @@ from ..scoring.report import EvalReport, comparison_table
 from .toy.threads import torch_threads
 
 DEMO_YAML = CONF_DIR / "demo.yaml"
-TOY_BASELINE_DIR = Path(__file__).resolve().parent / "toy" / "assets" / "baseline"
 WANDB_MODES = ("offline", "online", "disabled")
 
 
@@ -104,7 +103,7 @@ def toy_module(train: TrainConfig):
 
 def resolve_world(cfg: DemoConfig) -> tuple[str, str, str | None]:
     """Fill in `toy` for the cache, target and baseline."""
-    from .toy.world import build_toy_cache, toy_target_path
+    from .toy.world import build_toy_cache, toy_baseline_path, toy_target_path
 
     world = Path(cfg.out) / "world"
     target = str(toy_target_path()) if cfg.eval.target == "toy" else cfg.eval.target
@@ -113,14 +112,7 @@ def resolve_world(cfg: DemoConfig) -> tuple[str, str, str | None]:
         cache = str(world / f"coding10-b{cfg.train.block_size}")
         if not (Path(cache) / "manifest.json").is_file():
             build_toy_cache(cache, block_size=cfg.train.block_size, progress=True)
-    baseline = cfg.eval.baseline
-    if baseline == "toy":
-        if not (TOY_BASELINE_DIR / "model.safetensors").is_file():
-            raise FileNotFoundError(
-                f"the toy baseline is missing from {TOY_BASELINE_DIR}; in a source checkout, rebuild it with "
-                f"`python tools/train_toy_baseline.py --out {TOY_BASELINE_DIR}`"
-            )
-        baseline = str(TOY_BASELINE_DIR)
+    baseline = str(toy_baseline_path()) if cfg.eval.baseline == "toy" else cfg.eval.baseline
     return cache, target, baseline
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -165,3 +166,36 @@ def build_toy_training_cache(
                 length = stops[0] + 1 if stops else ids.shape[1]  # keep the target's EOS, drop padding after it
                 write_task(out, name, ids[row, :length], hidden[row, :length], prompt_len)
     return HiddenStateCache(out)
+
+
+TOY_BASELINE_DIR = Path(__file__).resolve().parent / "assets" / "baseline"
+
+
+def toy_baseline_path() -> Path:
+    """The shipped toy baseline drafter folder."""
+    if not (TOY_BASELINE_DIR / "model.safetensors").is_file():
+        raise FileNotFoundError(f"the toy baseline is missing from {TOY_BASELINE_DIR}; in a source checkout, rebuild "
+                                f"it with `python tools/train_toy_baseline.py --out {TOY_BASELINE_DIR}`")
+    return TOY_BASELINE_DIR
+
+
+@dataclass(frozen=True)
+class ToyWorld:
+    """The folders of the toy world: stand-ins for a real target, cache, baseline and data."""
+
+    target: Path  # the shipped toy target (a transformers model folder)
+    baseline: Path  # the shipped toy baseline drafter (published layout)
+    cache: Path  # its coding10 cache, for block size `drafter_config.block_size`
+    training_data: Path  # drafter training sequences in the cache format
+    drafter_config: DrafterConfig  # a drafter that fits the target
+
+
+def toy_world(folder: str | os.PathLike, block_size: int = 8, sequences: int = 256, seq_len: int = 160) -> ToyWorld:
+    """Build (once, under `folder`) the caches of the toy world and return its folders."""
+    folder = Path(folder)
+    cache = folder / f"coding10-b{block_size}"
+    if not (cache / "manifest.json").is_file():
+        build_toy_cache(cache, block_size=block_size, progress=True)
+    training = folder / f"train-{sequences}x{seq_len}"
+    build_toy_training_cache(training, n_sequences=sequences, seq_len=seq_len)
+    return ToyWorld(toy_target_path(), toy_baseline_path(), cache, training, toy_drafter_config(block_size=block_size))

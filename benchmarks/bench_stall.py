@@ -1,0 +1,231 @@
+"""What the callbacks cost the training thread: a Lightning run with and without them.
+
+The same training (a DFlash drafter on random target features, AdamW, one device) runs
+twice: without the callbacks, then with DrafterEvalCallback (thread runner, a snapshot
+every `--every` steps, scored on the same device against a synthetic cache) and
+TrailingBaselineStop (action "warn": it decides, never stops). Reported, as a table and
+as JSON:
+- step time (median, max) of both runs, and steps/s;
+- per snapshot, the time inside the callback's hooks on the training thread (the copy
+  started in on_train_batch_end) plus the wait in on_before_optimizer_step: the stall;
+- the scorer's own seconds (sum over reports) and the steps/s lost, as seconds of
+  training time, to set against them;
+- the scorer's peak accelerator memory per report (CUDA only).
+
+    python benchmarks/bench_stall.py --size toy                           # CPU, about a minute
+    python benchmarks/bench_stall.py --size production --json stall.json  # one GPU
+
+Sizes: production is the Qwen3.6-27B DFlash shape (hidden 5120, 5 layers, 1.78 B
+parameters), bf16-true, batch 4 of 1024 context + 512 block tokens, V = 248,320, 10
+cache tasks of 160 + 512 tokens (the target head, 5 GB in bf16, is written to --work).
+Imports neither wandb nor omegaconf.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dflash_callbacks.cache.format import TargetInfo, new_manifest, open_for_writing, write_task  # noqa: E402
+from dflash_callbacks.callbacks.eval_callback import DrafterEvalCallback  # noqa: E402
+from dflash_callbacks.callbacks.stopping import TrailingBaselineStop  # noqa: E402
+from dflash_callbacks.model import DFlashDrafter, DrafterConfig, build_target_layer_ids  # noqa: E402
+from dflash_callbacks.model.geometry import block_attention_mask, block_positions  # noqa: E402
+
+SIZES = {
+    "production": dict(hidden=5120, layers=5, heads=40, kv_heads=8, head_dim=128, intermediate=17408, vocab=248_320,
+                       target_layers=64, batch=4, context=1024, blocks=32, tasks=10, prompt=160, completion=512,
+                       steps=60, every=10, precision="bf16-true", dtype=torch.bfloat16),
+    "toy": dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=3000, target_layers=8,
+                batch=2, context=96, blocks=4, tasks=3, prompt=16, completion=48, steps=80, every=10,
+                precision="32-true", dtype=torch.float32),
+}
+BLOCK = 16
+
+
+def drafter_config(size: dict) -> DrafterConfig:
+    V = size["vocab"]
+    return DrafterConfig(
+        hidden_size=size["hidden"], intermediate_size=size["intermediate"], num_hidden_layers=size["layers"],
+        num_attention_heads=size["heads"], num_key_value_heads=size["kv_heads"], head_dim=size["head_dim"],
+        block_size=BLOCK, mask_token_id=V - 1, target_layer_ids=build_target_layer_ids(size["target_layers"],
+                                                                                      size["layers"]),
+        vocab_size=V, num_target_layers=size["target_layers"],
+    )
+
+
+def write_world(size: dict, config: DrafterConfig, work: Path) -> tuple[Path, Path]:
+    """A target folder (embedding and LM head only) and a cache of random tasks that fit `config`."""
+    target, cache = work / "target", work / "cache"
+    if (cache / "manifest.json").is_file():
+        return target, cache
+    g = torch.Generator().manual_seed(0)
+    H, V, dtype = size["hidden"], size["vocab"], size["dtype"]
+    target.mkdir(parents=True, exist_ok=True)
+    save_file({"model.embed_tokens.weight": (torch.randn(V, H, generator=g) * 0.02).to(dtype),
+               "lm_head.weight": (torch.randn(V, H, generator=g) / H**0.5).to(dtype)}, str(target / "model.safetensors"))
+    (target / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": V, "hidden_size": H}))
+    layers = config.target_layer_ids
+    open_for_writing(cache, new_manifest(TargetInfo(str(target), size["target_layers"], H, V, str(dtype).split(".")[1]),
+                                         layers))
+    T = size["prompt"] + size["completion"]
+    for i in range(size["tasks"]):
+        write_task(cache, f"task{i:02d}", torch.randint(0, V - 1, (T,), generator=g),
+                   torch.randn(T, len(layers) * H, generator=g).to(dtype), size["prompt"])
+    return target, cache
+
+
+class RandomFeatures(torch.utils.data.IterableDataset):
+    """Endless batches of random target features and block tokens (the shapes are what matter)."""
+
+    def __init__(self, size: dict, config: DrafterConfig):
+        self.size, self.config = size, config
+
+    def __iter__(self):
+        s, g = self.size, torch.Generator().manual_seed(1)
+        while True:
+            yield (torch.randn(s["context"], self.config.num_target_features, generator=g),
+                   torch.randn(s["blocks"] * BLOCK, self.config.hidden_size, generator=g))
+
+
+class DrafterOnFeatures(pl.LightningModule):
+    """The drafter's forward and backward under the block mask, a simple loss, AdamW."""
+
+    def __init__(self, config: DrafterConfig, size: dict):
+        super().__init__()
+        self.drafter = DFlashDrafter(config)
+        self.size = size
+        anchors = torch.linspace(size["context"] // 4, size["context"] - 1, size["blocks"]).long()
+        self.register_buffer("mask", block_attention_mask(anchors, BLOCK, size["context"]), persistent=False)
+        self.register_buffer("positions", block_positions(anchors, BLOCK, size["context"]), persistent=False)
+
+    def training_step(self, batch, batch_idx):
+        features, noise = batch
+        dtype = self.drafter.fc.weight.dtype
+        out = self.drafter(features.to(dtype), noise.to(dtype), self.positions[None], self.mask)
+        return out.float().pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.drafter.parameters(), lr=1e-5)
+
+
+class TimedEvalCallback(DrafterEvalCallback):
+    """Adds up, per step, the wall time spent in the training-thread hooks."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.batch_end_s: dict[int, float] = {}
+        self.before_step_s: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer, *args):
+        t0 = time.perf_counter()
+        super().on_train_batch_end(trainer, *args)
+        self.batch_end_s[trainer.global_step] = time.perf_counter() - t0
+
+    def on_before_optimizer_step(self, trainer, *args):
+        t0 = time.perf_counter()
+        super().on_before_optimizer_step(trainer, *args)
+        self.before_step_s[trainer.global_step] = time.perf_counter() - t0
+
+
+class StepClock(pl.Callback):
+    """Wall time of every training step (between consecutive on_train_batch_end calls)."""
+
+    def __init__(self):
+        self.times, self._last = [], None
+
+    def on_train_batch_end(self, trainer, *args):
+        now = time.perf_counter()
+        if trainer.lightning_module.device.type == "cuda":
+            torch.cuda.synchronize()
+            now = time.perf_counter()
+        if self._last is not None:
+            self.times.append(now - self._last)
+        self._last = now
+
+
+def train(size: dict, config: DrafterConfig, callbacks: list, steps: int, device: str) -> StepClock:
+    torch.manual_seed(0)
+    clock = StepClock()
+    module = DrafterOnFeatures(config, size)
+    trainer = pl.Trainer(max_steps=steps, accelerator=device, devices=1, precision=size["precision"], logger=False,
+                         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
+                         callbacks=[clock, *callbacks])
+    data = torch.utils.data.DataLoader(RandomFeatures(size, config), batch_size=size["batch"], num_workers=0)
+    trainer.fit(module, data)
+    return clock
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", choices=list(SIZES), default="toy")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--every", type=int, default=None)
+    p.add_argument("--work", type=Path, default=Path("runs/bench-stall"), help="where the synthetic world is written")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    size = SIZES[args.size]
+    steps, every = args.steps or size["steps"], args.every or size["every"]
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # tiny models: one intra-op thread trains, the other core scores
+    config = drafter_config(size)
+    t0 = time.perf_counter()
+    target, cache = write_world(size, config, args.work / args.size)
+    setup_s = time.perf_counter() - t0
+
+    plain = train(size, config, [], steps, args.device)
+    cb = TimedEvalCallback(cache=cache, target=target, every_n_train_steps=every, verbose=False,
+                           scoring={"ddtree_budgets": [4, 8], "topk": [4], "device": args.device,
+                                    "dtype": "bfloat16" if size["dtype"] == torch.bfloat16 else "float32"},
+                           dirpath=args.work / "runs", busy="skip")
+    stop = TrailingBaselineStop(monitor="ddtree@8/live", action="warn", verbose=False)
+    with_cb = train(size, config, [cb, stop], steps, args.device)
+
+    snapshot_steps = sorted({r.step for r in cb.reports} | {s for s in cb.batch_end_s if s % every == 0})
+    stalls = [cb.batch_end_s.get(s, 0.0) + cb.before_step_s.get(s + 1, 0.0) for s in snapshot_steps if s < steps]
+    scorer_s = sum(r.seconds or 0.0 for r in cb.reports)
+    lost_s = sum(with_cb.times) - sum(plain.times)
+    result = {
+        "size": args.size, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "steps": steps, "every_n_train_steps": every, "setup_s": setup_s, "reports": len(cb.reports),
+        "skipped_busy": cb.skipped, "errors": cb.errors,
+        "step_s_median": {"without": statistics.median(plain.times), "with": statistics.median(with_cb.times)},
+        "step_s_max": {"without": max(plain.times), "with": max(with_cb.times)},
+        "steps_per_s": {"without": len(plain.times) / sum(plain.times), "with": len(with_cb.times) / sum(with_cb.times)},
+        "stall_ms_per_snapshot": {"max": 1000 * max(stalls, default=0.0), "median": 1000 * statistics.median(stalls)
+                                  if stalls else 0.0, "first": 1000 * stalls[0] if stalls else None},
+        "wait_before_optimizer_ms_max": 1000 * max(cb.before_step_s.values(), default=0.0),
+        "scorer_s": scorer_s, "training_s_lost": lost_s,
+        "lost_over_scorer": lost_s / scorer_s if scorer_s else None,
+        "scorer_peak_memory_gib": max((r.peak_memory or 0) for r in cb.reports) / 2**30 if cb.reports else None,
+        "staging_allocations": cb._pool.allocations if cb._pool is not None else None,
+    }
+    print(f"| {args.size} on {result['device']}, {steps} steps, a snapshot every {every} | without | with |")
+    print("|---|---|---|")
+    print(f"| step time, median / max (s) | {result['step_s_median']['without']:.4f} / {result['step_s_max']['without']:.4f} "
+          f"| {result['step_s_median']['with']:.4f} / {result['step_s_max']['with']:.4f} |")
+    print(f"| steps/s | {result['steps_per_s']['without']:.2f} | {result['steps_per_s']['with']:.2f} |")
+    print(f"| stall per snapshot (hooks + wait before the optimizer step), max / first | - | "
+          f"{result['stall_ms_per_snapshot']['max']:.2f} / {result['stall_ms_per_snapshot']['first'] or 0:.2f} ms |")
+    print(f"| reports ({cb.skipped} skipped while busy), scorer seconds | - | {len(cb.reports)}, {scorer_s:.2f} s |")
+    print(f"| training time lost / scorer seconds | - | {lost_s:.2f} s / {scorer_s:.2f} s |")
+    peak = result["scorer_peak_memory_gib"]
+    print(f"| scorer peak memory | - | {'-' if not peak else f'{peak:.2f} GiB'} |")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
