@@ -63,42 +63,45 @@ def drafter_config(size: dict) -> DrafterConfig:
     )
 
 
-def write_world(size: dict, config: DrafterConfig, work: Path) -> tuple[Path, Path]:
-    """A target folder (embedding and LM head only) and a cache of random tasks that fit `config`."""
+def write_world(size: dict, config: DrafterConfig, work: Path, device: str) -> tuple[Path, Path]:
+    """A target folder (embedding and LM head only) and a cache of random tasks that fit
+    `config` (random numbers drawn on `device`: 2.5 G of them at production size)."""
     target, cache = work / "target", work / "cache"
     if (cache / "manifest.json").is_file():
         return target, cache
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(0)
     H, V, dtype = size["hidden"], size["vocab"], size["dtype"]
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype).cpu()
+
     target.mkdir(parents=True, exist_ok=True)
-    save_file({"model.embed_tokens.weight": (torch.randn(V, H, generator=g) * 0.02).to(dtype),
-               "lm_head.weight": (torch.randn(V, H, generator=g) / H**0.5).to(dtype)}, str(target / "model.safetensors"))
+    save_file({"model.embed_tokens.weight": randn(V, H, scale=0.02), "lm_head.weight": randn(V, H, scale=H**-0.5)},
+              str(target / "model.safetensors"))
     (target / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": V, "hidden_size": H}))
     layers = config.target_layer_ids
-    open_for_writing(cache, new_manifest(TargetInfo(str(target), size["target_layers"], H, V, str(dtype).split(".")[1]),
-                                         layers))
+    info = TargetInfo(str(target), size["target_layers"], H, V, str(dtype).split(".")[1])
+    open_for_writing(cache, new_manifest(info, layers))
     T = size["prompt"] + size["completion"]
     for i in range(size["tasks"]):
-        write_task(cache, f"task{i:02d}", torch.randint(0, V - 1, (T,), generator=g),
-                   torch.randn(T, len(layers) * H, generator=g).to(dtype), size["prompt"])
+        tokens = torch.randint(0, V - 1, (T,), generator=g, device=device).cpu()
+        write_task(cache, f"task{i:02d}", tokens, randn(T, len(layers) * H), size["prompt"])
     return target, cache
 
 
-class RandomFeatures(torch.utils.data.IterableDataset):
-    """Endless batches of random target features and block tokens (the shapes are what matter)."""
-
-    def __init__(self, size: dict, config: DrafterConfig):
-        self.size, self.config = size, config
+class Steps(torch.utils.data.IterableDataset):
+    """Endless step numbers; the features are drawn on the device inside the step."""
 
     def __iter__(self):
-        s, g = self.size, torch.Generator().manual_seed(1)
+        step = 0
         while True:
-            yield (torch.randn(s["context"], self.config.num_target_features, generator=g),
-                   torch.randn(s["blocks"] * BLOCK, self.config.hidden_size, generator=g))
+            yield step
+            step += 1
 
 
 class DrafterOnFeatures(pl.LightningModule):
-    """The drafter's forward and backward under the block mask, a simple loss, AdamW."""
+    """The drafter's forward and backward under the block mask on random target features
+    (drawn on the device: the shapes are what matter), a simple loss, AdamW."""
 
     def __init__(self, config: DrafterConfig, size: dict):
         super().__init__()
@@ -109,9 +112,11 @@ class DrafterOnFeatures(pl.LightningModule):
         self.register_buffer("positions", block_positions(anchors, BLOCK, size["context"]), persistent=False)
 
     def training_step(self, batch, batch_idx):
-        features, noise = batch
+        s, cfg = self.size, self.drafter.config
         dtype = self.drafter.fc.weight.dtype
-        out = self.drafter(features.to(dtype), noise.to(dtype), self.positions[None], self.mask)
+        features = torch.randn(s["batch"], s["context"], cfg.num_target_features, device=self.device, dtype=dtype)
+        noise = torch.randn(s["batch"], s["blocks"] * BLOCK, cfg.hidden_size, device=self.device, dtype=dtype)
+        out = self.drafter(features, noise, self.positions[None], self.mask)
         return out.float().pow(2).mean()
 
     def configure_optimizers(self):
@@ -160,7 +165,7 @@ def train(size: dict, config: DrafterConfig, callbacks: list, steps: int, device
     trainer = pl.Trainer(max_steps=steps, accelerator=device, devices=1, precision=size["precision"], logger=False,
                          enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
                          callbacks=[clock, *callbacks])
-    data = torch.utils.data.DataLoader(RandomFeatures(size, config), batch_size=size["batch"], num_workers=0)
+    data = torch.utils.data.DataLoader(Steps(), batch_size=None, num_workers=0)
     trainer.fit(module, data)
     return clock
 
@@ -180,7 +185,7 @@ def main(argv=None) -> dict:
         torch.set_num_threads(1)  # tiny models: one intra-op thread trains, the other core scores
     config = drafter_config(size)
     t0 = time.perf_counter()
-    target, cache = write_world(size, config, args.work / args.size)
+    target, cache = write_world(size, config, args.work / args.size, args.device)
     setup_s = time.perf_counter() - t0
 
     plain = train(size, config, [], steps, args.device)

@@ -1,31 +1,35 @@
 #!/usr/bin/env bash
-# GPU check of the LM-head statistics (one CUDA device; at most about 5.5 minutes on
-# an H200 after the machine has started). Installs nothing; imports neither wandb nor
+# GPU check of the scoring kernels and of the training-thread stall (one CUDA device;
+# at most about 6 minutes on an H200 after the machine has started). Installs nothing; imports neither wandb nor
 # omegaconf. Steps, each under its own `timeout`, each writing its files into
 # OUTPUT_DIR as it finishes (a killed run keeps the finished steps' files):
 #
-#   1. tests      (110 s) tests/test_head_stats.py natively on CUDA: both backends
+#   1. tests      (100 s) tests/test_head_stats.py natively on CUDA: both backends
 #                 against the reference on every case, realistic sizes, the kernel's
 #                 pivot == its own z_y on tensor cores, fp32 under TF32, auto follows
 #                 its table (a skipped CUDA test counts as a failure); the Triton
 #                 interpreter and sm_90 compile checks run too.
-#   2. kernels    (75 s)  bench_kernels.py at one task's rows (7,665) and the whole
+#   2. kernels    (70 s)  bench_kernels.py at one task's rows (7,665) and the whole
 #                 production set (76,800) x H 5120 x V 248,320, bf16, top-8: GEMM
 #                 floor, reference (one task only: it needs ~30 GB), torch, triton;
 #                 time over the floor, rank/order mismatches against the reference.
-#   3. production (80 s)  bench_production.py --size production: end-to-end scoring
+#   3. production (75 s)  bench_production.py --size production: end-to-end scoring
 #                 of 10 synthetic tasks with each backend against the floor (drafter
 #                 forwards + bare GEMM), peak memory, whether the reports agree.
-#   4. sweep      (50 s)  bench_kernels.py at one task's rows, the kernel with its
+#   4. sweep      (30 s)  bench_kernels.py at one task's rows, the kernel with its
 #                 default and four other tile configs (for TILE_CONFIGS), one timed
 #                 run each after the compiling one.
+#   5. stall      (75 s)  bench_stall.py --size production: a 1.78 B drafter training
+#                 (bf16-true, AdamW) with and without the callbacks, a snapshot every
+#                 10 steps scored on the same GPU: step times, the stall per snapshot,
+#                 training time lost against the scorer's seconds, the scorer's peak memory.
 #
-# The limits add up to 315 s plus a few seconds of setup. Not yet run on a GPU: the
+# The limits add up to 350 s plus a few seconds of setup. Not yet run on a GPU: the
 # limits are the budget, sized from estimates (see each script), not measurements.
 #
 # Usage: benchmarks/gpu_check.sh [OUTPUT_DIR]     (default: $OUT, else ./gpu-results)
 # Writes: env.txt, nvidia-smi.txt, pytest_head_stats.{txt,xml}, kernels.{md,json,log},
-# production.{md,json,log}, sweep.{md,json,log}, summary.txt.
+# production.{md,json,log}, sweep.{md,json,log}, stall.{md,json,log}, summary.txt.
 # Exit status 0 when every step passed.
 #
 # GPU_CHECK_CPU_SMOKE=1 runs the same plumbing on the CPU at toy sizes (a missing GPU
@@ -86,18 +90,19 @@ step() {
 # 1. tests
 if [[ $smoke == 1 ]]; then
     tests_k=(-k "merge or split_plan or auto")  # the plumbing only: no CUDA here
-    device=cpu kernel_sizes=tiny production_size=toy sweep_sizes=tiny
+    device=cpu kernel_sizes=tiny production_size=toy sweep_sizes=tiny stall_size=toy
 else
     tests_k=()
     device=cuda kernel_sizes=production-task,production production_size=production sweep_sizes=production-task
+    stall_size=production
 fi
 t0=$SECONDS
 rc=0
-timeout 110 python -m pytest tests/test_head_stats.py -q -rs -p no:cacheprovider ${tests_k[@]+"${tests_k[@]}"} \
+timeout 100 python -m pytest tests/test_head_stats.py -q -rs -p no:cacheprovider ${tests_k[@]+"${tests_k[@]}"} \
     --junitxml="$out_dir/pytest_head_stats.xml" > "$out_dir/pytest_head_stats.txt" 2>&1 || rc=$?
 tail -n 15 "$out_dir/pytest_head_stats.txt"
 if [[ $rc -ne 0 ]]; then
-    note "FAIL: tests exited $rc after $((SECONDS - t0)) s (124: timed out at 110 s)"
+    note "FAIL: tests exited $rc after $((SECONDS - t0)) s (124: timed out at 100 s)"
     status=1
 elif [[ $smoke != 1 ]] && grep -q "needs triton and a CUDA device" "$out_dir/pytest_head_stats.txt"; then
     note "FAIL: CUDA tests were skipped"
@@ -107,13 +112,16 @@ else
 fi
 
 # 2.-4. benchmarks
-step kernels 75 python benchmarks/bench_kernels.py --device "$device" --sizes "$kernel_sizes" --top-n 8 \
+step kernels 70 python benchmarks/bench_kernels.py --device "$device" --sizes "$kernel_sizes" --top-n 8 \
     --repeat 2 --warmup 1 --backends floor,reference,torch,triton --json "$out_dir/kernels.json"
-step production 80 python benchmarks/bench_production.py --size "$production_size" --device "$device" \
+step production 75 python benchmarks/bench_production.py --size "$production_size" --device "$device" \
     --backends torch,triton --json "$out_dir/production.json"
-step sweep 50 python benchmarks/bench_kernels.py --device "$device" --sizes "$sweep_sizes" --top-n 8 \
+step sweep 30 python benchmarks/bench_kernels.py --device "$device" --sizes "$sweep_sizes" --top-n 8 \
     --repeat 1 --warmup 1 --backends floor,triton \
     --triton-configs 128x128x64w8s4,64x128x64w8s4,64x64x64w4s3,128x128x128w8s2 --json "$out_dir/sweep.json"
+step stall 75 python benchmarks/bench_stall.py --size "$stall_size" --device "$device" --work "$out_dir/stall-world" \
+    --json "$out_dir/stall.json"
+rm -rf "$out_dir/stall-world"  # the synthetic target and cache (5 GB at production size)
 
 # summary: the headline numbers of every JSON that exists
 python - "$out_dir" <<'PY' | tee -a "$summary" || true
@@ -151,6 +159,15 @@ if f.is_file():
         print(f"production {r['backend']}: {r['seconds']:.3f} s, {r['x_floor']:.2f}x floor{peak}{same}")
 else:
     print("production: no results")
+f = out / "stall.json"
+if f.is_file():
+    r = json.loads(f.read_text())
+    print(f"stall {r['size']}: steps/s {r['steps_per_s']['without']:.2f} without, {r['steps_per_s']['with']:.2f} with; "
+          f"stall per snapshot max {r['stall_ms_per_snapshot']['max']:.2f} ms (first {r['stall_ms_per_snapshot']['first']}); "
+          f"training lost {r['training_s_lost']:.2f} s vs scorer {r['scorer_s']:.2f} s; "
+          f"scorer peak {r['scorer_peak_memory_gib']} GiB")
+else:
+    print("stall: no results")
 PY
 
 note "gpu_check finished with status $status in $((SECONDS - started)) s; results in $out_dir"
