@@ -27,7 +27,6 @@ from lightning.pytorch.loggers import CSVLogger
 from dflash_callbacks.callbacks import DrafterEvalCallback, TrailingBaselineStop
 from dflash_callbacks.config import CONF_DIR, CallbacksConfig, build_callbacks, load_config
 from dflash_callbacks.scoring.service import PreflightError
-from dflash_callbacks.training import DFlashTrainingModule
 
 from runs import assert_clean, records
 

@@ -5,9 +5,7 @@ processes and real signals, and every run folder goes through the audit (runs.py
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -22,7 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import save_file
 
 from dflash_callbacks import TrailingBaselineStop, save_drafter
-from dflash_callbacks.cache.format import new_manifest, open_for_writing, write_task
+from dflash_callbacks.cache.format import write_task
 from dflash_callbacks.callbacks import runners
 from dflash_callbacks.callbacks.run_folder import RunFolder
 from dflash_callbacks.cli import main as cli_main
