@@ -1,0 +1,39 @@
+"""The wheel ships conf/ (one copy, mapped by the build) and the toy assets, and an
+installed package finds its defaults and the coding10 task set there."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_wheel_ships_conf_and_an_install_finds_it(tmp_path):
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "-w", str(tmp_path / "dist"), str(REPO)], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr
+    (wheel,) = (tmp_path / "dist").glob("dflash_callbacks-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    shipped = sorted(n for n in names if n.startswith("dflash_callbacks/conf/"))
+    assert shipped == sorted(f"dflash_callbacks/conf/{p.relative_to(REPO / 'conf')}"
+                             for p in (REPO / "conf").rglob("*.yaml"))
+    assert "dflash_callbacks/demos/toy/assets/target/model.safetensors" in names
+    assert not any(n.startswith(("tests/", "tools/", "conf/")) for n in names)
+
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
+                              str(tmp_path / "site"), str(wheel)], capture_output=True, text=True, timeout=300)
+    assert install.returncode == 0, install.stderr
+    probe = ("import dflash_callbacks, json; from dflash_callbacks.paths import CONF_DIR; "
+             "from dflash_callbacks.cache.tasks import load_tasks; "
+             "print(json.dumps([dflash_callbacks.__file__, str(CONF_DIR), len(load_tasks('coding10'))]))")
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path / "site")})
+    assert run.returncode == 0, run.stderr
+    module, conf, tasks = json.loads(run.stdout)
+    assert module.startswith(str(tmp_path / "site")) and conf == str(tmp_path / "site" / "dflash_callbacks" / "conf")
+    assert tasks == 10
