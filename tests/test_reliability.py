@@ -149,9 +149,11 @@ def test_killed_scoring_worker_fails_its_step_and_a_new_worker_scores_the_next(w
     assert_clean(tmp_path / "d", cb.reports)
 
 
-def test_snapshot_write_failure_is_counted_and_training_goes_on(world, tmp_path):
-    """A regular file where the snapshots folder goes: writes fail until it is removed."""
-    cb = eval_cb(world, tmp_path, keep_last=2)
+@pytest.mark.parametrize("runner", ["thread", "process"])
+def test_snapshot_write_failure_is_counted_and_training_goes_on(world, tmp_path, runner):
+    """A regular file where the snapshots folder goes: writes fail until it is removed
+    (the external runner's case is in test_trust.py)."""
+    cb = eval_cb(world, tmp_path, keep_last=2, runner=runner)
 
     class Block(pl.Callback):  # after cb in trainer.callbacks: its run folder exists by then
         def on_train_start(self, trainer, pl_module):

@@ -265,33 +265,20 @@ class DrafterEvalCallback(ReportSource):
         self._last_capture_step = self._last_taken_step = None
 
     def _recover(self) -> list[Job]:
-        """A resume: rebuild the history from results.jsonl, adopt watcher reports a killed
-        run never picked up, and queue the snapshots it left unscored."""
-        dropped = self.run.repair()
-        if dropped:
+        """A resume: the history from results.jsonl, the watcher reports a killed run never
+        picked up (published once the baseline is settled), its unscored snapshots as jobs."""
+        found = self.run.recover()
+        if found.torn_bytes:
             rank_zero_warn(f"{self.name}: {self.run.results_path} ended in a torn line (a crash while appending); "
-                           f"dropped its {dropped} bytes")
-        results = self.run.read_results()
-        for line in results.skipped:
+                           f"dropped its {found.torn_bytes} bytes")
+        for line in found.results.skipped:
             rank_zero_warn(f"{self.name}: {self.run.results_path} {line}; skipped")
-        if results.reports:
-            self.history = sorted({r.step: {"step": r.step, "mean": r.mean} for r in results.reports}.values(),
+        if found.results.reports:
+            self.history = sorted({r.step: {"step": r.step, "mean": r.mean} for r in found.results.reports}.values(),
                                   key=lambda h: h["step"])
-        done = {r.snapshot_id for r in results.reports} | {e.get("snapshot_id") for e in results.errors}
-        self._taken = {h["step"] for h in self.history}
-        for step, path in self.run.list_reports():
-            found = self.run.read_report(path)
-            if (isinstance(found, EvalReport) and found.step == step and found.snapshot_id is not None
-                    and found.snapshot_id not in done and step not in self._taken):
-                self._recovered.append(found)
-                done.add(found.snapshot_id)
-                self._taken.add(found.step)
-        jobs = []
-        for step, folder in self.run.list_snapshots():
-            snapshot_id = self.run.snapshot_id(folder)
-            if snapshot_id is not None and snapshot_id not in done and step not in self._taken:
-                jobs.append(Job(step, snapshot_id, folder=folder))
-                self._taken.add(step)
+        self._recovered = found.unread_reports
+        jobs = [Job(step, snapshot_id, folder=folder) for step, snapshot_id, folder in found.unscored_snapshots]
+        self._taken = ({h["step"] for h in self.history} | {r.step for r in self._recovered} | {j.step for j in jobs})
         rank_zero_info(f"{self.name}: resuming run {self.run_id} in {self.run.path}: {len(self.history)} reports, "
                        f"{len(self._recovered)} recovered from the watcher, {len(jobs)} unscored snapshot(s) queued")
         return jobs

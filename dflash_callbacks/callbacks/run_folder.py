@@ -52,6 +52,16 @@ class ResultsWriteError(OSError):
 
 
 @dataclass
+class Recovery:
+    """What a killed run left in its folder (`RunFolder.recover`)."""
+
+    results: Results  # results.jsonl, after its torn last line was cut
+    torn_bytes: int  # the size of that torn line
+    unread_reports: list[EvalReport]  # watcher reports of this run that never reached results.jsonl
+    unscored_snapshots: list[tuple[int, str, Path]]  # (step, snapshot_id, folder) with no report or error
+
+
+@dataclass
 class WatcherError:
     """A watcher report file that holds no report: the watcher's error, or why it is unreadable."""
 
@@ -240,3 +250,27 @@ class RunFolder:
 
     def read_results(self) -> Results:
         return read_results(self.results_path)
+
+    # ------------------------------------------------------------ a resume
+    def recover(self) -> Recovery:
+        """Everything a killed run finished or left unscored: results.jsonl (torn tail cut),
+        each valid watcher report of a snapshot whose evaluation never reached results.jsonl,
+        and each snapshot on disk whose evaluation never ended (no report, no error line)."""
+        torn = self.repair()
+        results = self.read_results()
+        ended = {r.snapshot_id for r in results.reports} | {e.get("snapshot_id") for e in results.errors}
+        steps = {r.step for r in results.reports}
+        unread = []
+        for step, path in self.list_reports():
+            found = self.read_report(path)
+            if (isinstance(found, EvalReport) and found.step == step and found.snapshot_id is not None
+                    and found.snapshot_id not in ended and step not in steps):
+                unread.append(found)
+                ended.add(found.snapshot_id)
+                steps.add(step)
+        unscored = []
+        for step, folder in self.list_snapshots():
+            snapshot_id = self.snapshot_id(folder)
+            if snapshot_id is not None and snapshot_id not in ended and step not in steps:
+                unscored.append((step, snapshot_id, folder))
+        return Recovery(results, torn, unread, unscored)
