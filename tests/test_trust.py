@@ -331,7 +331,7 @@ def test_external_runner_with_one_kept_snapshot_and_a_queue_never_prunes_an_unsc
     """keep_last=1, busy="queue": snapshots come faster than a slow watcher scores them. Each
     is written only after the one before was scored, so none is deleted unscored."""
     paths = world_paths(world)
-    slow = write_cache(world, tmp_path / "slow-cache", [("slow", 200, 4)])
+    slow = write_cache(world, tmp_path / "slow-cache", [("slow", 100, 4)])
     dirpath = tmp_path / "d"
     dirpath.mkdir()
     watcher = subprocess.Popen(
@@ -351,7 +351,7 @@ def test_external_runner_with_one_kept_snapshot_and_a_queue_never_prunes_an_unsc
 
     bound = AtMostOne()
     try:
-        fit(world, tmp_path, [cb, bound], max_steps=12)
+        fit(world, tmp_path, [cb, bound], max_steps=8)
     finally:
         watcher.kill()
     lines = records(dirpath)
@@ -409,7 +409,9 @@ def test_reports_still_pending_when_wait_timeout_runs_out_are_recorded_not_dropp
         fit(world, tmp_path, [cb], max_steps=4)
     lines = records(tmp_path / "d")
     assert [r["step"] for r in lines] == [2, 4] and time.time() - started < 60
-    assert all("not scored: wait_timeout=0.5 s ran out" in r["error"] for r in lines) and cb.errors == 2
+    errors = [r for r in lines if "error" in r]  # step 2 may have been scored in time on a fast machine
+    assert errors[-1]["step"] == 4 and cb.errors == len(errors) == len(lines) - len(cb.reports)
+    assert all("not scored: wait_timeout=0.5 s ran out" in r["error"] for r in errors)
     assert_clean(tmp_path / "d", cb.reports)
 
 
