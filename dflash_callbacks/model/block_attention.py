@@ -9,8 +9,9 @@ parts are computed apart, each with its log-sum-exp:
     context  queries [1, heads, n*B, d] against keys [0, C), a per-block prefix mask
     blocks   queries [n, heads, B, d] against their own keys [n, kv_heads, B, d]
 
-and merged exactly: with lse = logaddexp(lse_c, lse_b),
-    out = exp(lse_c - lse) * out_c + exp(lse_b - lse) * out_b.
+and merged exactly: the context holds the share w = e^lse_c / (e^lse_c + e^lse_b)
+= sigmoid(lse_c - lse_b) of each query's softmax mass, so
+    out = (1 - w) * out_b + w * out_c.
 Sliding-window layers hide keys at positions <= q_pos - window in both parts.
 
 Inference only: the log-sum-exp of the fused CPU kernel carries no gradient.
@@ -83,12 +84,10 @@ def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, masks: BlockMasks) -> torch.T
     out, lse = attention_with_lse(q, k_blk, v_blk, masks.block)  # every query sees itself
     if k_ctx.shape[2] == 0:  # no context key at all (the CPU kernel does not take an empty one)
         return out
-    q_ctx = q.transpose(0, 1).reshape(1, heads, n * B, d)
+    q_ctx = q.transpose(1, 2).reshape(1, n * B, heads, d).transpose(1, 2)  # [1, heads, n*B, d]
     out_ctx, lse_ctx = attention_with_lse(q_ctx, k_ctx, v_ctx, masks.context)
-    out_ctx = out_ctx.view(heads, n, B, d).transpose(0, 1)
-    lse_ctx = lse_ctx.view(heads, n, B).transpose(0, 1)
-    sees = masks.sees_context.view(1, n, B).transpose(0, 1)  # [n, 1, B]
-    lse_ctx = lse_ctx.masked_fill(~sees, float("-inf"))
-    total = torch.logaddexp(lse_ctx, lse)
-    w_ctx, w_blk = torch.exp(lse_ctx - total)[..., None], torch.exp(lse - total)[..., None]
-    return (w_ctx * out_ctx + w_blk * out).to(q.dtype)
+    out_ctx = out_ctx[0].view(heads, n, B, d).transpose(0, 1)
+    lse_ctx = lse_ctx[0].view(heads, n, B).transpose(0, 1)
+    # the context's share of each query's softmax mass: e^lse_ctx / (e^lse_ctx + e^lse)
+    share = torch.sigmoid(lse_ctx - lse).masked_fill_(~masks.sees_context.view(n, 1, B), 0.0)
+    return torch.lerp(out.float(), out_ctx.float(), share[..., None]).to(q.dtype)

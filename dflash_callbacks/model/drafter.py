@@ -31,7 +31,7 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
-from .block_attention import BlockMasks, block_attention, block_masks
+from .block_attention import BlockMasks, additive, block_attention, block_masks
 from .config import DrafterConfig
 
 
@@ -78,9 +78,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def as_additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Boolean (True = attend) or additive float mask -> additive float mask."""
-    if mask.dtype == torch.bool:
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-    return mask.to(dtype)
+    return additive(mask, dtype) if mask.dtype == torch.bool else mask.to(dtype)
 
 
 class Context(NamedTuple):
@@ -272,9 +270,7 @@ class DFlashDrafter(nn.Module):
         for window in {layer.self_attn.sliding_window for layer in self.layers} - {None}:
             q_pos = position_ids[:, C:, None]
             k_pos = position_ids[:, None, :]
-            outside = (q_pos - k_pos >= window).unsqueeze(1)  # [b, 1, Q, C+Q]
-            window_mask = torch.zeros(outside.shape, dtype=dtype, device=outside.device)
-            window_mask.masked_fill_(outside, float("-inf"))
+            window_mask = additive((q_pos - k_pos < window).unsqueeze(1), dtype)  # [b, 1, Q, C+Q]
             masks[window] = window_mask if base is None else base + window_mask
         return masks
 
