@@ -64,7 +64,7 @@ def attention_with_lse(q, k, v, mask):
 
 
 def attention_with_lse_math(q, k, v, mask):
-    """`attention_with_lse` in plain torch ops, for every device; the scores [b, heads,
+    """`attention_with_lse` in plain torch ops, on every device; the scores [b, heads,
     L, S] are materialised once, in fp32."""
     group = q.shape[1] // k.shape[1]
     k, v = (t.repeat_interleave(group, dim=1).float() for t in (k, v))
@@ -81,7 +81,8 @@ def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, masks: BlockMasks) -> torch.T
     values [1, kv_heads, C, d]; block keys and values [n, kv_heads, B, d].
     Returns [n, heads, B, d] in the dtype of q."""
     n, heads, B, d = q.shape
-    out, lse = attention_with_lse(q, k_blk, v_blk, masks.block)  # every query sees itself
+    # the block part: scores [n, heads, B, B], small (plain ops beat the fused kernel here)
+    out, lse = attention_with_lse_math(q, k_blk, v_blk, masks.block)  # every query sees itself
     if k_ctx.shape[2] == 0:  # no context key at all (the CPU kernel does not take an empty one)
         return out
     q_ctx = q.transpose(1, 2).reshape(1, n * B, heads, d).transpose(1, 2)  # [1, heads, n*B, d]
