@@ -1,19 +1,21 @@
 """The batched scorer against the naive per-anchor loop, on the toy coding cache.
 
-1. Times `score_task` (many blocks per forward under a block mask, context K/V once
-   per task, streaming LM-head statistics) and `score_task_naive` (one drafter forward
-   per anchor, full logits, `metrics.streaks`) on the same tasks, and checks that
-   every per-anchor streak agrees.
+1. Times `score_task` (many blocks per forward, two-part block attention, context K/V
+   once per task, streaming LM-head statistics) and `score_task_naive` (tests/: one
+   drafter forward per anchor, full logits, `oracles.streaks`) on the same tasks,
+   `--repeats` times each, interleaved (the medians are reported: timings on shared
+   cores are noisy), and checks that every per-anchor streak agrees.
 2. Peak memory of the streaming LM-head path (backend "torch") against materialised
    logits ("reference") for one task's anchors at a vocabulary of 150k.
 
-    python benchmarks/bench_scoring.py [--tasks 10] [--drafter DIR] [--json out.json]
+    python benchmarks/bench_scoring.py [--tasks 10] [--threads 1] [--repeats 5] [--drafter DIR] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -21,14 +23,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))  # the naive scorer and its oracles
 from bench_kernels import human, make_inputs, measure, pin_mmap_threshold  # noqa: E402
 
 from dflash_callbacks import DFlashDrafter, TargetHead, load_drafter  # noqa: E402
 from dflash_callbacks.kernels import head_stats  # noqa: E402
 from dflash_callbacks.scoring.config import ScoringConfig  # noqa: E402
-from dflash_callbacks.scoring.reference import score_task_naive  # noqa: E402
 from dflash_callbacks.scoring.scorer import score_task  # noqa: E402
 from dflash_callbacks.demos.toy.world import build_toy_cache, toy_drafter_config, toy_target_path  # noqa: E402
+from naive_scorer import score_task_naive  # noqa: E402
 
 
 def main() -> dict:
@@ -39,6 +42,7 @@ def main() -> dict:
     p.add_argument("--vocab", type=int, default=150_000, help="vocabulary of the memory comparison")
     p.add_argument("--anchors-per-forward", type=int, default=ScoringConfig().anchors_per_forward)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs of each scorer; medians are reported")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     if args.threads:
@@ -58,12 +62,16 @@ def main() -> dict:
     anchors = sum(t.num_tokens - 1 - t.prompt_len for t in tasks)
 
     score_task(drafter, head, tasks[0], config, B)  # warm-up
-    t0 = time.perf_counter()
-    fast = [score_task(drafter, head, t, config, B) for t in tasks]
-    batched_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    slow = [score_task_naive(drafter, head, t, config, B) for t in tasks]
-    naive_s = time.perf_counter() - t0
+    score_task_naive(drafter, head, tasks[0], config, B)
+    batched_runs, naive_runs = [], []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        fast = [score_task(drafter, head, t, config, B) for t in tasks]
+        batched_runs.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        slow = [score_task_naive(drafter, head, t, config, B) for t in tasks]
+        naive_runs.append(time.perf_counter() - t0)
+    batched_s, naive_s = statistics.median(batched_runs), statistics.median(naive_runs)
     mismatches = [(f.name, m) for f, s in zip(fast, slow) for m in config.methods if not torch.equal(f.streaks[m], s.streaks[m])]
 
     # memory: one task's drafts (anchors x (B-1) rows) against a 150k vocabulary
@@ -78,16 +86,18 @@ def main() -> dict:
     result = {
         "tasks": len(tasks), "anchors": anchors, "block_size": B, "methods": config.methods,
         "batched_seconds": batched_s, "naive_seconds": naive_s, "speedup": naive_s / batched_s,
+        "batched_runs": batched_runs, "naive_runs": naive_runs,
         "streaks_agree": not mismatches, "mismatches": mismatches,
         "memory_rows": rows, "memory_vocab": args.vocab,
         "peak_materialised_bytes": memory["reference"], "peak_streaming_bytes": memory["torch"],
         "torch_threads": torch.get_num_threads(),
     }
-    print(f"| scorer | {len(tasks)} tasks, {anchors} anchors | time (s) |")
+    print(f"| scorer | {len(tasks)} tasks, {anchors} anchors | median of {args.repeats} runs (s) |")
     print("|---|---|---|")
     print(f"| naive per-anchor loop | one forward per anchor, full logits | {naive_s:.2f} |")
-    print(f"| batched | {config.anchors_per_forward} blocks per forward, streaming head | {batched_s:.2f} |")
-    print(f"speedup {naive_s / batched_s:.1f}x; every per-anchor streak agrees: {not mismatches}")
+    print(f"| batched | {config.anchors_per_forward} blocks per forward, streaming head | {batched_s:.3f} |")
+    print(f"speedup {naive_s / batched_s:.1f}x ({torch.get_num_threads()} torch threads); "
+          f"every per-anchor streak agrees: {not mismatches}")
     print(f"\n| LM-head statistics, {rows} rows x V={args.vocab} | peak extra memory |")
     print("|---|---|")
     print(f"| materialised logits + torch ops | {human(memory['reference'])} |")

@@ -3,14 +3,15 @@ import json
 import pytest
 import torch
 
-from dflash_callbacks.cache.format import HiddenStateCache
+from dflash_callbacks import DFlashDrafter
+from dflash_callbacks.cache.format import CacheTask, HiddenStateCache
 from dflash_callbacks.scoring.config import ScoringConfig
 from naive_scorer import score_task_naive
 from dflash_callbacks.scoring.report import EvalReport, comparison_table
 from dflash_callbacks.model.geometry import anchor_range, block_attention_mask
 from dflash_callbacks.scoring.scorer import score_drafter, score_task
 
-from synthetic import build_world
+from synthetic import build_world, drafter_config
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +52,25 @@ def test_batched_equals_naive_anchor_by_anchor(world, anchors_per_forward, windo
             if fast.streaks[method].any():
                 seen_nonzero.add(method)
     assert {"vanilla", "ddtree@4", "ddtree@32", "top@5"} <= seen_nonzero  # the comparison is not vacuous
+
+
+@pytest.mark.parametrize("anchors_per_forward", [1, 5])
+def test_batched_equals_naive_with_a_window_under_a_block_from_anchor_0(world, anchors_per_forward):
+    """A sliding window (3) smaller than the block (6), and a task whose first anchor is 0
+    (its first block sees no context; with one anchor per forward, no context key at all)."""
+    drafter, head, cache = world
+    narrow = DFlashDrafter(drafter_config(sliding_window=3)).eval()
+    narrow.load_state_dict(drafter.state_dict())
+    short = cache.task("short")
+    config = ScoringConfig(ddtree_budgets=[4], topk=[3], anchors_per_forward=anchors_per_forward, device="cpu")
+    seen_nonzero = False
+    for task in (short, CacheTask("from_zero", 0, short.input_ids, short.hidden)):
+        fast = score_task(narrow, head, task, config, block_size=6)
+        slow = score_task_naive(narrow, head, task, config, block_size=6)
+        for method in config.methods:
+            assert torch.equal(fast.streaks[method], slow.streaks[method]), (task.name, method)
+            seen_nonzero |= bool(fast.streaks[method].any())
+    assert seen_nonzero
 
 
 def test_other_block_size_is_scored_recorded_and_warned(world):

@@ -31,6 +31,7 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
+from .block_attention import BlockMasks, additive, block_attention, block_masks
 from .config import DrafterConfig
 
 
@@ -77,9 +78,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def as_additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Boolean (True = attend) or additive float mask -> additive float mask."""
-    if mask.dtype == torch.bool:
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-    return mask.to(dtype)
+    return additive(mask, dtype) if mask.dtype == torch.bool else mask.to(dtype)
 
 
 class Context(NamedTuple):
@@ -120,16 +119,20 @@ class DFlashAttention(nn.Module):
 
     def forward(self, x, context, rope_block, mask):
         """x [b, Q, H] (normed block); context: a `Context` (projected here) or this
-        layer's precomputed (keys, values); mask additive [b|1, 1|heads, Q, C+Q] or None."""
+        layer's precomputed (keys, values). mask: additive [b|1, 1|heads, Q, C+Q] or None,
+        one attention over [context ; block]; or `BlockMasks`: x holds b blocks of Q
+        queries each, attending to [0, a_i) and to themselves (`block_attention`)."""
         b, q_len, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, q_len, self.n_heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, *rope_block)
         k_ctx, v_ctx = self.context_kv(context) if isinstance(context, Context) else context
         k_blk, v_blk = self._kv(x, *rope_block)
-        k, v = torch.cat([k_ctx.expand(b, -1, -1, -1), k_blk], dim=2), torch.cat([v_ctx.expand(b, -1, -1, -1), v_blk], dim=2)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads
-        )
+        if isinstance(mask, BlockMasks):
+            out = block_attention(q, k_ctx, v_ctx, k_blk, v_blk, mask)
+        else:
+            k = torch.cat([k_ctx.expand(b, -1, -1, -1), k_blk], dim=2)
+            v = torch.cat([v_ctx.expand(b, -1, -1, -1), v_blk], dim=2)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 
@@ -205,7 +208,11 @@ class DFlashDrafter(nn.Module):
         # each layer projects the context inside its own forward (so per-layer FSDP
         # sharding, which gathers a layer's weights around its forward, works)
         context = self.context(target_hidden, position_ids[..., :C])
-        return self.decode_blocks(context, noise_embedding, position_ids, attention_mask)
+        b, Q = noise_embedding.shape[:2]
+        position_ids = position_ids.expand(b, C + Q)
+        rope_block = self.rotary_emb(position_ids[:, C:], noise_embedding.dtype)
+        masks = self._layer_masks(attention_mask, position_ids, C, Q, noise_embedding.dtype)
+        return self._layers(noise_embedding, [context] * len(self.layers), rope_block, masks)
 
     def context(self, target_hidden: torch.Tensor, position_ids: torch.Tensor) -> Context:
         """hidden_norm(fc(target_hidden)) and its RoPE at `position_ids` [b|1, C]."""
@@ -225,24 +232,27 @@ class DFlashDrafter(nn.Module):
         context = self.context(target_hidden, position_ids)
         return [layer.self_attn.context_kv(context) for layer in self.layers]
 
-    def decode_blocks(
-        self,
-        context: Context | list,
-        noise_embedding: torch.Tensor,
-        position_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The blocks against a `Context` or the per-layer keys and values of
-        `encode_context`; position_ids still cover context + block."""
-        b, Q = noise_embedding.shape[:2]
-        per_layer = context if isinstance(context, list) else [context] * len(self.layers)
-        C = context.hidden.shape[1] if isinstance(context, Context) else context[0][0].shape[2]
-        position_ids = position_ids.expand(b, C + Q)
-        x = noise_embedding
-        rope_block = self.rotary_emb(position_ids[:, C:], x.dtype)
-        masks = self._layer_masks(attention_mask, position_ids, C, Q, x.dtype)
-        for layer, layer_context in zip(self.layers, per_layer):
-            x = layer(x, layer_context, rope_block, masks[layer.self_attn.sliding_window])
+    @torch.no_grad()
+    def decode_blocks(self, context: list, noise_embedding: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """Blocks decoded side by side against the per-layer context keys and values of
+        `encode_context` (inference only): block i, at positions a_i .. a_i+B-1, sees
+        the context [0, a_i) and itself (`block_attention`).
+
+        context         per layer (keys, values) [1, kv_heads, C, head_dim], C >= max anchor
+        noise_embedding [n, B, H]  target embeddings of the block tokens
+        anchors         [n]
+        Returns [n, B, H].
+        """
+        B, C = noise_embedding.shape[1], context[0][0].shape[2]
+        positions = anchors[:, None] + torch.arange(B, device=anchors.device)
+        rope_block = self.rotary_emb(positions, noise_embedding.dtype)
+        windows = {layer.self_attn.sliding_window for layer in self.layers}
+        masks = {w: block_masks(anchors, B, C, w, noise_embedding.dtype) for w in windows}
+        return self._layers(noise_embedding, context, rope_block, masks)
+
+    def _layers(self, x, per_layer_context, rope_block, masks: dict) -> torch.Tensor:
+        for layer, context in zip(self.layers, per_layer_context):
+            x = layer(x, context, rope_block, masks[layer.self_attn.sliding_window])
         return self.norm(x)
 
     def _layer_masks(self, attention_mask, position_ids, C, Q, dtype) -> dict:
@@ -260,9 +270,7 @@ class DFlashDrafter(nn.Module):
         for window in {layer.self_attn.sliding_window for layer in self.layers} - {None}:
             q_pos = position_ids[:, C:, None]
             k_pos = position_ids[:, None, :]
-            outside = (q_pos - k_pos >= window).unsqueeze(1)  # [b, 1, Q, C+Q]
-            window_mask = torch.zeros(outside.shape, dtype=dtype, device=outside.device)
-            window_mask.masked_fill_(outside, float("-inf"))
+            window_mask = additive((q_pos - k_pos < window).unsqueeze(1), dtype)  # [b, 1, Q, C+Q]
             masks[window] = window_mask if base is None else base + window_mask
         return masks
 

@@ -7,8 +7,8 @@ labels are tok[a+1 .. a+B-1], invalid past the end of the sequence.
 
 - The context keys and values of every layer are computed once per task
   (`DFlashDrafter.encode_context`) and shared by all blocks.
-- `anchors_per_forward` blocks are decoded side by side in one forward under a block
-  mask (block i sees keys [0, a_i) and its own B keys).
+- `anchors_per_forward` blocks are decoded side by side in one forward; block i sees
+  keys [0, a_i) and its own B keys, in two exact parts (`model.block_attention`).
 - The LM head never materialises [anchors, B-1, V]: `kernels.head_stats` streams over
   the vocabulary and keeps, per (anchor, depth), the log-sum-exp, the label's
   log-prob, rank and order, and the top-N log-probs. It is called once per task with
@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from ..kernels.ddtree import ddtree_streaks_from_top
 from ..kernels.head_stats import head_stats
 from ..model import DFlashDrafter, TargetHead
-from ..model.geometry import anchor_range, block_attention_mask, block_inputs, block_positions
+from ..model.geometry import anchor_range, block_inputs
 from .aggregates import acceptance_curve, dense_tau, live_rounds
 from .config import ScoringConfig
 from .report import EvalReport
@@ -124,13 +124,7 @@ def score_task(
         chunk = torch.tensor(anchors[start : start + config.anchors_per_forward], device=device)
         C = int(chunk.max())
         tokens, labels, valid = block_inputs(input_ids, chunk, block_size, drafter.mask_token_id)
-        positions = block_positions(chunk, block_size, C)
-        hidden = drafter.decode_blocks(
-            [(k[:, :, :C], v[:, :, :C]) for k, v in context],
-            head.embed_tokens(tokens).to(dtype).flatten(0, 1)[None],
-            positions[None],
-            block_attention_mask(chunk, block_size, C),
-        )
+        hidden = drafter.decode_blocks([(k[:, :, :C], v[:, :, :C]) for k, v in context], head.embed_tokens(tokens).to(dtype), chunk)
         drafts = hidden.view(len(chunk), block_size, -1)[:, 1:].flatten(0, 1)
         if pending and sum(len(p[0]) for p in pending) + len(drafts) > MAX_HEAD_ROWS:
             flush()
