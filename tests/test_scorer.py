@@ -142,3 +142,29 @@ def test_head_stats_gets_the_whole_task_in_bounded_calls(world, monkeypatch, max
     slow = score_task_naive(drafter, head, task, config, block_size=6)
     for method in map(str, config.methods):
         assert torch.equal(fast.streaks[method], slow.streaks[method]), method
+
+
+def test_a_memory_budget_sizes_the_chunks_and_leaves_the_streaks_alone(world, monkeypatch):
+    """A smaller max_memory_gib gives fewer blocks per forward and fewer draft rows per
+    LM-head call; the streaks are those of the unbounded run; a budget that holds less
+    than one block is refused, naming what scoring needs."""
+    from dflash_callbacks.scoring import scorer
+
+    drafter, head, cache = world
+    base = dict(ddtree_budgets=[4], topk=[2], anchors_per_forward=16, device="cpu")
+    unbounded = score_drafter(drafter, cache, head, ScoringConfig(**base))
+    plans = {}
+    real_plan = scorer.memory_plan
+    monkeypatch.setattr(scorer, "memory_plan", lambda *a: plans.setdefault(a[0].max_memory_gib, real_plan(*a)))
+    longest = max(cache.entry(n)["num_tokens"] for n in cache.task_names)
+    roomy = real_plan(ScoringConfig(**base, max_memory_gib=1.0), drafter, head.vocab_size, longest, 6)
+    assert roomy == scorer.MemoryPlan(16, scorer.MAX_HEAD_ROWS)  # 1 GiB holds everything of this toy
+    resident, per_anchor, per_row = scorer.memory_needs(ScoringConfig(**base), drafter, head.vocab_size, longest, 6)
+    half = 3 * per_anchor + 40 * per_row
+    tight = (resident + 2 * half) / 2**30  # half of the room for 3 blocks per forward, half for draft rows
+    for budget in (1.0, tight):
+        bounded = score_drafter(drafter, cache, head, ScoringConfig(**base, max_memory_gib=budget))
+        assert bounded.tasks == unbounded.tasks
+    assert plans[tight] == scorer.MemoryPlan(3, half // per_row)
+    with pytest.raises(ValueError, match=r"max_memory_gib=0.01 is below what scoring needs at the least: about 0\.\d+ GiB"):
+        real_plan(ScoringConfig(**base, max_memory_gib=0.01), drafter, head.vocab_size, longest, 6)

@@ -530,6 +530,11 @@ def test_a_damaged_cache_or_a_task_with_no_anchor_is_refused_before_training(wor
                             r"cache task 't' has no anchor to score: 19 prompt tokens and 20 in all")
 
 
+def test_a_memory_budget_too_small_for_one_block_is_refused_before_training(world, tmp_path):
+    cb = eval_cb(world, tmp_path, scoring={**SCORING, "max_memory_gib": 0.001})
+    refused_before_training(world, tmp_path, cb, r"max_memory_gib=0.001 is below what scoring needs at the least")
+
+
 def test_a_device_that_is_not_here_is_refused_before_training(world, tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a machine with CUDA has the device")

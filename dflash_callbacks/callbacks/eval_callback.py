@@ -190,7 +190,7 @@ class DrafterEvalCallback(ReportSource):
         return self._generate_state_key(name=self.name, cache=str(self.cache))
 
     def scored_methods(self) -> list[str]:
-        return [str(m) for m in self.scoring.methods]
+        return self.scoring.methods
 
     def run_history(self, trainer, pl_module) -> list[dict]:
         self.open_run(trainer, pl_module)

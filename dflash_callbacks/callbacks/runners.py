@@ -94,10 +94,15 @@ class ThreadScorer:
         return self._service().baseline(cancel=self.cancel)
 
     def score(self, job: Job) -> EvalReport:
-        if job.snapshot is not None:
-            s = job.snapshot
-            return self._service().score(s.config, s.state, step=s.step, snapshot_id=s.snapshot_id, cancel=self.cancel)
-        return self._service().score_folder(job.folder, cancel=self.cancel)
+        service = self._service()
+        try:
+            if job.snapshot is not None:
+                s = job.snapshot
+                return service.score(s.config, s.state, step=s.step, snapshot_id=s.snapshot_id, cancel=self.cancel)
+            return service.score_folder(job.folder, cancel=self.cancel)
+        finally:
+            if service.config.release_memory:
+                service.release()
 
     def close(self) -> None:
         self.service = None
@@ -131,6 +136,8 @@ def _worker_main(spec: dict, parent_pid: int, jobs, results) -> None:
         try:
             service = service or ScoringService(ServiceSpec(**spec))
             report = service.baseline() if job == "baseline" else service.score_folder(job)
+            if service.config.release_memory:
+                service.release()
             results.put((None if report is None else report.to_dict(), None))
         except Exception as e:  # reported to the training process, which decides
             results.put((None, describe(e) + "\n" + traceback.format_exc(limit=3)))

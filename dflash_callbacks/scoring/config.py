@@ -7,9 +7,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..checks import DTYPES, check_choice, check_device, check_int, check_int_list, check_str_list
+from ..checks import (
+    DTYPES, check_bool, check_choice, check_device, check_int, check_int_list, check_number, check_str_list,
+)
 from ..kernels.head_stats import BACKENDS
-from .methods import Method, scored_methods
+from .methods import scored_methods
 
 MAX_DDTREE_BUDGET = 1024
 
@@ -27,6 +29,8 @@ class ScoringConfig:
     backend: str = "auto"  # LM-head statistics: auto | torch | triton | reference
     device: str = "auto"  # auto: cuda when available, else cpu
     dtype: str = "float32"  # float32 | bfloat16 | float16
+    max_memory_gib: float | None = None  # the scorer's memory budget: chunks are sized to fit it
+    release_memory: bool = False  # give the scorer's accelerator memory back after each report
 
     def __post_init__(self) -> None:
         self.ddtree_budgets = check_int_list("ddtree_budgets", self.ddtree_budgets, 1)
@@ -43,13 +47,16 @@ class ScoringConfig:
             raise ValueError("tasks must be None (every task of the cache) or a non-empty list of task names")
         check_choice("backend", self.backend, BACKENDS)
         check_choice("dtype", self.dtype, DTYPES)
+        check_number("max_memory_gib", self.max_memory_gib, above=0, optional=True)
+        check_bool("release_memory", self.release_memory)
         if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {self.device!r} "
                              "(whether it exists here is checked before scoring starts)")
 
     @property
-    def methods(self) -> list[Method]:
-        return scored_methods(self.ddtree_budgets, self.topk)
+    def methods(self) -> list[str]:
+        """The names of the methods scored, in report order (`scored_methods` gives the values)."""
+        return [str(m) for m in scored_methods(self.ddtree_budgets, self.topk)]
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -34,6 +34,7 @@ from ..model import DFlashDrafter, TargetHead
 from ..model.geometry import anchor_range, block_inputs
 from .aggregates import acceptance_curve, dense_tau, live_rounds
 from .config import ScoringConfig
+from .methods import scored_methods
 from .report import EvalReport
 
 
@@ -66,7 +67,7 @@ def streaks_from_stats(stats, valid: torch.Tensor, config: ScoringConfig) -> dic
         top = stats.top_logprobs.view(n, depth, -1)
         ddtree = ddtree_streaks_from_top(top, stats.label_logprob.view(n, depth), valid, config.ddtree_budgets)
     out = {}
-    for method in config.methods:
+    for method in scored_methods(config.ddtree_budgets, config.topk):
         if method.kind == "vanilla":
             out[str(method)] = leading(stats.label_order.view(n, depth) == 0)
         elif method.kind == "ddtree":
@@ -80,6 +81,51 @@ MAX_HEAD_ROWS = 16384
 """Most draft rows per `head_stats` call (whole chunks; a chunk above it goes alone):
 the drafts held until the call cost MAX_HEAD_ROWS x H in the drafter's dtype (168 MB
 in bf16 at H = 5120)."""
+HEAD_STATS_BYTES = 3 * 4 * (1 << 23)
+"""The torch path's working set beside its inputs: a [rows, tile] fp32 logit tile of
+TILE_ELEMENTS (2^23) and two temporaries of its size."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Chunk sizes of `score_task`: blocks per drafter forward, draft rows per head_stats call."""
+
+    anchors_per_forward: int
+    head_rows: int
+
+
+def memory_needs(config: ScoringConfig, drafter, vocab: int, longest_task: int, block_size: int) -> tuple[int, int, int]:
+    """Estimated bytes (resident, per anchor of a forward, per held draft row), in the
+    scoring dtype b, for a context of T tokens: resident = the drafter, the target's
+    embedding and LM head, one task's hidden states and context keys and values, and the
+    LM-head path's tiles; per anchor = B queries' activations (4H + 2I) b, their context
+    attention scores 2 heads T x 4 (fp32, materialised where no fused kernel returns the
+    log-sum-exp) and mask T b; per draft row = H b."""
+    cfg, b = drafter.config, config.torch_dtype.itemsize
+    H, T = cfg.hidden_size, longest_task
+    resident = (sum(p.numel() for p in drafter.parameters()) * b + 2 * vocab * H * b
+                + T * cfg.num_target_features * b
+                + cfg.num_hidden_layers * 2 * T * cfg.num_key_value_heads * cfg.head_dim * b + HEAD_STATS_BYTES)
+    per_anchor = block_size * ((4 * H + 2 * cfg.intermediate_size) * b + 2 * cfg.num_attention_heads * T * 4 + T * b)
+    return resident, per_anchor, H * b
+
+
+def memory_plan(config: ScoringConfig, drafter, vocab: int, longest_task: int, block_size: int) -> MemoryPlan:
+    """The largest chunks (up to `anchors_per_forward` and MAX_HEAD_ROWS) whose estimated
+    working set (`memory_needs`) fits `config.max_memory_gib`, half of what is left beside
+    the resident part to each; ValueError when even one block does not fit."""
+    if config.max_memory_gib is None:
+        return MemoryPlan(config.anchors_per_forward, MAX_HEAD_ROWS)
+    resident, per_anchor, per_row = memory_needs(config, drafter, vocab, longest_task, block_size)
+    free = config.max_memory_gib * 2**30 - resident
+    if free < per_anchor + block_size * per_row:
+        need = (resident + per_anchor + block_size * per_row) / 2**30
+        raise ValueError(f"scoring.max_memory_gib={config.max_memory_gib:g} is below what scoring needs at the least: "
+                         f"about {need:.2f} GiB (the drafter, the target head, one task, one block); raise it")
+    return MemoryPlan(
+        anchors_per_forward=max(1, min(config.anchors_per_forward, int(free / 2 // per_anchor))),
+        head_rows=max(block_size - 1, min(MAX_HEAD_ROWS, int(free / 2 // per_row))),
+    )
 
 
 @dataclass
@@ -97,8 +143,11 @@ def score_task(
     config: ScoringConfig,
     block_size: int,
     progress: bool = False,
+    plan: MemoryPlan | None = None,
 ) -> TaskStreaks:
-    """Per-anchor streaks of one cache task (drafter and head already on one device/dtype)."""
+    """Per-anchor streaks of one cache task (drafter and head already on one device/dtype),
+    in chunks of `plan` (default: `anchors_per_forward` blocks, MAX_HEAD_ROWS draft rows)."""
+    plan = plan or MemoryPlan(config.anchors_per_forward, MAX_HEAD_ROWS)
     device, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
     anchors = anchor_range(task.prompt_len, task.num_tokens, config.window)
     if len(anchors) == 0:
@@ -119,14 +168,14 @@ def score_task(
         for method, values in streaks_from_stats(stats, valid, config).items():
             parts.setdefault(method, []).append(values.cpu())
 
-    chunks = range(0, len(anchors), config.anchors_per_forward)
+    chunks = range(0, len(anchors), plan.anchors_per_forward)
     for start in tqdm(chunks, desc=task.name, disable=not progress, leave=False, unit="chunk"):
-        chunk = torch.tensor(anchors[start : start + config.anchors_per_forward], device=device)
+        chunk = torch.tensor(anchors[start : start + plan.anchors_per_forward], device=device)
         C = int(chunk.max())
         tokens, labels, valid = block_inputs(input_ids, chunk, block_size, drafter.mask_token_id)
         hidden = drafter.decode_blocks([(k[:, :, :C], v[:, :, :C]) for k, v in context], head.embed_tokens(tokens).to(dtype), chunk)
         drafts = hidden.view(len(chunk), block_size, -1)[:, 1:].flatten(0, 1)
-        if pending and sum(len(p[0]) for p in pending) + len(drafts) > MAX_HEAD_ROWS:
+        if pending and sum(len(p[0]) for p in pending) + len(drafts) > plan.head_rows:
             flush()
         pending.append((drafts, labels.flatten(), valid))
     flush()
@@ -186,6 +235,8 @@ def score_drafter(
     unknown = sorted(set(names) - set(cache.task_names))
     if unknown:
         raise ValueError(f"tasks {unknown} are not in the cache; it holds {cache.task_names}")
+    longest = max(cache.entry(n)["num_tokens"] for n in names) if config.max_memory_gib is not None else 0
+    plan = memory_plan(config, drafter, head.vocab_size, longest, block_size)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     tasks = {}
@@ -193,7 +244,7 @@ def score_drafter(
         if cancel is not None and cancel.is_set():
             raise Cancelled(f"scoring was cancelled before task {task_name!r}")
         try:
-            streaks = score_task(drafter, head, cache.task(task_name), config, block_size, progress)
+            streaks = score_task(drafter, head, cache.task(task_name), config, block_size, progress, plan)
         except NonFiniteError as e:
             raise NonFiniteError(f"task {task_name!r}: {e}") from None
         tasks[task_name] = summarize(streaks, config, block_size)

@@ -36,7 +36,7 @@ from ..model.io import read_config, read_snapshot_meta, read_state_shapes, safet
 from ..model.target_head import head_shapes
 from .config import ScoringConfig
 from .report import EvalReport
-from .scorer import NonFiniteError, score_drafter
+from .scorer import NonFiniteError, memory_plan, score_drafter
 
 VERIFY_BYTES = 4 << 30
 """Preflight reads every cache file (sha256, finite hidden states) when they total at most this;
@@ -110,6 +110,14 @@ def preflight(spec: ServiceSpec, drafter: DrafterConfig | None, drafter_shapes: 
     vocab = drafter.vocab_size if drafter is not None else cache.vocab_size if cache is not None else None
     hidden = drafter.hidden_size if drafter is not None else cache.hidden_size if cache is not None else None
     problems += _target_problems(spec.target, vocab, hidden, "the drafter's" if drafter is not None else "the cache's")
+    if drafter is not None and cache is not None and config.max_memory_gib is not None:
+        with torch.device("meta"):
+            sized = DFlashDrafter(drafter)
+        longest = max(cache.entry(n)["num_tokens"] for n in cache.task_names)
+        try:
+            memory_plan(config, sized, drafter.vocab_size, longest, block)
+        except ValueError as e:
+            problems.append(str(e))
     if spec.baseline is not None and cache is not None:
         problems += _baseline_problems(Path(spec.baseline), cache, block)
     if problems:
@@ -250,6 +258,13 @@ class ScoringService:
         check_finite_weights(drafter.state_dict(), str(folder))
         return score_drafter(drafter, self.cache, self.head, self.config, step=meta.get("step"),
                              snapshot_id=meta.get("snapshot_id"), name=str(folder), cancel=cancel, progress=progress)
+
+    def release(self) -> None:
+        """Give the accelerator memory back (scoring.release_memory): the head returns to the
+        CPU until the next report moves it again."""
+        if self.head.lm_head.weight.is_cuda:
+            self.head.to("cpu")
+            torch.cuda.empty_cache()
 
     def baseline(self, *, cancel: threading.Event | None = None, progress: bool = False) -> EvalReport | None:
         """The baseline's report: from a saved report JSON, from the on-disk cache of
