@@ -7,7 +7,7 @@ conftest.py imports these (`from fixtures_cache import *`), so every test module
 - `toy_training_cache_dir`: drafter training data, 32 sequences of up to 128 tokens (a 64-token
   chat request, then the toy target's greedy answer);
 - `random_target_dir`: a random-init 6-layer, hidden-64, vocab-300 Qwen3ForCausalLM with the
-  toy tokenizer, the shape of target that the shared zlab-tiny-full drafter reads
+  toy tokenizer, the shape of target that the zlab-tiny-full fixture drafter reads
   (target_layer_ids [1, 2, 4]).
 `save_random_target(...)` makes other random targets (dtype, shards, shape).
 """
