@@ -166,3 +166,32 @@ def test_demo_help_lists_every_setting_and_output(capsys):
 def test_demo_overrides_name_the_key(capsys):
     fails(["demo", "train.max_steps=abc"], capsys, "config key 'train.max_steps'")
     fails(["demo", "train.max_steps"], capsys, "override 'train.max_steps' is not key=value")
+
+
+def test_watch_retries_a_failed_baseline(world, tmp_path):
+    """A baseline that fails to score (NaN weights) is an error file the run can read, and
+    is tried again on the next poll: once it scores, its report replaces the error."""
+    from safetensors.torch import load_file, save_file
+
+    from dflash_callbacks.callbacks.run_folder import RunFolder
+    from dflash_callbacks.callbacks.watch import Watcher
+    from dflash_callbacks.scoring.report import EvalReport
+    from dflash_callbacks.scoring.service import ScoringService, ServiceSpec
+
+    baseline = shutil.copytree(world.baseline, tmp_path / "baseline")
+    good = load_file(str(baseline / "model.safetensors"))
+    save_file({**good, "norm.weight": torch.full_like(good["norm.weight"], float("nan"))},
+              str(baseline / "model.safetensors"))
+    run = RunFolder.create(tmp_path / "runs", "run-a")
+    run.unlock()
+    lines = []
+    spec = ServiceSpec(str(world.cache), str(world.target), str(baseline), {"ddtree_budgets": [4], "device": "cpu"},
+                       str(tmp_path / "bc"))
+    watcher = Watcher(ScoringService(spec), tmp_path / "runs", log=lines.append)
+    watcher.scan_once()
+    first = run.read_report(run.report_path(None))
+    assert not isinstance(first, EvalReport) and "NaN or Inf weights" in first.message
+    assert "scoring the baseline failed (retried next poll)" in lines[-1]
+    save_file(good, str(baseline / "model.safetensors"))
+    watcher.scan_once()
+    assert isinstance(run.read_report(run.report_path(None)), EvalReport) and "scored" in lines[-1]
