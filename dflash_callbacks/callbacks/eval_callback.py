@@ -242,8 +242,7 @@ class DrafterEvalCallback(ReportSource):
             self.run = RunFolder.create(root, self.run_id)
             jobs = []
             rank_zero_info(f"{self.name}: new run {self.run_id}, writing to {self.run.path}")
-        self._publisher = Publisher(self.name, self.run, self._fail, self.verbose)
-        self._publisher.subscribers = self._subscribers
+        self._publisher = Publisher(self.name, self.run, self._fail, self.verbose, self._subscribers)
         self._runner = BackgroundRunner(self.runner_kind, self._spec, self.run, self.keep_last)
         for job in jobs:
             self._runner.submit(job)

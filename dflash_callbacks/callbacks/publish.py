@@ -120,9 +120,10 @@ def summary_line(prefix: str, report: EvalReport, baseline: EvalReport | None) -
 
 
 class Publisher:
-    def __init__(self, prefix: str, run: RunFolder, fail: Callable[[object, str], None], verbose: bool):
+    def __init__(self, prefix: str, run: RunFolder, fail: Callable[[object, str], None], verbose: bool,
+                 subscribers: list[Subscriber]):
         self.prefix, self.run, self.fail, self.verbose = prefix, run, fail, verbose
-        self.subscribers: list[Subscriber] = []
+        self.subscribers = subscribers  # the eval callback's list: subscribing later still counts
         self.unsaved: list[dict] = []  # records whose append failed, retried first
         self._wandb_defined: set[int] = set()
 
@@ -155,15 +156,12 @@ class Publisher:
             except Exception as e:  # one broken logger must not cost the others their numbers
                 self.fail(trainer, f"logging step {report.step} to {type(logger).__name__} failed: "
                                    f"{type(e).__name__}: {e}")
-        self.fill_callback_metrics(trainer, report, baseline)
+        for key, value in metrics.items():  # the means, for EarlyStopping and ModelCheckpoint
+            if key.endswith("/mean"):
+                trainer.callback_metrics[key] = torch.tensor(value)
         if self.verbose:
             rank_zero_info(summary_line(self.prefix, report, baseline))
         self.notify(trainer, report, baseline)
-
-    def fill_callback_metrics(self, trainer, report: EvalReport, baseline: EvalReport | None) -> None:
-        for key, value in report_metrics(self.prefix, report, baseline).items():
-            if key.endswith("/mean"):
-                trainer.callback_metrics[key] = torch.tensor(value)
 
     def notify(self, trainer, report: EvalReport, baseline: EvalReport | None) -> None:
         for fn in list(self.subscribers):

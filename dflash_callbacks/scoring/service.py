@@ -200,6 +200,17 @@ def _target_problems(target: str, vocab: int | None, hidden: int | None, whose: 
     return problems
 
 
+def baseline_mismatches(report: EvalReport, source: Path, fingerprint: str, block: int | None) -> list[str]:
+    """Why a baseline report can not stand beside this run's: another cache or block size."""
+    problems = []
+    if report.cache.get("fingerprint") != fingerprint:
+        problems.append(f"baseline {source} was scored on cache {report.cache.get('fingerprint')}, "
+                        f"this run scores {fingerprint}")
+    if block is not None and report.block_size != block:
+        problems.append(f"baseline {source} was scored at block size {report.block_size}, this run at {block}")
+    return problems
+
+
 def _baseline_problems(source: Path, cache: HiddenStateCache, block: int | None) -> list[str]:
     if not source.exists():
         return [f"baseline {source} does not exist (give a drafter folder or a saved report JSON)"]
@@ -208,13 +219,7 @@ def _baseline_problems(source: Path, cache: HiddenStateCache, block: int | None)
             report = EvalReport.load(source)
         except ValueError as e:
             return [f"baseline: {e}"]
-        problems = []
-        if report.cache.get("fingerprint") != cache.fingerprint:
-            problems.append(f"baseline report {source} was scored on cache {report.cache.get('fingerprint')}, "
-                            f"this run scores {cache.fingerprint}")
-        if block is not None and report.block_size != block:
-            problems.append(f"baseline report {source} was scored at block size {report.block_size}, this run at {block}")
-        return problems
+        return baseline_mismatches(report, source, cache.fingerprint, block)
     try:
         config = read_config(source)
         problems = _shape_problems(config, read_state_shapes(source), f"baseline {source}")
@@ -287,11 +292,8 @@ class ScoringService:
                 report.extra["baseline_key"] = key
                 cache_dir.mkdir(parents=True, exist_ok=True)
                 report.to_json(cached)
-        if report.cache.get("fingerprint") != self.cache.fingerprint:
-            raise ValueError(f"baseline {source} was scored on cache {report.cache.get('fingerprint')}, "
-                             f"this run scores {self.cache.fingerprint}")
-        block = self.config.block_size
-        if block is not None and report.block_size != block:
-            raise ValueError(f"baseline {source} was scored at block size {report.block_size}, this run at {block}")
+        problems = baseline_mismatches(report, source, self.cache.fingerprint, self.config.block_size)
+        if problems:
+            raise ValueError("; ".join(problems))
         self._baseline = report
         return report
