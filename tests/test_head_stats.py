@@ -203,6 +203,15 @@ def test_torch_path_matches_reference(name):
     assert_matches(out, hidden, weight, labels, top_n, exact_logits(name))
 
 
+@pytest.mark.parametrize("name", ["dup-fp32", "dup-bf16"])
+def test_torch_path_with_one_tile_ties_duplicates_exactly(name):
+    """A vocabulary in one tile: the rank pivot is the tile's own z_y (no second GEMM),
+    so a duplicate of the label's weight row is an exact tie, as in the reference."""
+    hidden, weight, labels, top_n, _ = make_case(name)
+    out = head_stats(hidden, weight, labels, top_n, backend="torch", chunk_size=weight.shape[0])
+    assert_matches(out, hidden, weight, labels, top_n, exact=True)
+
+
 @pytest.mark.parametrize("chunk_size, row_chunk_size", [(1, 19), (7, 1), (64, 10), (10_000, 10_000)])
 def test_torch_path_tile_sizes(chunk_size, row_chunk_size):
     for name in ("int-fp32-V-odd", "rand-bf16"):

@@ -37,7 +37,8 @@ Backends:
   training threads), products stay exact, the accumulation is at least as precise.
   The reference uses the same fp32 rule. The rank pivot is computed before the pass
   by the same GEMM routine on the rows' own label columns (the diagonal of
-  `_logits(h, weight[y])`), see Tolerances.
+  `_logits(h, weight[y])`), see Tolerances; when one tile holds the whole vocabulary
+  (V <= chunk_size) the pivot is that tile's own z_y and no second GEMM runs.
 - "triton": the split-V kernel and merge in `triton_head_stats.py`; CUDA tensors, or
   CPU tensors under TRITON_INTERPRET=1. For top_n above its register limit
   (`MAX_KERNEL_TOP_N`, 64) the whole call runs on the chunked torch path instead, so
@@ -62,8 +63,9 @@ and orders are exact whenever the logits are exact in fp32 (e.g. small-integer
 inputs). Otherwise ranks are counted against a pivot: the Triton kernel computes it
 with the same dot as its logit tiles, so it is bitwise its own z_y (tested) and a
 token tied with y in the kernel's logits (a duplicate of y's weight row) counts as a
-tie exactly as in the reference. The torch path's pivot comes from a second call of
-the same GEMM routine; it equals the tile's z_y whenever the library sums both
+tie exactly as in the reference. So is the torch path's when one tile holds the whole
+vocabulary. Over several tiles its pivot comes from a second call of the same GEMM
+routine; it equals the tile's z_y whenever the library sums both
 products in the same order, which it usually does (on this CPU: every row at 4 of 5
 test shapes, 99% at the fifth; a row dot matched 10-25%) but does not promise
 (kernel choice depends on the shape; split-K/stream-K orders can differ between
@@ -211,7 +213,10 @@ def _chunked(
         r1 = min(m, r0 + row_chunk)
         h = _gemm_operand(hidden[r0:r1])
         y = labels[r0:r1]
-        pivot = torch.cat([_logits(h[g : g + tile], weight[y[g : g + tile]]).diagonal() for g in range(0, r1 - r0, tile)])
+        # the rank pivot: z_y from the same GEMM routine, before the pass; where one tile
+        # holds the whole vocabulary it is taken from that tile itself (bitwise its z_y)
+        pivot = None if tile == v else torch.cat(
+            [_logits(h[g : g + tile], weight[y[g : g + tile]]).diagonal() for g in range(0, r1 - r0, tile)])
         run_max = torch.full((r1 - r0,), float("-inf"), device=dev)
         run_sum = torch.zeros(r1 - r0, device=dev)
         z_y = torch.zeros(r1 - r0, device=dev)
@@ -227,6 +232,7 @@ def _chunked(
             here = (y >= c0) & (y < c1)  # rows whose label is in this tile
             z_here = z.gather(1, (y - c0).clamp(0, c1 - c0 - 1)[:, None])[:, 0]
             z_y = torch.where(here, z_here, z_y)
+            pivot = z_y if pivot is None else pivot
             n_gt += (z > pivot[:, None]).sum(-1, dtype=torch.int32) - (here & (z_here > pivot)).int()  # not y itself
             n_tie += ((z == pivot[:, None]) & (column[None, c0:c1] < y[:, None])).sum(-1, dtype=torch.int32)
             if k > 0:
