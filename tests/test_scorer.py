@@ -7,7 +7,7 @@ from dflash_callbacks import DFlashDrafter
 from dflash_callbacks.cache.format import CacheTask, HiddenStateCache
 from dflash_callbacks.scoring.config import ScoringConfig
 from naive_scorer import score_task_naive
-from dflash_callbacks.scoring.report import EvalReport, comparison_table
+from dflash_callbacks.scoring.report import EvalReport, comparison, comparison_table
 from dflash_callbacks.model.geometry import anchor_range, block_attention_mask
 from dflash_callbacks.scoring.scorer import score_drafter, score_task
 
@@ -104,6 +104,12 @@ def test_report_shape_json_round_trip_and_table(world, tmp_path):
     assert again.to_dict() == report.to_dict()
     table = comparison_table(report, again)
     assert "| **mean** |" in table and "+0.00 | 100% |" in table
+    # one builder for the markdown table and W&B's: methods the baseline lacks are left out
+    fewer = EvalReport.from_dict({**report.to_dict(), "tasks": {
+        t: {m: v for m, v in entry.items() if m != "top@3"} for t, entry in report.to_dict()["tasks"].items()}})
+    columns, rows = comparison(report, fewer)
+    assert not any(c.startswith("top@3") for c in columns) and len(rows) == 4
+    assert rows[-1][:5] == ["mean", *[report.value("vanilla/live")] * 2, 0.0, 1.0]
 
 
 def test_scoring_config_rejects_impossible_values():

@@ -35,7 +35,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
 
 from ..scoring.methods import AGGREGATES
-from ..scoring.report import EvalReport, ratio
+from ..scoring.report import EvalReport, comparison, ratio
 from .run_folder import ResultsWriteError, RunFolder
 
 Subscriber = Callable[[EvalReport, "EvalReport | None"], object]
@@ -76,29 +76,6 @@ def report_metrics(prefix: str, report: EvalReport, baseline: EvalReport | None)
                 out[f"{prefix}/delta/{method}/{agg}/{task}"] = ours - base
                 out[f"{prefix}/ratio/{method}/{agg}/{task}"] = ratio(ours, base)
     return {k: v for k, v in out.items() if not math.isnan(v)}
-
-
-def table_columns(report: EvalReport, baseline: EvalReport | None, aggregate: str = "live") -> list[str]:
-    columns = ["task"]
-    for method in report.methods:
-        ours = f"{method} {aggregate}"
-        columns += [f"{ours} ours"] + ([f"{ours} baseline", f"{ours} delta", f"{ours} ratio"] if baseline else [])
-    return columns
-
-
-def table_rows(report: EvalReport, baseline: EvalReport | None, aggregate: str = "live") -> list[list]:
-    """One row per task and one for the mean: per method ours (baseline, delta, ratio)."""
-    rows = []
-    for task in list(report.tasks) + ["mean"]:
-        row: list = [task]
-        for method in report.methods:
-            ours = report.value(f"{method}/{aggregate}", task)
-            row.append(round(ours, 4))
-            if baseline is not None:
-                base = baseline.value(f"{method}/{aggregate}", task)
-                row += [round(base, 4), round(ours - base, 4), round(ratio(ours, base), 4)]
-        rows.append(row)
-    return rows
 
 
 def mean_curve(report: EvalReport, method: str) -> list[float]:
@@ -192,8 +169,9 @@ class Publisher:
                                    "block_size": report.block_size, "drafter_block_size": report.drafter_block_size,
                                    "methods": report.methods, "scoring": report.scoring}}, allow_val_change=True)
             self._wandb_defined.add(id(run))
-        extras = {f"{p}/live_table": wandb.Table(columns=table_columns(report, baseline),
-                                                 data=table_rows(report, baseline))}
+        columns, rows = comparison(report, baseline)
+        extras = {f"{p}/live_table": wandb.Table(columns=columns, data=[[row[0], *(round(x, 4) for x in row[1:])]
+                                                                        for row in rows])}
         for method in report.methods:
             ys, keys = [mean_curve(report, method)], ["ours"]
             if baseline is not None and method in baseline.methods:

@@ -204,25 +204,40 @@ def ratio(a: float, b: float) -> float:
     return a / b if b else math.nan
 
 
-def comparison_table(ours: EvalReport, baseline: EvalReport | None = None, aggregate: str = "live") -> str:
-    """Markdown table: rows are the tasks and the mean; per method, ours and (with a
-    baseline) baseline, delta = ours - baseline, ratio = ours / baseline."""
+def comparison(ours: EvalReport, baseline: EvalReport | None = None, aggregate: str = "live") -> tuple[list[str], list[list]]:
+    """Columns and rows comparing two reports: a row per task and one for the mean; per
+    method (those both reports score) ours and, with a baseline, the baseline's value,
+    delta = ours - baseline and ratio = ours / baseline (floats; names in the first column)."""
     methods = [m for m in ours.methods if baseline is None or m in baseline.methods]
-    header = ["task"]
+    columns = ["task"]
     for m in methods:
-        header += [f"{m} ours"] + ([f"{m} base", "delta", "ratio"] if baseline else [])
+        columns += [f"{m} {aggregate} {part}" for part in (("ours", "baseline", "delta", "ratio") if baseline else ("ours",))]
     rows = []
     for task in list(ours.tasks) + ["mean"]:
-        row = [f"**{task}**" if task == "mean" else task]
+        row: list = [task]
         for m in methods:
             a = ours.value(f"{m}/{aggregate}", task)
-            row.append(f"{a:.2f}")
+            row.append(a)
             if baseline is not None:
                 b = baseline.value(f"{m}/{aggregate}", task)
-                row += [f"{b:.2f}", f"{a - b:+.2f}", f"{100 * ratio(a, b):.0f}%"]
+                row += [b, a - b, ratio(a, b)]
         rows.append(row)
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return columns, rows
+
+
+def comparison_table(ours: EvalReport, baseline: EvalReport | None = None, aggregate: str = "live") -> str:
+    """`comparison` as a markdown table (ratios in percent, the mean row in bold)."""
+    columns, rows = comparison(ours, baseline, aggregate)
+    ratios = {i for i, c in enumerate(columns) if c.endswith(" ratio")}
+    deltas = {i for i, c in enumerate(columns) if c.endswith(" delta")}
+
+    def cell(i: int, x) -> str:
+        if i == 0:
+            return f"**{x}**" if x == "mean" else x
+        return f"{100 * x:.0f}%" if i in ratios else f"{x:+.2f}" if i in deltas else f"{x:.2f}"
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(i, x) for i, x in enumerate(row)) + " |" for row in rows]
     title = f"{aggregate} tau (tokens per target forward, 1 to {ours.block_size}; higher is better)"
     title += f", block size {ours.block_size}" + (f", step {ours.step}" if ours.step is not None else "")
     return title + "\n" + "\n".join(lines)
