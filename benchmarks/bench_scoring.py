@@ -5,10 +5,13 @@
    drafter forward per anchor, full logits, `oracles.streaks`) on the same tasks,
    `--repeats` times each, interleaved (the medians are reported: timings on shared
    cores are noisy), and checks that every per-anchor streak agrees.
+   With `--profile`, one more batched pass runs under torch.profiler and prints where
+   its time goes by op, and the ceiling of this design on this machine: the naive time
+   over the time in the GEMMs and the attention kernel alone (every other op free).
 2. Peak memory of the streaming LM-head path (backend "torch") against materialised
    logits ("reference") for one task's anchors at a vocabulary of 150k.
 
-    python benchmarks/bench_scoring.py [--tasks 10] [--threads 1] [--repeats 5] [--drafter DIR] [--json out.json]
+    python benchmarks/bench_scoring.py [--tasks 10] [--threads 1] [--repeats 5] [--drafter DIR] [--profile] [--json out.json]
 """
 
 from __future__ import annotations
@@ -34,6 +37,21 @@ from dflash_callbacks.demos.toy.world import build_toy_cache, toy_drafter_config
 from naive_scorer import score_task_naive  # noqa: E402
 
 
+ARITHMETIC_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::_scaled_dot_product_flash_attention_for_cpu")
+"""The ops doing the scorer's arithmetic on the CPU (projections, MLP, LM head, attention)."""
+
+
+def profile_ops(run) -> tuple[dict[str, float], float]:
+    """Self CPU seconds by op of one `run()`, largest first, and those of ARITHMETIC_OPS."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    by_op = {e.key: e.self_cpu_time_total / 1e6 for e in prof.key_averages()}
+    by_op = dict(sorted(by_op.items(), key=lambda kv: -kv[1]))
+    return by_op, sum(by_op.get(op, 0.0) for op in ARITHMETIC_OPS)
+
+
 def main() -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tasks", type=int, default=10, help="how many coding10 tasks to score")
@@ -43,6 +61,7 @@ def main() -> dict:
     p.add_argument("--anchors-per-forward", type=int, default=ScoringConfig().anchors_per_forward)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs of each scorer; medians are reported")
+    p.add_argument("--profile", action="store_true", help="also profile one batched pass by op")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     if args.threads:
@@ -74,6 +93,8 @@ def main() -> dict:
     batched_s, naive_s = statistics.median(batched_runs), statistics.median(naive_runs)
     mismatches = [(f.name, m) for f, s in zip(fast, slow) for m in config.methods if not torch.equal(f.streaks[m], s.streaks[m])]
 
+    profile = profile_ops(lambda: [score_task(drafter, head, t, config, B) for t in tasks]) if args.profile else None
+
     # memory: one task's drafts (anchors x (B-1) rows) against a 150k vocabulary
     pin_mmap_threshold()
     rows = max(t.num_tokens - 1 - t.prompt_len for t in tasks) * (B - 1)
@@ -92,12 +113,22 @@ def main() -> dict:
         "peak_materialised_bytes": memory["reference"], "peak_streaming_bytes": memory["torch"],
         "torch_threads": torch.get_num_threads(),
     }
+    if profile is not None:
+        result["profile_seconds_by_op"], result["arithmetic_seconds"] = profile
+        result["ceiling_speedup"] = naive_s / profile[1]
     print(f"| scorer | {len(tasks)} tasks, {anchors} anchors | median of {args.repeats} runs (s) |")
     print("|---|---|---|")
     print(f"| naive per-anchor loop | one forward per anchor, full logits | {naive_s:.2f} |")
     print(f"| batched | {config.anchors_per_forward} blocks per forward, streaming head | {batched_s:.3f} |")
     print(f"speedup {naive_s / batched_s:.1f}x ({torch.get_num_threads()} torch threads); "
           f"every per-anchor streak agrees: {not mismatches}")
+    if profile is not None:
+        by_op, arithmetic = profile
+        total = sum(by_op.values())
+        print(f"\none batched pass, profiled: {total:.3f} s; " + ", ".join(
+            f"{op} {100 * t / total:.0f}%" for op, t in list(by_op.items())[:8]))
+        print(f"GEMMs and attention alone: {arithmetic:.3f} s, so this design's ceiling here is "
+              f"{naive_s / arithmetic:.1f}x (every other op free)")
     print(f"\n| LM-head statistics, {rows} rows x V={args.vocab} | peak extra memory |")
     print("|---|---|")
     print(f"| materialised logits + torch ops | {human(memory['reference'])} |")

@@ -35,22 +35,26 @@ def records(dirpath: Path) -> list[dict]:
 
 
 def audit(folder: Path, scored_elsewhere: list[EvalReport] = ()) -> dict:
-    """Check one run folder (or every run under a dirpath): each step at most once in
-    results.jsonl; each report names the snapshot id that snapshot.json of its step
+    """Check one run folder (or every run under a dirpath): at most one report per step
+    and one line per (step, snapshot) in results.jsonl (an error line of a step may precede
+    the report of a later snapshot of that step: a resume that reached it again); each report names the snapshot id that snapshot.json of its step
     records (when still on disk); each watcher report of a snapshot (its step and id) ended
     in results.jsonl as a report or an error, and each report in `scored_elsewhere`
     (e.g. cb.reports) is in results.jsonl. Adds to AUDIT; returns the
     counts of this folder."""
     folders = [Path(folder)] if is_run_folder(folder) else run_dirs(folder)
     counts = {"runs": len(folders), "reports": 0, "lost": 0, "duplicated": 0, "mismatched": 0}
+    recorded_anywhere = set()
     for path in folders:
         run = RunFolder(path)
         results = run.read_results()
-        lines = results.reports + results.errors
         counts["reports"] += len(results.reports)
-        steps = [r.step if isinstance(r, EvalReport) else r["step"] for r in lines]
-        counts["duplicated"] += len(steps) - len(set(steps))
+        steps = [r.step for r in results.reports]
+        lines = [(r.step, r.snapshot_id) for r in results.reports] + [(e["step"], e.get("snapshot_id"))
+                                                                      for e in results.errors]
+        counts["duplicated"] += len(steps) - len(set(steps)) + len(lines) - len(set(lines))
         recorded = {(r.step, r.snapshot_id) for r in results.reports}
+        recorded_anywhere |= recorded
         ended = recorded | {(e["step"], e.get("snapshot_id")) for e in results.errors}
         for report in results.reports:
             on_disk = run.snapshot_path(report.step)
@@ -61,7 +65,7 @@ def audit(folder: Path, scored_elsewhere: list[EvalReport] = ()) -> dict:
             finished = isinstance(found, EvalReport) and found.step == step and found.snapshot_id is not None
             if finished and (step, found.snapshot_id) not in ended:
                 counts["lost"] += 1
-        counts["lost"] += sum((r.step, r.snapshot_id) not in recorded for r in scored_elsewhere)
+    counts["lost"] += sum((r.step, r.snapshot_id) not in recorded_anywhere for r in scored_elsewhere)
     for key, value in counts.items():
         AUDIT[key] += value
     return counts

@@ -151,6 +151,17 @@ def test_watch_refuses_what_can_not_work_and_logs_what_it_scores(world, tmp_path
     assert report.step == 3 and report.snapshot_id == run.snapshot_id(run.snapshot_path(3))
     assert (tmp_path / "runs" / "watcher.json").is_file()
 
+    # a watcher scores each snapshot once; a report naming another snapshot is scored again
+    from dflash_callbacks.callbacks.watch import Watcher
+    from dflash_callbacks.scoring.service import ScoringService, ServiceSpec
+
+    spec = ServiceSpec(str(world.cache), str(world.target), None, {"ddtree_budgets": [4], "device": "cpu"})
+    watcher = Watcher(ScoringService(spec), tmp_path / "runs", log=lambda line: None)
+    assert watcher.scan_once() == 0 and watcher.scan_once() == 0
+    stale = {**json.loads(run.report_path(3).read_text()), "snapshot_id": "0" * 16}
+    run.write_report(3, stale)
+    assert watcher.scan_once() == 1 and run.read_report(run.report_path(3)).snapshot_id == report.snapshot_id
+
 
 def test_demo_help_lists_every_setting_and_output(capsys):
     with pytest.raises(SystemExit):

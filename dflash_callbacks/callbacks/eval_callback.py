@@ -35,11 +35,12 @@ from torch import nn
 from ..checks import check_bool, check_choice, check_int, check_number
 from ..model import DrafterConfig
 from ..scoring.config import ScoringConfig
-from ..scoring.report import EvalReport, comparable
-from ..scoring.service import ServiceSpec, preflight
+from ..scoring.basis import Basis
+from ..scoring.report import EvalReport
+from ..scoring.service import ServiceSpec, preflight, run_basis
 from .publish import Publisher, ReportSource, Subscriber
 from .run_folder import RunFolder, new_run_id
-from .runners import RUNNERS, BackgroundRunner, BaselineOutcome, Job, SnapshotOutcome
+from .runners import RUNNERS, BackgroundRunner, BaselineOutcome, Job, SnapshotOutcome, is_non_finite
 from .snapshot import StagingPool, capture, is_sharded
 
 BUSY_POLICIES = ("skip", "queue")
@@ -181,6 +182,7 @@ class DrafterEvalCallback(ReportSource):
         self._opened = False
         self._taken: set[int] = set()  # steps with a report, or queued: never snapshotted again
         self._recovered: list[EvalReport] = []  # watcher reports a killed run never picked up
+        self._rejected: list[SnapshotOutcome] = []  # ... and those on another basis, as errors
         self._baseline_settled = False
         self._last_capture_step: int | None = None
         self._last_taken_step: int | None = None
@@ -215,6 +217,7 @@ class DrafterEvalCallback(ReportSource):
             baseline_cache_dir=None if self.baseline_cache_dir is None else str(self.baseline_cache_dir),
         )
         preflight(self._spec, self._config, {k: tuple(v.shape) for k, v in module.state_dict().items()})
+        self._basis = run_basis(self._spec, self._config.block_size)
         self._restored, self._opened = None, False
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -233,17 +236,31 @@ class DrafterEvalCallback(ReportSource):
         if not trainer.is_global_zero:
             return
         root = self.dirpath or Path(trainer.default_root_dir) / self.name
+        about = {"basis": self._basis.to_dict(), "baseline": self._spec.baseline}
+        self._publisher = None
+        jobs = []
         if self._restored is not None and self._restored.get("run_id"):
             self.run_id = self._restored["run_id"]
-            self.run = RunFolder.reopen(root, self.run_id)
-            jobs = self._recover()
-        else:
+            self.run = RunFolder.reopen(root, self.run_id, about)
+            changed = self._basis_changes()
+            if changed:
+                self.run.unlock()
+                self._fresh_state(None)
+                self.run = None
+                rank_zero_warn(f"{self.name}: run {self._restored['run_id']} was scored with {'; '.join(changed)}; its "
+                               "numbers can not stand beside this resume's, so the resume goes on in a new run folder")
+            else:
+                jobs = self._recover()
+        if self.run is None:
             self.run_id = new_run_id()
-            self.run = RunFolder.create(root, self.run_id)
-            jobs = []
+            self.run = RunFolder.create(root, self.run_id, about)
             rank_zero_info(f"{self.name}: new run {self.run_id}, writing to {self.run.path}")
         self._publisher = Publisher(self.name, self.run, self._fail, self.verbose, self._subscribers)
-        self._runner = BackgroundRunner(self.runner_kind, self._spec, self.run, self.keep_last)
+        self._restore_metrics(trainer)
+        for outcome in self._rejected:
+            self._record_outcome(trainer, outcome)
+            self._fail(trainer, f"step {outcome.step} failed: {outcome.error}")
+        self._runner = BackgroundRunner(self.runner_kind, self._spec, self.run, self.keep_last, self._basis)
         for job in jobs:
             self._runner.submit(job)
         module = resolve_drafter(pl_module, self.drafter)
@@ -260,8 +277,24 @@ class DrafterEvalCallback(ReportSource):
         self.errors, self.skipped = restored.get("errors", 0), restored.get("skipped", 0)
         self.baseline_report, self.reports = None, []
         self._taken = {h["step"] for h in self.history}
-        self._recovered, self._baseline_settled = [], self.baseline_source is None
+        self._recovered, self._rejected, self._baseline_settled = [], [], self.baseline_source is None
         self._last_capture_step = self._last_taken_step = None
+
+    def _basis_changes(self) -> list[str]:
+        """How this resume's basis differs from the reopened run's (run.json's, else its first report's)."""
+        recorded = self.run.about().get("basis")
+        if isinstance(recorded, dict):
+            return self._basis.differences(Basis.from_dict(recorded))
+        reports = self.run.read_results().reports
+        return self._basis.differences(Basis.of_report(reports[0])) if reports else []
+
+    def _restore_metrics(self, trainer) -> None:
+        """A resume: the last report's means back in callback_metrics (Lightning starts them empty)."""
+        if self.history:
+            last = self.history[-1]
+            self._publisher.set_callback_metrics(trainer, last["step"], {
+                f"{self.name}/{method}/{agg}/mean": value for method, aggs in last["mean"].items()
+                for agg, value in aggs.items()})
 
     def _recover(self) -> list[Job]:
         """A resume: the history from results.jsonl, the watcher reports a killed run never
@@ -275,7 +308,14 @@ class DrafterEvalCallback(ReportSource):
         if found.results.reports:
             self.history = sorted({r.step: {"step": r.step, "mean": r.mean} for r in found.results.reports}.values(),
                                   key=lambda h: h["step"])
-        self._recovered = found.unread_reports
+        self._recovered, self._rejected = [], []
+        for report in found.unread_reports:  # a watcher's: it may have scored on another basis
+            problems = self._basis.mismatches(report, f"the watcher's report of step {report.step}")
+            if problems:
+                self._rejected.append(SnapshotOutcome(step=report.step, snapshot_id=report.snapshot_id,
+                                                      error="; ".join(problems) + "; not recorded"))
+            else:
+                self._recovered.append(report)
         jobs = [Job(step, snapshot_id, folder=folder) for step, snapshot_id, folder in found.unscored_snapshots]
         self._taken = ({h["step"] for h in self.history} | {r.step for r in self._recovered} | {j.step for j in jobs})
         rank_zero_info(f"{self.name}: resuming run {self.run_id} in {self.run.path}: {len(self.history)} reports, "
@@ -320,7 +360,9 @@ class DrafterEvalCallback(ReportSource):
             self._drain(trainer, runner)
         else:  # the fit is failing: keep every outcome on disk, log nothing
             for outcome in runner.poll():
-                if isinstance(outcome, SnapshotOutcome):
+                if isinstance(outcome, SnapshotOutcome) and outcome.report is not None:
+                    self._publisher.record_report(trainer, outcome.report, outcome.seconds)
+                elif isinstance(outcome, SnapshotOutcome):
                     self._record_outcome(trainer, outcome)
         self._publisher.record(trainer, None)
         self.run.unlock()
@@ -370,20 +412,24 @@ class DrafterEvalCallback(ReportSource):
                     self.baseline_report = outcome.report
             elif outcome.error is not None:
                 self._record_outcome(trainer, outcome)
+                if is_non_finite(outcome.error):  # the drafter's numbers are NaN: so are its means
+                    self._publisher.set_callback_metrics(trainer, outcome.step, {
+                        key: float("nan") for key in trainer.callback_metrics if self._is_mean(key)})
                 self._fail(trainer, f"step {outcome.step} failed: {outcome.error}")
             else:
                 self._publish(trainer, outcome.report, outcome.seconds)
         while self._recovered and self._baseline_settled:
             self._publish(trainer, self._recovered.pop(0), None)
 
+    def _is_mean(self, key: str) -> bool:
+        """A mean of ours (or its delta or ratio) in callback_metrics; not the baseline's."""
+        return key.startswith(f"{self.name}/") and key.endswith("/mean") and not key.startswith(f"{self.name}/baseline/")
+
     def _record_outcome(self, trainer, outcome: SnapshotOutcome) -> None:
         self._publisher.record(trainer, {"step": outcome.step, "snapshot_id": outcome.snapshot_id,
                                          "error": outcome.error, "seconds": outcome.seconds})
 
     def _publish(self, trainer, report: EvalReport, seconds: float | None) -> None:
-        if self.baseline_report is not None:
-            for problem in comparable(report, self.baseline_report):
-                rank_zero_warn(f"{self.name}: ours and the baseline differ: {problem}")
         self.history = sorted([h for h in self.history if h["step"] != report.step]
                               + [{"step": report.step, "mean": report.mean}], key=lambda h: h["step"])
         self.reports.append(report)

@@ -118,9 +118,13 @@ class Publisher:
             self.unsaved.pop(0)
         return True
 
+    def record_report(self, trainer, report: EvalReport, score_seconds: float) -> bool:
+        """Append the report's results.jsonl line (what `publish` does first)."""
+        return self.record(trainer, {**report.to_dict(), "score_seconds": score_seconds})
+
     def publish(self, trainer, report: EvalReport, baseline: EvalReport | None, score_seconds: float,
                 errors: int) -> None:
-        self.record(trainer, {**report.to_dict(), "score_seconds": score_seconds})
+        self.record_report(trainer, report, score_seconds)
         metrics = report_metrics(self.prefix, report, baseline)
         metrics.update({f"{self.prefix}/step": float(report.step), f"{self.prefix}/score_seconds": score_seconds,
                         f"{self.prefix}/errors": float(errors)})
@@ -133,12 +137,15 @@ class Publisher:
             except Exception as e:  # one broken logger must not cost the others their numbers
                 self.fail(trainer, f"logging step {report.step} to {type(logger).__name__} failed: "
                                    f"{type(e).__name__}: {e}")
-        for key, value in metrics.items():  # the means, for EarlyStopping and ModelCheckpoint
-            if key.endswith("/mean"):
-                trainer.callback_metrics[key] = torch.tensor(value)
+        self.set_callback_metrics(trainer, report.step, {k: v for k, v in metrics.items() if k.endswith("/mean")})
         if self.verbose:
             rank_zero_info(summary_line(self.prefix, report, baseline))
         self.notify(trainer, report, baseline)
+
+    def set_callback_metrics(self, trainer, step: int, means: dict[str, float]) -> None:
+        """The means, for EarlyStopping and ModelCheckpoint, with `<prefix>/step`: the step they are of."""
+        for key, value in {**means, f"{self.prefix}/step": float(step)}.items():
+            trainer.callback_metrics[key] = torch.tensor(value)
 
     def notify(self, trainer, report: EvalReport, baseline: EvalReport | None) -> None:
         for fn in list(self.subscribers):

@@ -1,7 +1,8 @@
 """The run folder: everything one training run writes, and the one owner of its layout.
 
     <dirpath>/<run_id>/
-      run.json                         who the folder belongs to: {"run_id", "created", "host", "pid"}
+      run.json                         who the folder belongs to: {"run_id", "created", "host", "pid",
+                                       "basis" (what its reports stand on), "baseline" (the source expected)}
       .lock                            held (flock) by the one process writing here; a kill releases it
       results.jsonl                    one JSON object per line: a report, or {"step", "snapshot_id", "error"}
       snapshots/step-00000400/         model.safetensors, config.json, snapshot.json (step, snapshot_id, ...)
@@ -97,23 +98,32 @@ class RunFolder:
 
     # ------------------------------------------------------------ identity and lock
     @classmethod
-    def create(cls, root: str | os.PathLike, run_id: str) -> RunFolder:
-        """A fresh folder root/run_id for a new run, locked."""
+    def create(cls, root: str | os.PathLike, run_id: str, about: dict | None = None) -> RunFolder:
+        """A fresh folder root/run_id for a new run, locked; `about` goes into run.json too
+        (the callback's: the basis its reports stand on, the baseline it expects)."""
         folder = cls(Path(root) / run_id)
         folder.path.mkdir(parents=True, exist_ok=False)
         folder.lock()
         atomic_write_json(folder.path / RUN_FILE, {"run_id": run_id, "created": time.time(),
-                                                   "host": socket.gethostname(), "pid": os.getpid()})
+                                                   "host": socket.gethostname(), "pid": os.getpid(), **(about or {})})
         return folder
 
+    def about(self) -> dict:
+        """run.json ({} when unreadable)."""
+        try:
+            raw = json.loads((self.path / RUN_FILE).read_text())
+        except (OSError, ValueError):
+            return {}
+        return raw if isinstance(raw, dict) else {}
+
     @classmethod
-    def reopen(cls, root: str | os.PathLike, run_id: str) -> RunFolder:
-        """The folder of run `run_id` (a resume), locked; recreated if it vanished."""
+    def reopen(cls, root: str | os.PathLike, run_id: str, about: dict | None = None) -> RunFolder:
+        """The folder of run `run_id` (a resume), locked; recreated (with `about`) if it vanished."""
         folder = cls(Path(root) / run_id)
         if not is_run_folder(folder.path):
             if folder.path.exists() and any(folder.path.iterdir()):
                 raise RunFolderBusy(f"{folder.path} holds files but no {RUN_FILE}: it is not run {run_id}'s folder")
-            return cls.create(root, run_id)
+            return cls.create(root, run_id, about)
         owner = json.loads((folder.path / RUN_FILE).read_text()).get("run_id")
         if owner != run_id:
             raise RunFolderBusy(f"{folder.path} belongs to run {owner}, not {run_id}")

@@ -30,9 +30,10 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..scoring.basis import Basis
 from ..scoring.report import EvalReport
-from ..scoring.scorer import Cancelled
-from ..scoring.service import ScoringService, ServiceSpec
+from ..scoring.scorer import Cancelled, NonFiniteError
+from ..scoring.service import ScoringService, ServiceSpec, weights_fingerprint
 from .run_folder import RunFolder, WatcherError
 from .snapshot import Snapshot
 
@@ -72,7 +73,13 @@ class BaselineOutcome(Outcome):
 
 
 def describe(error: BaseException) -> str:
+    """How every runner (and `watch`) words a failure: "ExceptionName: message"."""
     return f"{type(error).__name__}: {error}"
+
+
+def is_non_finite(error: str) -> bool:
+    """Whether a failure (`describe`d, by any runner or a watcher) is NaN or Inf in the numbers."""
+    return error.startswith(f"{NonFiniteError.__name__}:")
 
 
 # ---------------------------------------------------------------- scorers
@@ -106,6 +113,9 @@ class ThreadScorer:
 
     def close(self) -> None:
         self.service = None
+
+    def late_baseline(self) -> EvalReport | None:
+        return None  # its baseline failed in this process: trying again fails again
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -191,6 +201,9 @@ class ProcessScorer:
             self.process.join(timeout=10)
         self.process = None
 
+    def late_baseline(self) -> EvalReport | None:
+        return None  # its baseline failed in the worker: trying again fails again
+
     def close(self) -> None:
         if self.process is not None and self.process.is_alive():
             self.jobs.put(None)
@@ -203,6 +216,8 @@ class ExternalScorer:
 
     def __init__(self, spec: ServiceSpec, run: RunFolder, cancel: threading.Event, closing: threading.Event):
         self.spec, self.run, self.cancel, self.closing = spec, run, cancel, closing
+        self._weights: str | None = None  # the fingerprint of this run's baseline weights
+        self._baseline_seen: tuple | None = None
 
     def _wait(self, path: Path, snapshot_id: str | None, what: str) -> EvalReport:
         started, warned = time.time(), False
@@ -230,13 +245,51 @@ class ExternalScorer:
     def baseline(self) -> EvalReport | None:
         if self.spec.baseline is None:
             return None
-        return self._wait(self.run.report_path(None), None, "the baseline")
+        source = Path(self.spec.baseline)
+        if source.is_file():  # a saved report: read here, as every runner does
+            return EvalReport.load(source)
+        path = self.run.report_path(None)
+        try:
+            return self._same_weights(self._wait(path, None, "the baseline"))
+        finally:
+            self._baseline_seen = _file_key(path)  # what late_baseline looks past
+
+    def late_baseline(self) -> EvalReport | None:
+        """The watcher's baseline report when it has appeared since the baseline failed
+        (the watcher retries each poll); None while there is none (new)."""
+        path = self.run.report_path(None)
+        key = _file_key(path)
+        if key is None or key == self._baseline_seen:
+            return None
+        self._baseline_seen = key
+        found = self.run.read_report(path)
+        return self._same_weights(found) if isinstance(found, EvalReport) else None
+
+    def _same_weights(self, report: EvalReport) -> EvalReport:
+        """The watcher's baseline report, if it scored this run's baseline weights."""
+        if self._weights is None:
+            self._weights = weights_fingerprint(self.spec.baseline)
+        theirs = (report.extra.get("baseline_key") or {}).get("weights")
+        if theirs != self._weights:
+            raise RuntimeError(f"the watcher's baseline report is of weights {theirs}, this run's baseline "
+                               f"{self.spec.baseline} is {self._weights}: start `dflash-callbacks watch` with "
+                               f"--baseline {self.spec.baseline}")
+        return report
 
     def score(self, job: Job) -> EvalReport:
         return self._wait(self.run.report_path(job.step), job.snapshot_id, f"step {job.step}")
 
     def close(self) -> None:
         pass
+
+
+def _file_key(path: Path) -> tuple | None:
+    """Changes whenever the file is replaced (reports are written by a rename)."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 SCORERS = {"thread": ThreadScorer, "process": ProcessScorer, "external": ExternalScorer}
@@ -246,8 +299,9 @@ SCORERS = {"thread": ThreadScorer, "process": ProcessScorer, "external": Externa
 
 
 class BackgroundRunner:
-    def __init__(self, kind: str, spec: ServiceSpec, run: RunFolder, keep_last: int):
-        self.run, self.keep_last, self.has_baseline = run, keep_last, spec.baseline is not None
+    def __init__(self, kind: str, spec: ServiceSpec, run: RunFolder, keep_last: int, basis: Basis):
+        self.run, self.keep_last, self.basis, self.has_baseline = run, keep_last, basis, spec.baseline is not None
+        self._baseline_failed = False
         self._cancel, self._closing = threading.Event(), threading.Event()
         self._cancel_reason = "scoring was cancelled"
         self.scorer = SCORERS[kind](spec, run, self._cancel, self._closing)
@@ -301,12 +355,10 @@ class BackgroundRunner:
     # ---- background thread
     def _loop(self) -> None:
         if self.has_baseline:
-            started = time.time()
-            try:
-                self._outbox.put(BaselineOutcome(report=self.scorer.baseline(), seconds=time.time() - started))
-            except Exception as e:
-                self._outbox.put(BaselineOutcome(error=describe(e), seconds=time.time() - started))
+            self._baseline(late=False)
         while (job := self._inbox.get()) is not None:
+            if self._baseline_failed:
+                self._baseline(late=True)
             self._outbox.put(self._run(job))
         while True:  # after close: a job still queued gets its outcome too
             try:
@@ -316,11 +368,30 @@ class BackgroundRunner:
             if job is not None:
                 self._outbox.put(self._run(job))
 
+    def _baseline(self, late: bool) -> None:
+        """One BaselineOutcome (a report on this run's basis, or an error); `late`: after a
+        failure, only when the scorer has news (a watcher scored it since)."""
+        started = time.time()
+        try:
+            report = self.scorer.late_baseline() if late else self.scorer.baseline()
+            if late and report is None:
+                return
+            problems = [] if report is None else self.basis.mismatches(report, "the baseline")
+            if problems:
+                raise RuntimeError("; ".join(problems))
+            self._outbox.put(BaselineOutcome(report=report, seconds=time.time() - started))
+            self._baseline_failed = False
+        except Exception as e:
+            self._outbox.put(BaselineOutcome(error=describe(e), seconds=time.time() - started))
+            self._baseline_failed = True
+
     def _run(self, job: Job) -> SnapshotOutcome:
         started = time.time()
         try:
             if self._cancel.is_set():
                 raise Cancelled(self._cancel_reason)
+            if job.snapshot is not None:
+                job.snapshot.wait()  # the copy into host buffers has landed (CUDA: a side stream)
             if job.snapshot is not None and self.keep_last > 0:
                 try:
                     self.run.prune(self.keep_last - 1)  # every snapshot on disk is scored: jobs run in order
@@ -331,6 +402,9 @@ class BackgroundRunner:
             if (report.step, report.snapshot_id) != (job.step, job.snapshot_id):
                 raise RuntimeError(f"the report names step {report.step} snapshot {report.snapshot_id}, but step "
                                    f"{job.step} snapshot {job.snapshot_id} was scored; not recorded")
+            problems = self.basis.mismatches(report, f"the report of step {job.step}")
+            if problems:
+                raise RuntimeError("; ".join(problems) + "; not recorded")
             outcome = SnapshotOutcome(step=job.step, snapshot_id=job.snapshot_id, report=report)
         except Cancelled:
             outcome = SnapshotOutcome(step=job.step, snapshot_id=job.snapshot_id, error=f"not scored: {self._cancel_reason}")

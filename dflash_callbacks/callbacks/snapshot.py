@@ -43,8 +43,9 @@ class Snapshot:
 
     def wait(self) -> None:
         """Block until the device-to-host copy is complete (no-op on CPU)."""
-        if self.event is not None:
-            self.event.synchronize()
+        event = self.event  # the training thread and the runner's may both wait
+        if event is not None:
+            event.synchronize()
             self.event = None
 
     def release(self) -> None:

@@ -4,7 +4,9 @@ Pair it with `DrafterEvalCallback(runner="external", dirpath=DIR)`. `--dir` is t
 `dirpath` (one subfolder per run; new runs are picked up as they appear) or one run
 folder. Every poll, for every run folder, the watcher
 - scores the baseline once into reports/baseline.json (a failure is written there as
-  `{"error": ...}`, so the run goes on without one, and retried on the next poll);
+  `{"error": ...}`, so the run goes on without one, and retried on the next poll; the
+  run takes the report when it appears); without --baseline, writes that error for a
+  run whose run.json expects one, so the run does not wait for it;
 - scores every snapshot whose report is missing or names another snapshot id into
   reports/step-XXXXXXXX.json (`{"error", "step", "snapshot_id"}` when scoring fails);
 and writes a heartbeat (DIR/watcher.json), so a run that waits for it knows it is there.
@@ -34,6 +36,20 @@ class Watcher:
     def __init__(self, service: ScoringService, root: Path, log=print):
         self.service, self.root, self.log = service, root, log
         self._baseline: EvalReport | str | None = None  # the report, or the last error
+        self._read: dict[Path, tuple[tuple, bool, str | None]] = {}  # report path -> (its stat, read back)
+
+    def reported(self, run: RunFolder, path: Path) -> tuple[bool, str | None] | None:
+        """(is it a report rather than an error, the snapshot id it names) of a report file,
+        None when there is none; a file is read again only when it was replaced."""
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return None
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)  # reports are replaced by a rename: a new inode
+        if self._read.get(path, (None,))[0] != key:
+            found = run.read_report(path)
+            self._read[path] = (key, isinstance(found, EvalReport), found.snapshot_id)
+        return self._read[path][1:]
 
     def baseline(self) -> EvalReport | str | None:
         """The baseline's report, scored once; after a failure, tried again on each call."""
@@ -52,14 +68,19 @@ class Watcher:
         done = 0
         write_heartbeat(self.root)
         for run in run_folders(self.root):
-            if self.service.spec.baseline is not None and not isinstance(run.read_report(run.report_path(None)),
-                                                                         EvalReport):
+            baseline, expected = self.reported(run, run.report_path(None)), run.about().get("baseline")
+            if self.service.spec.baseline is not None and (baseline is None or not baseline[0]):
                 baseline = self.baseline()
                 run.write_report(None, baseline.to_dict() if isinstance(baseline, EvalReport) else {"error": baseline})
+            elif self.service.spec.baseline is None and expected and baseline is None:  # the run would wait on
+                run.write_report(None, {"error": f"the watcher runs without --baseline, but this run expects the "
+                                                 f"baseline {expected}: restart `dflash-callbacks watch` with "
+                                                 f"--baseline {expected}"})
+                self.log(f"watch: {run.path.name} expects the baseline {expected}, and this watcher has none")
             for step, folder in run.list_snapshots():
                 snapshot_id = run.snapshot_id(folder)
-                existing = run.report_path(step)
-                if existing.is_file() and run.read_report(existing).snapshot_id == snapshot_id:
+                report = self.reported(run, run.report_path(step))
+                if report is not None and report[1] == snapshot_id:
                     continue
                 started = time.time()
                 try:

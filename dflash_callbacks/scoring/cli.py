@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from ..checks import DTYPES
 from ..kernels.head_stats import BACKENDS
 from .config import ScoringConfig
-from .report import EvalReport, comparable, comparison_table, read_results
+from .basis import Basis
+from .report import EvalReport, comparison_table, read_results
 
 
 class UsageError(ValueError):
@@ -100,7 +102,7 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("baseline", type=Path, help="the baseline's report JSON")
     p.add_argument("--step", type=int, default=None, help="with a results.jsonl: the step to compare (default: the last)")
     p.add_argument("--aggregate", choices=("live", "dense"), default="live")
-    p.add_argument("--force", action="store_true", help="compare even if cache or block size differ")
+    p.add_argument("--force", action="store_true", help="compare even if the cache, target, block size, tasks or scoring fields differ")
 
 
 def load_ours(path: Path, step: int | None) -> EvalReport:
@@ -123,7 +125,8 @@ def load_ours(path: Path, step: int | None) -> EvalReport:
 
 def run_compare(args: argparse.Namespace) -> int:
     ours, baseline = load_ours(args.ours, args.step), EvalReport.load(args.baseline)
-    problems = comparable(ours, baseline)
+    # the table shows the methods both scored; anything else that changes numbers refuses
+    problems = replace(Basis.of_report(ours), methods=()).mismatches(baseline, f"the baseline {args.baseline}")
     if problems and not args.force:
         raise UsageError("refusing to compare: " + "; ".join(problems) + " (use --force to compare anyway)")
     for problem in problems:

@@ -34,6 +34,7 @@ from ..model.drafter import check_state_dict
 from ..model.geometry import anchor_range
 from ..model.io import read_config, read_snapshot_meta, read_state_shapes, safetensors_files
 from ..model.target_head import head_shapes
+from .basis import Basis
 from .config import ScoringConfig
 from .report import EvalReport
 from .scorer import NonFiniteError, memory_plan, score_drafter
@@ -85,6 +86,13 @@ def check_finite_weights(state: Mapping[str, torch.Tensor], what: str) -> None:
         raise NonFiniteError(f"{what} holds NaN or Inf weights in {shown}; not scored")
 
 
+def run_basis(spec: ServiceSpec, drafter_block_size: int | None, cache: HiddenStateCache | None = None) -> Basis:
+    """What every report of a run scored by `spec` stands on, for a drafter of
+    `drafter_block_size` (None: not known yet); see `scoring.basis`."""
+    config = ScoringConfig(**spec.scoring)
+    return Basis.of_run(config, cache or HiddenStateCache(spec.cache), config.block_size or drafter_block_size)
+
+
 # ---------------------------------------------------------------- preflight
 
 
@@ -119,7 +127,7 @@ def preflight(spec: ServiceSpec, drafter: DrafterConfig | None, drafter_shapes: 
         except ValueError as e:
             problems.append(str(e))
     if spec.baseline is not None and cache is not None:
-        problems += _baseline_problems(Path(spec.baseline), cache, block)
+        problems += _baseline_problems(Path(spec.baseline), cache, config, block)
     if problems:
         raise PreflightError("the scoring inputs do not fit together:\n  " + "\n  ".join(problems))
 
@@ -200,18 +208,7 @@ def _target_problems(target: str, vocab: int | None, hidden: int | None, whose: 
     return problems
 
 
-def baseline_mismatches(report: EvalReport, source: Path, fingerprint: str, block: int | None) -> list[str]:
-    """Why a baseline report can not stand beside this run's: another cache or block size."""
-    problems = []
-    if report.cache.get("fingerprint") != fingerprint:
-        problems.append(f"baseline {source} was scored on cache {report.cache.get('fingerprint')}, "
-                        f"this run scores {fingerprint}")
-    if block is not None and report.block_size != block:
-        problems.append(f"baseline {source} was scored at block size {report.block_size}, this run at {block}")
-    return problems
-
-
-def _baseline_problems(source: Path, cache: HiddenStateCache, block: int | None) -> list[str]:
+def _baseline_problems(source: Path, cache: HiddenStateCache, config: ScoringConfig, block: int | None) -> list[str]:
     if not source.exists():
         return [f"baseline {source} does not exist (give a drafter folder or a saved report JSON)"]
     if source.is_file():
@@ -219,7 +216,7 @@ def _baseline_problems(source: Path, cache: HiddenStateCache, block: int | None)
             report = EvalReport.load(source)
         except ValueError as e:
             return [f"baseline: {e}"]
-        return baseline_mismatches(report, source, cache.fingerprint, block)
+        return Basis.of_run(config, cache, block).mismatches(report, f"baseline {source}")
     try:
         config = read_config(source)
         problems = _shape_problems(config, read_state_shapes(source), f"baseline {source}")
@@ -240,6 +237,10 @@ class ScoringService:
         self.head = TargetHead.from_pretrained(spec.target)
         check_finite_weights(self.head.state_dict(), f"the target head of {spec.target}")
         self._baseline: EvalReport | None = None
+
+    def basis(self, block_size: int | None) -> Basis:
+        """What this service's reports stand on, for a drafter of `block_size` (None: not known)."""
+        return run_basis(self.spec, block_size, self.cache)
 
     def score(
         self, config: DrafterConfig, state: Mapping[str, torch.Tensor], *, step: int | None = None,
@@ -292,7 +293,7 @@ class ScoringService:
                 report.extra["baseline_key"] = key
                 cache_dir.mkdir(parents=True, exist_ok=True)
                 report.to_json(cached)
-        problems = baseline_mismatches(report, source, self.cache.fingerprint, self.config.block_size)
+        problems = self.basis(self.config.block_size).mismatches(report, f"baseline {source}")
         if problems:
             raise ValueError("; ".join(problems))
         self._baseline = report

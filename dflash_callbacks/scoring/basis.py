@@ -1,0 +1,76 @@
+"""What a report's numbers depend on besides the drafter's weights, and the one check that
+a report stands where a run stands.
+
+A run's reports, its baseline and every report taken for it (from a watcher, from a
+killed run's folder, from a saved JSON) share one basis: the cache (its fingerprint),
+the target's head (its fingerprint, when both name one), the block size, the tasks, and
+the scoring fields that change numbers (window, max_rounds, dtype); and each carries
+every method the run scores. A report on another basis is an error for that report,
+never a number; a resume on another basis starts a new run folder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .config import ScoringConfig
+from .report import EvalReport
+
+LABELS = {"cache": "cache", "target": "target head", "block_size": "block size", "tasks": "tasks",
+          "window": "window", "max_rounds": "max_rounds", "dtype": "dtype"}
+
+
+@dataclass(frozen=True)
+class Basis:
+    cache: str | None  # the cache's fingerprint
+    target: str | None  # the target head's fingerprint (None: not recorded)
+    block_size: int | None  # None: not known yet (`watch`, before it has seen a drafter)
+    tasks: tuple[str, ...]  # sorted
+    window: int | None
+    max_rounds: int | None
+    dtype: str | None
+    methods: tuple[str, ...]
+
+    @classmethod
+    def of_run(cls, config: ScoringConfig, cache, block_size: int | None, target: str | None = None) -> Basis:
+        """A run's basis: `config` scoring `cache` (a HiddenStateCache) at `block_size`."""
+        return cls(cache.fingerprint, target, block_size, tuple(sorted(config.tasks or cache.task_names)),
+                   config.window, config.max_rounds, config.dtype, tuple(config.methods))
+
+    @classmethod
+    def of_report(cls, report: EvalReport) -> Basis:
+        s = report.scoring
+        return cls(report.cache.get("fingerprint"), report.cache.get("target"), report.block_size,
+                   tuple(sorted(report.tasks)), s.get("window"), s.get("max_rounds"), s.get("dtype"),
+                   tuple(report.methods))
+
+    def to_dict(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> Basis:
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items() if k in cls.__dataclass_fields__})
+
+    def differences(self, other: Basis) -> list[str]:
+        """Each field where `other` differs, as "name: other's value (this: ours)"; a target
+        recorded on one side only is not a difference, nor is any block size when ours is not
+        known yet (None), nor are methods `other` has beyond ours."""
+        out = []
+        for name, label in LABELS.items():
+            ours, theirs = getattr(self, name), getattr(other, name)
+            if (name == "target" and (ours is None or theirs is None)) or (name == "block_size" and ours is None):
+                continue
+            if ours != theirs:
+                out.append(f"{label} {_show(theirs)} (this run: {_show(ours)})")
+        missing = [m for m in self.methods if m not in other.methods]
+        if missing:
+            out.append(f"no {', '.join(missing)} (this run scores {', '.join(self.methods)})")
+        return out
+
+    def mismatches(self, report: EvalReport, what: str) -> list[str]:
+        """Why `report` can not stand beside this run's numbers (empty: it can), naming `what`."""
+        return [f"{what} was scored with {d}" for d in self.differences(Basis.of_report(report))]
+
+
+def _show(value) -> str:
+    return ", ".join(value) if isinstance(value, tuple) else str(value)

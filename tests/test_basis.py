@@ -1,0 +1,268 @@
+"""Numbers stand on one basis (scoring.basis): a report, a baseline or a resume scored with
+another cache, block size, tasks or number-changing scoring field is an error, never a
+number beside this run's. Also what a failed or unfinished report leaves behind: nothing
+stale in callback_metrics, nothing lost when the fit raises, nothing scored before its copy
+landed. Real runs, real files; every run folder goes through the audit (runs.py)."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from dflash_callbacks import TrailingBaselineStop
+from dflash_callbacks.callbacks.run_folder import RunFolder
+from dflash_callbacks.callbacks.runners import BackgroundRunner, Job, SnapshotOutcome
+from dflash_callbacks.callbacks.snapshot import Snapshot
+from dflash_callbacks.callbacks.watch import Watcher
+from dflash_callbacks.cli import main as cli_main
+from dflash_callbacks.model import DrafterConfig, load_drafter
+from dflash_callbacks.scoring.basis import Basis
+from dflash_callbacks.scoring.service import PreflightError, ScoringService, ServiceSpec, run_basis
+
+from runs import assert_clean, records, run_dirs
+
+SCRIPTS = Path(__file__).parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+from test_trust import HostileWatcher  # noqa: E402
+from train_run import SCORING, eval_cb, fit, shared_world  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> Path:
+    return shared_world(tmp_path_factory.getbasetemp() / "reliability-world")
+
+
+def service(world: Path, baseline: Path | None = None, **scoring) -> ScoringService:
+    return ScoringService(ServiceSpec(str(world / "cache"), str(world / "target"),
+                                      None if baseline is None else str(baseline), {**SCORING, **scoring}))
+
+
+class PoisonAt(pl.Callback):
+    """NaN weights from `step` on: every later report is a NonFiniteError."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        if trainer.global_step == self.step:
+            with torch.no_grad():
+                pl_module.drafter.fc.weight.fill_(float("nan"))
+
+
+def test_basis_differences_name_each_field(world):
+    run = service(world).basis(6)
+    other = service(world, window=2, max_rounds=3, ddtree_budgets=[8]).basis(5)
+    assert run.differences(run) == [] and Basis.from_dict(run.to_dict()) == run
+    assert run.differences(other) == ["block size 5 (this run: 6)", "window 2 (this run: None)",
+                                      "max_rounds 3 (this run: 30)", "no ddtree@4 (this run scores vanilla, ddtree@4)"]
+    assert service(world, ddtree_budgets=[4, 8]).basis(6).differences(run) == [
+        "no ddtree@8 (this run scores vanilla, ddtree@4, ddtree@8)"]
+    assert run.differences(service(world, ddtree_budgets=[4, 8]).basis(6)) == []  # more methods: fine
+    assert service(world).basis(None).differences(other)[0] == "window 2 (this run: None)"  # block not known yet
+
+
+def test_a_watcher_report_on_another_basis_is_an_error_never_a_number(world, tmp_path):
+    """External runner: a watcher scoring with window=2 writes reports of the right steps
+    and snapshots; each is an error for its step, and no mean reaches callback_metrics."""
+    windowed = service(world, window=2)
+    watcher = HostileWatcher(tmp_path / "d", [
+        lambda step, i: windowed.score_folder(RunFolder(run_dirs(tmp_path / "d")[0]).snapshot_path(step)).to_dict()
+    ] * 2)
+    watcher.start()
+    cb = eval_cb(world, tmp_path, runner="external", keep_last=4, wait_timeout=60, busy="queue", max_pending=4)
+    try:
+        with pytest.warns(UserWarning, match=r"step 2 failed: .*scored with window 2 \(this run: None\); not recorded"):
+            trainer = fit(world, tmp_path, [cb], max_steps=4)
+    finally:
+        watcher.stop.set()
+    assert [("error" in r, r["step"]) for r in records(tmp_path / "d")] == [(True, 2), (True, 4)]
+    assert cb.reports == [] and cb.errors == 2
+    assert not [k for k in trainer.callback_metrics if k.endswith("/mean")]
+    assert_clean(tmp_path / "d", cb.reports)
+
+
+def test_the_watchers_baseline_must_be_this_runs_and_a_late_one_is_taken(world, tmp_path):
+    """External runner: reports/baseline.json first holds a report of other weights (an
+    error: the run goes on without a baseline), then the watcher's retry writes the right
+    one: the reports after it carry deltas, the one before does not."""
+    other = tmp_path / "other-baseline"
+    shutil.copytree(world / "baseline", other)
+    drafter = load_drafter(other)
+    with torch.no_grad():
+        drafter.fc.weight.mul_(0.5)
+    from dflash_callbacks import save_drafter
+
+    save_drafter(other, drafter.config, drafter.state_dict())
+    wrong = ScoringService(ServiceSpec(str(world / "cache"), str(world / "target"), str(other), SCORING,
+                                       str(tmp_path / "bc"))).baseline()
+    right = ScoringService(ServiceSpec(str(world / "cache"), str(world / "target"), str(world / "baseline"), SCORING,
+                                       str(tmp_path / "bc"))).baseline()
+    scorer = service(world)
+    watcher = HostileWatcher(tmp_path / "d", [
+        lambda step, i: scorer.score_folder(RunFolder(run_dirs(tmp_path / "d")[0]).snapshot_path(step)).to_dict()
+    ] * 3)
+
+    class Baselines(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            cb.run.reports_dir.mkdir(exist_ok=True)
+            wrong.to_json(cb.run.report_path(None))
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            if trainer.global_step == 3:  # once step 2 is scored; the runner looks again before step 4
+                while not cb.run.report_path(2).is_file():
+                    time.sleep(0.05)
+                right.to_json(cb.run.report_path(None))
+
+    cb = eval_cb(world, tmp_path, runner="external", keep_last=4, wait_timeout=60, baseline=world / "baseline",
+                 busy="queue", max_pending=4)
+    watcher.start()
+    try:
+        with pytest.warns(UserWarning, match="the watcher.s baseline report is of weights") as caught:
+            fit(world, tmp_path, [cb, Baselines()], max_steps=6)
+    finally:
+        watcher.stop.set()
+    assert [r.step for r in cb.reports] == [2, 4, 6] and cb.baseline_report.to_dict() == right.to_dict()
+    assert cb.errors == 1, [str(w.message) for w in caught]  # the wrong baseline
+    assert_clean(tmp_path / "d", cb.reports)
+
+
+def test_a_watcher_without_baseline_tells_a_run_that_expects_one(world, tmp_path):
+    """`watch` without --baseline writes an error for a run whose run.json names a baseline,
+    so the run does not wait for it; runs that expect none get nothing."""
+    expects = RunFolder.create(tmp_path / "runs", "a", {"baseline": str(world / "baseline")})
+    plain = RunFolder.create(tmp_path / "runs", "b", {"baseline": None})
+    lines = []
+    Watcher(service(world), tmp_path / "runs", log=lines.append).scan_once()
+    found = expects.read_report(expects.report_path(None))
+    assert "the watcher runs without --baseline, but this run expects the baseline" in found.message
+    assert not plain.report_path(None).exists() and "expects the baseline" in lines[0]
+
+
+def test_a_baseline_report_scored_with_another_config_is_refused_everywhere(world, tmp_path, capsys):
+    """A saved baseline report scored with window=2 or without a monitored method is
+    refused before training by the callback, and `compare` refuses it without --force."""
+    windowed = service(world, window=2).score_folder(world / "baseline")
+    windowed.to_json(tmp_path / "windowed.json")
+    cb = eval_cb(world, tmp_path, baseline=tmp_path / "windowed.json")
+    with pytest.raises(PreflightError, match=r"baseline .*windowed.json was scored with window 2 \(this run: None\)"):
+        fit(world, tmp_path, [cb], max_steps=2)
+    cb = eval_cb(world, tmp_path, baseline=tmp_path / "windowed.json", scoring={**SCORING, "window": 2,
+                                                                               "ddtree_budgets": [4, 8]})
+    with pytest.raises(PreflightError, match=r"was scored with no ddtree@8"):
+        fit(world, tmp_path, [cb], max_steps=2)
+    ours = service(world).score_folder(world / "baseline")
+    ours.to_json(tmp_path / "ours.json")
+    assert cli_main(["compare", str(tmp_path / "ours.json"), str(tmp_path / "windowed.json")]) == 2
+    assert "refusing to compare: the baseline" in capsys.readouterr().err
+    assert cli_main(["compare", str(tmp_path / "ours.json"), str(tmp_path / "windowed.json"), "--force"]) == 0
+
+
+def test_a_resume_with_another_scoring_config_goes_on_in_a_new_run_folder(world, tmp_path):
+    """Resumed with ddtree_budgets [4] -> [4, 8] and a stop on ddtree@8: the first run's
+    numbers (without ddtree@8) are not taken; the resume writes a new run folder, and the
+    stop's history holds only numbers of the new config."""
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", every_n_train_steps=4, save_top_k=-1)
+    fit(world, tmp_path, [eval_cb(world, tmp_path), ckpt], max_steps=4, enable_checkpointing=True)
+    cb = eval_cb(world, tmp_path, scoring={**SCORING, "ddtree_budgets": [4, 8]})
+    stop = TrailingBaselineStop(monitor="ddtree@8/live", verbose=False)
+    with pytest.warns(UserWarning, match=r"was scored with no ddtree@8 .* goes on in a new run folder"):
+        fit(world, tmp_path, [cb, stop], max_steps=8, ckpt_path=str(tmp_path / "ckpt" / "step=4.ckpt"))
+    second = cb.run.path
+    (first,) = [p for p in run_dirs(tmp_path / "d") if p != second]
+    steps = [[r.step for r in RunFolder(folder).read_results().reports] for folder in (first, second)]
+    assert steps == [[2, 4], [6, 8]]
+    assert [s for s, _ in stop.history] == [6, 8]
+    assert RunFolder(second).about()["basis"]["methods"] == ["vanilla", "ddtree@4", "ddtree@8"]
+    assert_clean(tmp_path / "d", cb.reports)
+
+
+def test_a_non_finite_report_leaves_nan_means_and_a_resume_restores_the_last(world, tmp_path):
+    """NaN weights from step 3: the report of step 4 is an error, and the means in
+    callback_metrics become NaN (ModelCheckpoint ranks it worst) with dflash/step 4, the
+    baseline's means untouched. A resume puts the last report's means back before training."""
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", every_n_train_steps=2, save_top_k=-1)
+    cb = eval_cb(world, tmp_path, baseline=world / "baseline", baseline_cache_dir=tmp_path / "bc")
+    with pytest.warns(UserWarning, match="step 4 failed: NonFiniteError"):
+        trainer = fit(world, tmp_path, [PoisonAt(3), cb, ckpt], max_steps=4, enable_checkpointing=True)
+    metrics = trainer.callback_metrics
+    assert math.isnan(metrics["dflash/ddtree@4/live/mean"]) and math.isnan(metrics["dflash/ratio/ddtree@4/live/mean"])
+    assert metrics["dflash/baseline/ddtree@4/live/mean"] == pytest.approx(cb.baseline_report.value("ddtree@4/live"))
+    assert metrics["dflash/step"] == 4
+
+    seen = {}
+
+    class AtStart(pl.Callback):
+        def on_train_batch_start(self, trainer, *args):
+            seen.setdefault("metrics", dict(trainer.callback_metrics))
+
+    step2 = cb.reports[0].value("ddtree@4/live")
+    cb = eval_cb(world, tmp_path, baseline=world / "baseline", baseline_cache_dir=tmp_path / "bc")
+    fit(world, tmp_path, [cb, AtStart()], max_steps=4, ckpt_path=str(tmp_path / "ckpt" / "step=2.ckpt"))
+    assert seen["metrics"]["dflash/ddtree@4/live/mean"] == pytest.approx(step2) and seen["metrics"]["dflash/step"] == 2
+    # the resume reached step 4 again: its report follows the error line of step 4
+    assert [("error" in r, r["step"]) for r in records(tmp_path / "d")] == [(False, 2), (True, 4), (False, 4)]
+    assert_clean(tmp_path / "d", cb.reports)
+
+
+def test_a_report_finished_when_the_fit_raises_is_kept_whole(world, tmp_path):
+    """The fit raises while a finished report waits to be drained: results.jsonl keeps it
+    as a report (never an error line without an error)."""
+
+    class Boom(pl.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 3:
+                deadline = time.time() + 60
+                while cb._runner._outbox.empty() and time.time() < deadline:
+                    time.sleep(0.05)
+                raise RuntimeError("the training step failed")
+
+    cb = eval_cb(world, tmp_path)
+    with pytest.raises(RuntimeError, match="the training step failed"):
+        fit(world, tmp_path, [Boom(), cb], max_steps=6)
+    (line,) = records(tmp_path / "d")
+    assert line["step"] == 2 and "tasks" in line and "error" not in line
+    assert_clean(tmp_path / "d")
+
+
+class CopyLandsOnWait:
+    """Stands in for the CUDA event of a side-stream copy (no GPU here): the snapshot's
+    buffers hold their real values only once someone waits for it."""
+
+    def __init__(self, snapshot: Snapshot, values: dict):
+        self.snapshot, self.values = snapshot, values
+
+    def synchronize(self):
+        time.sleep(0.05)
+        for name, value in self.values.items():
+            self.snapshot.state[name].copy_(value)
+
+
+def test_the_runner_scores_a_snapshot_only_after_its_copy_lands(world, tmp_path):
+    """keep_last=0 (nothing written, so nothing else waits): the report is of the
+    captured weights, not of the buffers before the copy landed."""
+    weights = load_drafter(world / "baseline").state_dict()
+    config = DrafterConfig.from_file(world / "baseline")
+    snapshot = Snapshot(2, 0, config, {k: torch.zeros_like(v) for k, v in weights.items()})
+    snapshot.event = CopyLandsOnWait(snapshot, weights)
+    spec = ServiceSpec(str(world / "cache"), str(world / "target"), None, SCORING)
+    run = RunFolder.create(tmp_path / "d", "run")
+    runner = BackgroundRunner("thread", spec, run, keep_last=0, basis=run_basis(spec, config.block_size))
+    runner.submit(Job(2, snapshot.snapshot_id, snapshot=snapshot))
+    deadline, outcomes = time.time() + 60, []
+    while not outcomes and time.time() < deadline:
+        outcomes = runner.poll()
+        time.sleep(0.05)
+    runner.close(wait=True, timeout=10, reason="done")
+    (outcome,) = outcomes
+    assert isinstance(outcome, SnapshotOutcome) and outcome.error is None
+    expected = service(world).score(config, weights, step=2)
+    assert outcome.report.tasks == expected.tasks
+    run.unlock()
