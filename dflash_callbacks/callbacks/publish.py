@@ -7,7 +7,10 @@
 
 A step that fails (a full disk, a broken logger, a subscriber that raises) is reported
 through `fail` and the other steps still run; a report that could not be appended is
-kept and appended again before the next one.
+kept and appended again before the next one. A report the strict reader refuses
+(`EvalReport.from_dict`: a NaN, a tau out of range, ...) is an error for its step: an
+error line takes its place in results.jsonl and none of its numbers is logged. A line that
+can not be JSON at all is dropped and counted, never retried.
 
 Metric keys (PREFIX is the callback's `name`, "dflash" by default; AGG live or dense;
 TASK a task name or `mean`):
@@ -36,7 +39,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from ..scoring.methods import AGGREGATES
 from ..scoring.report import EvalReport, comparison, ratio
-from .run_folder import ResultsWriteError, RunFolder
+from .run_folder import ResultsRecordError, ResultsWriteError, RunFolder
 
 Subscriber = Callable[[EvalReport, "EvalReport | None"], object]
 
@@ -106,21 +109,35 @@ class Publisher:
 
     def record(self, trainer, record: dict | None) -> bool:
         """Append a results.jsonl line (earlier failed ones first; None: only retry those);
-        False if something could not be written."""
+        False if something could not be written. A record that is not JSON is dropped."""
         if record is not None:
             self.unsaved.append(record)
+        written = True
         while self.unsaved:
             try:
                 self.run.append(self.unsaved[0])
             except ResultsWriteError as e:
                 self.fail(trainer, f"{e} ({len(self.unsaved)} line(s) held in memory, retried with the next report)")
                 return False
+            except ResultsRecordError as e:
+                self.unsaved.pop(0)
+                self.fail(trainer, str(e))
+                written = False
+                continue
             self.unsaved.pop(0)
-        return True
+        return written
 
     def publish(self, trainer, report: EvalReport, baseline: EvalReport | None, score_seconds: float,
                 errors: int) -> None:
-        self.record(trainer, {**report.to_dict(), "score_seconds": score_seconds})
+        record = {**report.to_dict(), "score_seconds": score_seconds}
+        try:
+            EvalReport.from_dict(record)  # what the reader would refuse is never logged
+        except ValueError as e:
+            error = f"step {report.step}: the report is refused, none of its numbers is logged: {e}"
+            self.record(trainer, {"step": report.step, "snapshot_id": report.snapshot_id, "error": error})
+            self.fail(trainer, error)
+            return
+        self.record(trainer, record)
         metrics = report_metrics(self.prefix, report, baseline)
         metrics.update({f"{self.prefix}/step": float(report.step), f"{self.prefix}/score_seconds": score_seconds,
                         f"{self.prefix}/errors": float(errors)})
