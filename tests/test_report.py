@@ -9,6 +9,7 @@ import math
 import pytest
 
 from dflash_callbacks.cache.format import HiddenStateCache
+from dflash_callbacks.model.target_head import TargetHead, head_fingerprint
 from dflash_callbacks.scoring.config import ScoringConfig
 from dflash_callbacks.scoring.report import INT_MAX, EvalReport
 from dflash_callbacks.scoring.scorer import score_drafter
@@ -22,9 +23,9 @@ B = 6  # the synthetic world's block size
 def raw(tmp_path_factory) -> dict:
     """A real report's JSON object, as a watcher writes it."""
     world = build_world(tmp_path_factory.mktemp("world"))
-    report = score_drafter(world.drafter, HiddenStateCache(world.cache), world.head,
+    report = score_drafter(world.drafter, HiddenStateCache(world.cache), TargetHead.from_pretrained(world.target),
                            ScoringConfig(ddtree_budgets=[4], device="cpu"), step=4, snapshot_id="abc")
-    assert report.block_size == B
+    assert report.block_size == B and report.cache["target"] == head_fingerprint(world.target)
     return json.loads(report.to_json())
 
 
@@ -57,6 +58,7 @@ NAN, INF = float("nan"), float("inf")
     ("score_seconds", INF, r"score_seconds is inf, not a finite number"),  # a results.jsonl line's own field
     ("scoring", [1], r"'scoring' is not an object"),
     ("extra", 5, r"'extra' is not an object"),
+    ("cache.target", 5, r"'cache' holds a 'path' or 'target' that is not a string"),
     ("tasks.long.vanilla.live_rounds", [2, NAN], r"tasks.long.vanilla.live_rounds\[1\] is nan"),
     ("tasks.long.vanilla.live_rounds", [0], r"task 'long', vanilla: 'live_rounds'\[0\] is 0, not an integer from 1 to 6"),
     ("tasks.long.vanilla.live_rounds", [B + 1], r"'live_rounds'\[0\] is 7, not an integer from 1 to 6"),
@@ -99,3 +101,9 @@ def test_exact_boundaries_stay_legal_and_the_largest_legal_numbers_keep_the_mean
             numbers.update(dense=INT_MAX, live=INT_MAX, live_rounds=[INT_MAX])
     means = EvalReport.from_dict(huge).mean
     assert all(math.isfinite(v) for per_method in means.values() for v in per_method.values())
+
+
+def test_a_report_written_before_the_target_was_recorded_still_loads(raw):
+    old = {**raw, "cache": {k: v for k, v in raw["cache"].items() if k != "target"}}
+    report = EvalReport.from_dict(old)
+    assert "target" not in report.cache and report.to_dict()["tasks"] == raw["tasks"]

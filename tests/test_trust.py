@@ -20,16 +20,20 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import save_file
 
 from dflash_callbacks import TrailingBaselineStop, save_drafter
+from dflash_callbacks.cache.extract import extract_cache
 from dflash_callbacks.cache.format import write_task
+from dflash_callbacks.cache.tasks import Task
 from dflash_callbacks.callbacks import runners
 from dflash_callbacks.callbacks.publish import Publisher
 from dflash_callbacks.callbacks.run_folder import RunFolder
 from dflash_callbacks.cli import main as cli_main
 from dflash_callbacks.files import atomic_write_json
-from dflash_callbacks.scoring.report import EvalReport
+from dflash_callbacks.model.target_head import head_fingerprint
+from dflash_callbacks.scoring.report import EvalReport, comparable
 from dflash_callbacks.scoring.scorer import NonFiniteError
 from dflash_callbacks.scoring.service import PreflightError, ScoringService, ServiceSpec
 
+from fixtures_cache import save_random_target
 from runs import assert_clean, records, run_dir
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -575,6 +579,29 @@ def test_a_target_head_of_another_vocabulary_or_width_is_refused_before_training
                   str(target / "model.safetensors"))
         (target / "config.json").write_text("{}")
         refused_before_training(world, tmp_path, eval_cb(world, tmp_path, target=target), message)
+
+
+def test_the_baseline_is_cached_per_target_head_and_every_report_names_its_target(random_target_dir, zlab_tiny, tmp_path):
+    """Two real tiny targets of the same shapes and other weights (a re-trained target): the
+    baseline scored against one is never taken from the shared baseline cache for the other;
+    each report names the head it was scored with, and two reports of two heads are not
+    comparable. A report written before the target was recorded still loads and compares."""
+    other = save_random_target(tmp_path / "other-target", seed=1)
+    cache = extract_cache(random_target_dir, tmp_path / "cache", [Task("t", "def f(x):")], [1, 2, 4],
+                          max_new_tokens=12, chat_template=False, progress=False)
+
+    def baseline(target: Path, cache_dir: str) -> EvalReport:
+        spec = ServiceSpec(str(cache.path), str(target), str(zlab_tiny), SCORING, str(tmp_path / cache_dir))
+        return ScoringService(spec).baseline()
+
+    first, second = baseline(random_target_dir, "bc"), baseline(other, "bc")
+    assert first.cache["target"] == head_fingerprint(random_target_dir) != second.cache["target"] == head_fingerprint(other)
+    assert len(list((tmp_path / "bc").glob("baseline-*.json"))) == 2  # one per head, none reused
+    assert baseline(other, "bc").to_dict() == second.to_dict()  # each head's is reused
+    assert baseline(other, "fresh").tasks == second.tasks
+    assert any("different target heads" in problem for problem in comparable(second, first))
+    old = EvalReport.from_dict({**first.to_dict(), "cache": {k: v for k, v in first.cache.items() if k != "target"}})
+    assert comparable(second, old) == [] and comparable(first, first) == []
 
 
 def test_a_damaged_cache_or_a_task_with_no_anchor_is_refused_before_training(world, tmp_path):

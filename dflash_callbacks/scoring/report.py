@@ -27,8 +27,10 @@ TASK_FIELDS = ("dense", "live", "curve", "live_rounds", "anchors")
 class EvalReport:
     """Per task and method: {"dense", "live", "curve", "live_rounds", "anchors"}; tau units.
 
-    JSON shape: {"step", "snapshot_id", "drafter", "cache": {"path", "fingerprint"},
+    JSON shape: {"step", "snapshot_id", "drafter", "cache": {"path", "fingerprint", "target"},
     "block_size", "tasks": {TASK: {METHOD: {...}}}, "mean": {METHOD: {"dense", "live"}}, ...}.
+    `cache.target` is the fingerprint of the target head scored with (`head_fingerprint`;
+    absent in reports written before it was recorded).
     `step` and `snapshot_id` name the snapshot scored (None for a drafter folder);
     `seconds` is the scorer's own time; `peak_memory` its peak accelerator memory in bytes
     (None on the CPU); `created` the Unix time scoring started; `extra` anything else.
@@ -259,6 +261,9 @@ def comparable(ours: EvalReport, baseline: EvalReport) -> list[str]:
     problems = []
     if ours.cache.get("fingerprint") != baseline.cache.get("fingerprint"):
         problems.append(f"different caches ({ours.cache.get('fingerprint')} vs {baseline.cache.get('fingerprint')})")
+    targets = ours.cache.get("target"), baseline.cache.get("target")
+    if None not in targets and targets[0] != targets[1]:
+        problems.append(f"different target heads ({targets[0]} vs {targets[1]})")
     if ours.block_size != baseline.block_size:
         problems.append(f"different block sizes ({ours.block_size} vs {baseline.block_size})")
     if set(ours.tasks) != set(baseline.tasks):

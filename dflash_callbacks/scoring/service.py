@@ -9,7 +9,7 @@ Every entry point uses it: the callback's thread runner, the process runner's wo
     service = ScoringService(spec)         # loads the target's embedding and LM head
     report = service.score(config, state, step=400, snapshot_id="...")
     report = service.score_folder("runs/x/snapshots/step-00000400")
-    baseline = service.baseline()          # scored once per (weights, cache, scoring config), cached on disk
+    baseline = service.baseline()          # scored once per (weights, cache, target head, scoring config), cached on disk
 
 Nothing that is not a finite number is ever reported: NaN or Inf weights, hidden states
 or logits raise NonFiniteError for that report.
@@ -273,7 +273,8 @@ class ScoringService:
 
     def baseline(self, *, cancel: threading.Event | None = None, progress: bool = False) -> EvalReport | None:
         """The baseline's report: from a saved report JSON, from the on-disk cache of
-        earlier runs, or scored now (and cached)."""
+        earlier runs (keyed by the baseline's weights, the cache, the target head's
+        fingerprint and the scoring config), or scored now (and cached)."""
         if self._baseline is not None or self.spec.baseline is None:
             return self._baseline
         source = Path(self.spec.baseline)
@@ -281,7 +282,7 @@ class ScoringService:
             report = EvalReport.load(source)
         else:
             key = {"weights": weights_fingerprint(source), "cache": self.cache.fingerprint,
-                   "scoring": self.config.fingerprint_fields()}
+                   "target": self.head.fingerprint, "scoring": self.config.fingerprint_fields()}
             digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
             cache_dir = Path(self.spec.baseline_cache_dir or default_baseline_cache_dir())
             cached = cache_dir / f"baseline-{digest}.json"
