@@ -105,7 +105,7 @@ class Publisher:
         self.prefix, self.run, self.fail, self.verbose = prefix, run, fail, verbose
         self.subscribers = subscribers  # the eval callback's list: subscribing later still counts
         self.unsaved: list[dict] = []  # records whose append failed, retried first
-        self._wandb_defined: set[int] = set()
+        self._wandb_defined: dict[int, set[str]] = {}  # per W&B run: the keys define_metric has seen
 
     def record(self, trainer, record: dict | None) -> bool:
         """Append a results.jsonl line (earlier failed ones first; None: only retry those);
@@ -179,13 +179,16 @@ class Publisher:
         p = self.prefix
         if id(run) not in self._wandb_defined:
             run.define_metric(f"{p}/step")
-            for key in metrics:
-                summary = "max" if key not in (f"{p}/step", f"{p}/score_seconds", f"{p}/errors") else None
-                run.define_metric(key, step_metric=f"{p}/step", **({"summary": summary} if summary else {}))
             run.config.update({p: {"cache": report.cache.get("path"), "cache_fingerprint": report.cache["fingerprint"],
+                                   "target_fingerprint": report.cache.get("target"),
                                    "block_size": report.block_size, "drafter_block_size": report.drafter_block_size,
                                    "methods": report.methods, "scoring": report.scoring}}, allow_val_change=True)
-            self._wandb_defined.add(id(run))
+            self._wandb_defined[id(run)] = set()
+        defined = self._wandb_defined[id(run)]
+        for key in [k for k in metrics if k not in defined]:  # each key the first time it is seen (the baseline's may come late)
+            summary = "max" if key not in (f"{p}/step", f"{p}/score_seconds", f"{p}/errors") else None
+            run.define_metric(key, step_metric=f"{p}/step", **({"summary": summary} if summary else {}))
+            defined.add(key)
         columns, rows = comparison(report, baseline)
         extras = {f"{p}/live_table": wandb.Table(columns=columns, data=[[row[0], *(round(x, 4) for x in row[1:])]
                                                                         for row in rows])}
