@@ -94,6 +94,19 @@ def test_writer_refuses_wrong_shapes_and_dtypes(tmp_path):
     assert HiddenStateCache(folder).task_names == ["alpha", "beta"]
 
 
+def test_the_task_name_mean_is_reserved_by_the_writer_and_the_reader(tmp_path):
+    """`mean` names the run-level mean over tasks in logged keys and tables: a task of that
+    name would be shadowed by it, so no cache can hold one."""
+    folder = make_cache(tmp_path / "c")
+    with pytest.raises(ValueError, match="task name 'mean' is reserved for the mean over tasks"):
+        write_task(folder, "mean", torch.arange(4), torch.zeros(4, 16), 2)
+    assert HiddenStateCache(folder).task_names == ["alpha", "beta"] and not (folder / "mean.safetensors").exists()
+    write_task(folder, "means", torch.arange(4), torch.zeros(4, 16), 2)  # only the exact name is reserved
+    edit_manifest(folder, lambda m: m["tasks"][0].update(name="mean"))  # a manifest written by another tool
+    with pytest.raises(CacheError, match=r"manifest.json: tasks\[0\]: task name 'mean' is reserved"):
+        HiddenStateCache(folder)
+
+
 def test_reopening_for_writing_checks_settings_and_cleans_temp_files(tmp_path):
     folder = make_cache(tmp_path / "c")
     stale = folder / ".gamma.safetensors.tmp-12345"
@@ -281,6 +294,7 @@ def test_coding10():
         ("tasks:\n  - {name: a}\n", r"tasks\[0\] has no 'prompt'"),
         ("tasks:\n  - {name: a, promt: x}\n", r"unknown keys \['promt'\]"),
         ("tasks:\n  - {name: 'a b', prompt: x}\n", "not usable as a file name"),
+        ("tasks:\n  - {name: mean, prompt: x}\n", r"tasks\[0\].name: task name 'mean' is reserved"),
         ("tasks:\n  - just a string\n", r"tasks\[0\] must be a mapping"),
         ("tasks: []\n", "the 'tasks' list is empty"),
         ("- {name: a, prompt: x}\n", "expected a mapping with a 'tasks' list"),

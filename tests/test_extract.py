@@ -93,6 +93,9 @@ def test_no_chat_template_and_bad_arguments(random_target_dir, tmp_path):
         extract_cache(tmp_path / "no-model", tmp_path / "y", TASKS, [1], progress=False)
     with pytest.raises(ValueError, match="duplicate task names"):
         extract_cache(random_target_dir, tmp_path / "z", TASKS + TASKS[:1], [1], progress=False)
+    with pytest.raises(ValueError, match="task name 'mean' is reserved"):  # refused before the target is loaded
+        extract_cache(tmp_path / "no-model", tmp_path / "m", [Task("mean", "def f(x):")], [1], progress=False)
+    assert not (tmp_path / "m").exists()
 
 
 def parse(argv):

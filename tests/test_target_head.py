@@ -1,12 +1,16 @@
 import json
+import shutil
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import dflash_callbacks.model.target_head as target_head_module
 from dflash_callbacks import TargetHead
+from dflash_callbacks.model.target_head import head_fingerprint, head_shapes
+
+from fixtures_cache import save_random_target
 
 
 def tiny_target(tied: bool) -> Qwen3ForCausalLM:
@@ -18,10 +22,17 @@ def tiny_target(tied: bool) -> Qwen3ForCausalLM:
     return Qwen3ForCausalLM(config).eval()
 
 
+class KeyLog(list):
+    def __init__(self):
+        super().__init__()
+        self.rows: set[str] = set()
+
+
 @pytest.fixture
 def read_keys(monkeypatch):
-    """Every tensor name whose data TargetHead reads (the real safe_open runs underneath)."""
-    keys = []
+    """Every tensor name whose data TargetHead reads whole, in order (the real safe_open runs
+    underneath); `read_keys.rows` the names read only in part, through get_slice."""
+    keys = KeyLog()
     real_safe_open = target_head_module.safe_open
 
     class Recording:
@@ -41,6 +52,10 @@ def read_keys(monkeypatch):
         def get_tensor(self, key):
             keys.append(key)
             return self.handle.get_tensor(key)
+
+        def get_slice(self, key):
+            keys.rows.add(key)
+            return self.handle.get_slice(key)
 
     monkeypatch.setattr(target_head_module, "safe_open", Recording)
     return keys
@@ -62,7 +77,27 @@ def test_reads_exactly_embedding_and_lm_head(tmp_path, layout, read_keys):
     assert torch.equal(head.lm_head.weight, model.lm_head.weight)
     assert head.vocab_size == 96 and head.hidden_size == 32
     expected = ["model.embed_tokens.weight"] + ([] if layout == "tied" else ["lm_head.weight"])
-    assert read_keys == expected
+    assert read_keys == expected and read_keys.rows == set(expected)  # rows: the head's fingerprint
+    assert head.fingerprint == head_fingerprint(tmp_path)
+
+
+def test_the_head_fingerprint_tells_same_shaped_targets_apart_from_a_few_rows(tmp_path, read_keys):
+    """Two real targets of the same shapes, other weights (another seed: a re-trained target),
+    and one that differs from the first only in its lm_head: three fingerprints. A copy of
+    the first elsewhere, or its sharded save, has the first's. Only rows are read."""
+    a = save_random_target(tmp_path / "a", seed=0)
+    b = save_random_target(tmp_path / "b", seed=1)
+    sharded = save_random_target(tmp_path / "a-sharded", seed=0, max_shard_size="100KB")
+    shutil.copytree(a, tmp_path / "a-copy")
+    weights = load_file(str(a / "model.safetensors"))
+    weights["lm_head.weight"] = weights["lm_head.weight"] * 1.01
+    shutil.copytree(a, tmp_path / "a-new-head")
+    save_file(weights, str(tmp_path / "a-new-head" / "model.safetensors"))
+    assert head_shapes(a) == head_shapes(b)
+    fingerprint = head_fingerprint(a)
+    assert len(fingerprint) == 16 and fingerprint == head_fingerprint(tmp_path / "a-copy") == head_fingerprint(sharded)
+    assert len({fingerprint, head_fingerprint(b), head_fingerprint(tmp_path / "a-new-head")}) == 3
+    assert read_keys == [] and read_keys.rows == {"model.embed_tokens.weight", "lm_head.weight"}  # no whole tensor
 
 
 def test_multimodal_key_variant_and_dtype(tmp_path):

@@ -20,14 +20,21 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import save_file
 
 from dflash_callbacks import TrailingBaselineStop, save_drafter
+from dflash_callbacks.cache.extract import extract_cache
 from dflash_callbacks.cache.format import write_task
+from dflash_callbacks.cache.tasks import Task
 from dflash_callbacks.callbacks import runners
+from dflash_callbacks.callbacks.publish import Publisher
 from dflash_callbacks.callbacks.run_folder import RunFolder
 from dflash_callbacks.cli import main as cli_main
 from dflash_callbacks.files import atomic_write_json
+from dflash_callbacks.model.target_head import head_fingerprint
+from dflash_callbacks.scoring.basis import Basis
+from dflash_callbacks.scoring.report import EvalReport
 from dflash_callbacks.scoring.scorer import NonFiniteError
 from dflash_callbacks.scoring.service import PreflightError, ScoringService, ServiceSpec
 
+from fixtures_cache import save_random_target
 from runs import assert_clean, records, run_dir
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -178,6 +185,68 @@ def test_malformed_watcher_reports_are_errors_not_crashes(world, tmp_path):
     assert "the report names step None" in lines[2]["error"]
     assert "tasks" in lines[3] and [r.step for r in cb.reports] == [8] and cb.errors == 3
     assert_clean(tmp_path / "d", cb.reports)
+
+
+def test_a_watcher_report_with_a_nan_or_out_of_range_number_is_an_error_not_a_crash(world, tmp_path):
+    """External runner: a report whose number the reader once let through ('seconds': NaN
+    raised out of the results.jsonl append, killing fit, and stayed queued to fail every
+    later append; a tau above the block size was logged) is an error for its snapshot; the
+    next snapshot is scored, recorded and logged."""
+    service = ScoringService(ServiceSpec(str(world / "cache"), str(world / "target"), None, SCORING))
+
+    def good(step, snapshot_id):
+        return service.score_folder(RunFolder(run_dir(tmp_path / "d")).snapshot_path(step)).to_dict()
+
+    def nan_seconds(step, snapshot_id):
+        return {**good(step, snapshot_id), "seconds": float("nan")}  # written as NaN, as json.dumps does
+
+    def tau_above_block(step, snapshot_id):
+        payload = good(step, snapshot_id)
+        next(iter(payload["tasks"].values()))["vanilla"]["live"] = payload["block_size"] + 1.0
+        return payload
+
+    watcher = HostileWatcher(tmp_path / "d", [nan_seconds, tau_above_block, good])
+    watcher.start()
+    cb = eval_cb(world, tmp_path, runner="external", keep_last=4, wait_timeout=60, busy="queue", max_pending=8)
+    try:
+        with pytest.warns(UserWarning, match=r"step 2 failed: RuntimeError: .*not a report: seconds is nan"):
+            trainer = fit(world, tmp_path, [cb], max_steps=6)
+    finally:
+        watcher.stop.set()
+    lines = records(tmp_path / "d")
+    assert trainer.global_step == 6 and [r["step"] for r in lines] == [2, 4, 6]
+    assert "seconds is nan, not a finite number" in lines[0]["error"]
+    assert "vanilla: 'live' is 7.0, not a finite number from 1 to 6" in lines[1]["error"]
+    assert "tasks" in lines[2] and [r.step for r in cb.reports] == [6] and cb.errors == 2
+    assert float(trainer.callback_metrics["dflash/vanilla/live/mean"]) == pytest.approx(cb.reports[0].value("vanilla/live"))
+    assert_clean(tmp_path / "d", cb.reports)
+
+
+def test_a_report_or_line_that_is_not_strict_json_is_an_error_line_dropped_never_retried(world, tmp_path):
+    """A report in memory the strict reader would refuse (here NaN seconds) is an error line
+    in results.jsonl, counted, and none of its numbers is logged; a line that is not JSON at
+    all is dropped and counted, not held to fail every later append; good reports go on."""
+    service = ScoringService(ServiceSpec(str(world / "cache"), str(world / "target"), None, SCORING))
+    good = service.score_folder(world / "baseline")
+    good.step, good.snapshot_id = 2, "a" * 16
+    bad = EvalReport.from_dict({**good.to_dict(), "step": 4, "snapshot_id": "b" * 16})
+    bad.seconds = float("nan")
+    later = EvalReport.from_dict({**good.to_dict(), "step": 6, "snapshot_id": "c" * 16})
+    run, failures, seen = RunFolder.create(tmp_path / "d", "r"), [], []
+    publisher = Publisher("dflash", run, lambda trainer, message: failures.append(message), False,
+                          [lambda report, baseline: seen.append(report.step)])
+    trainer = pl.Trainer(logger=False, accelerator="cpu", enable_progress_bar=False, enable_model_summary=False)
+    publisher.publish(trainer, bad, None, 1.0, 0)
+    assert not trainer.callback_metrics and seen == [] and failures == [
+        "step 4: the report is refused, none of its numbers is logged: not a report: seconds is nan, not a finite number"]
+    publisher.record(trainer, {"step": 5, "snapshot_id": "d" * 16, "error": "x", "seconds": float("inf")})
+    assert "line of step 5 is not strict JSON" in failures[1] and publisher.unsaved == []
+    publisher.publish(trainer, later, None, 1.0, 2)
+    lines = [json.loads(line) for line in run.results_path.read_text().splitlines()]
+    assert [(r["step"], "error" in r) for r in lines] == [(4, True), (6, False)] and seen == [6] and len(failures) == 2
+    assert lines[0]["error"] == failures[0] and lines[0]["snapshot_id"] == "b" * 16
+    assert float(trainer.callback_metrics["dflash/vanilla/live/mean"]) == pytest.approx(later.value("vanilla/live"))
+    assert_clean(tmp_path / "d")
 
 
 def test_a_stale_report_of_another_snapshot_is_never_taken_for_this_one(world, tmp_path):
@@ -511,6 +580,32 @@ def test_a_target_head_of_another_vocabulary_or_width_is_refused_before_training
                   str(target / "model.safetensors"))
         (target / "config.json").write_text("{}")
         refused_before_training(world, tmp_path, eval_cb(world, tmp_path, target=target), message)
+
+
+def test_the_baseline_is_cached_per_target_head_and_every_report_names_its_target(random_target_dir, zlab_tiny, tmp_path):
+    """Two real tiny targets of the same shapes and other weights (a re-trained target): the
+    baseline scored against one is never taken from the shared baseline cache for the other;
+    each report names the head it was scored with, and two reports of two heads are not
+    comparable (`scoring.basis`). A report written before the target was recorded still loads and compares."""
+    other = save_random_target(tmp_path / "other-target", seed=1)
+    cache = extract_cache(random_target_dir, tmp_path / "cache", [Task("t", "def f(x):")], [1, 2, 4],
+                          max_new_tokens=12, chat_template=False, progress=False)
+
+    def baseline(target: Path, cache_dir: str) -> EvalReport:
+        spec = ServiceSpec(str(cache.path), str(target), str(zlab_tiny), SCORING, str(tmp_path / cache_dir))
+        return ScoringService(spec).baseline()
+
+    first, second = baseline(random_target_dir, "bc"), baseline(other, "bc")
+    assert first.cache["target"] == head_fingerprint(random_target_dir) != second.cache["target"] == head_fingerprint(other)
+    assert len(list((tmp_path / "bc").glob("baseline-*.json"))) == 2  # one per head, none reused
+    assert baseline(other, "bc").to_dict() == second.to_dict()  # each head's is reused
+    assert baseline(other, "fresh").tasks == second.tasks
+    def differences(a: EvalReport, b: EvalReport) -> list[str]:
+        return Basis.of_report(a).differences(Basis.of_report(b))
+
+    assert any(d.startswith("target head ") for d in differences(second, first))
+    old = EvalReport.from_dict({**first.to_dict(), "cache": {k: v for k, v in first.cache.items() if k != "target"}})
+    assert differences(second, old) == [] and differences(first, first) == []
 
 
 def test_a_damaged_cache_or_a_task_with_no_anchor_is_refused_before_training(world, tmp_path):

@@ -6,7 +6,11 @@ import torch
 from lightning.pytorch.loggers import WandbLogger
 from torch.utils.data import DataLoader
 
+from dflash_callbacks import DFlashDrafter
 from dflash_callbacks.callbacks import DrafterEvalCallback
+from dflash_callbacks.callbacks.publish import Publisher
+from dflash_callbacks.callbacks.run_folder import RunFolder
+from dflash_callbacks.scoring.service import ScoringService, ServiceSpec
 from dflash_callbacks.training import CacheSequences, DFlashTrainingModule, collate_sequences
 
 from synthetic import build_world
@@ -60,10 +64,45 @@ def test_offline_wandb_run_holds_keys_deltas_table_and_summary(tmp_path, monkeyp
     assert [x for x, _ in series["ours"]] == list(range(1, depth + 1))
     mean_curve = [sum(t["ddtree@4"]["curve"][d] for t in cb.reports[-1].tasks.values()) / 3 for d in range(depth)]
     assert [y for _, y in series["ours"]] == pytest.approx(mean_curve)
-    # the run config tells two runs apart: cache fingerprint and block sizes
+    # the run config tells two runs apart: cache and target head fingerprints, block sizes
     config = run["config"]["dflash"]
     assert config["cache_fingerprint"] == cb.reports[0].cache["fingerprint"]
+    assert config["target_fingerprint"] == cb.reports[0].cache["target"] == base.cache["target"]
     assert config["block_size"] == config["drafter_block_size"] == world.config.block_size
     assert run["metrics"]["dflash/ddtree@4/live/mean"].step_metric == "dflash/step"
     best = max(r.value("ddtree@4/live") for r in cb.reports)
     assert run["summary"]["dflash/ddtree@4/live/mean"] == {"max": pytest.approx(best)}
+
+
+def test_keys_first_seen_after_the_first_report_are_defined_with_their_summary(tmp_path, monkeypatch):
+    """The baseline may come after the first report (a watcher that writes it late, a retried
+    baseline): its baseline/delta/ratio keys first appear with the second report, and get the
+    x axis and the max summary there too, not W&B's default (the last value)."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    world = build_world(tmp_path / "world")
+    service = ScoringService(ServiceSpec(str(world.cache), str(world.target), str(world.baseline),
+                                         {"ddtree_budgets": [4], "device": "cpu"}, str(tmp_path / "bc")))
+    baseline = service.baseline()
+    other = DFlashDrafter(world.config)  # a fresh drafter: further from the target's text than the baseline
+    reports = [service.score_folder(world.baseline), service.score_folder(world.baseline),
+               service.score(world.config, other.state_dict())]
+    for step, report in zip((4, 8, 12), reports):
+        report.step, report.snapshot_id = step, f"{step:016d}"
+    logger = WandbLogger(project="dflash-test", save_dir=str(tmp_path), offline=True)
+    trainer = pl.Trainer(logger=logger, accelerator="cpu", enable_progress_bar=False, enable_model_summary=False)
+    failures = []
+    publisher = Publisher("dflash", RunFolder.create(tmp_path / "d", "r"), lambda t, m: failures.append(m), False, [])
+    for report, base in zip(reports, [None, baseline, baseline]):
+        publisher.publish(trainer, report, base, 1.0, 0)
+    import wandb
+    wandb.finish()
+
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    run = read_run(run_dir)
+    ratios = [report.value("ddtree@4/live") / baseline.value("ddtree@4/live") for report in reports[1:]]
+    assert failures == [] and ratios[0] == 1.0 > ratios[1]  # the max is not the last value
+    for key, best in [("dflash/ratio/ddtree@4/live/mean", 1.0), ("dflash/baseline/ddtree@4/live/long", None),
+                      ("dflash/ddtree@4/live/mean", max(r.value("ddtree@4/live") for r in reports))]:
+        assert run["metrics"][key].step_metric == "dflash/step" and run["metrics"][key].summary.max, key
+        if best is not None:
+            assert run["summary"][key] == {"max": pytest.approx(best)}, key

@@ -38,16 +38,20 @@ from .format import (
     open_for_writing,
     write_task,
 )
-from .tasks import Task, load_tasks
+from .tasks import Task, load_tasks, task_name_problem
 
 log = logging.getLogger(__name__)
 
 
 def resolve_tasks(tasks: str | os.PathLike | Sequence[Task]) -> list[Task]:
-    """A task-set name or YAML path -> its tasks; a list of Task is checked for duplicates."""
+    """A task-set name or YAML path -> its tasks; a list of Task is checked for duplicates and
+    unusable names (the same check as a task file's)."""
     if isinstance(tasks, (str, os.PathLike)):
         return load_tasks(tasks)
     tasks = list(tasks)
+    problems = [p for p in map(task_name_problem, (t.name for t in tasks)) if p]
+    if problems:
+        raise ValueError("; ".join(problems))
     names = [t.name for t in tasks]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:

@@ -35,7 +35,7 @@ from safetensors.torch import save as safetensors_bytes
 
 from ..checks import DTYPES
 from ..files import atomic_write, atomic_write_json
-from .tasks import TASK_NAME
+from .tasks import task_name_problem
 
 FORMAT_NAME = "dflash-hidden-cache"
 FORMAT_VERSION = 1
@@ -151,8 +151,9 @@ def validate_manifest(raw: Any, where: str) -> dict:
         num_bytes = _field(task, "num_bytes", "int", at)
         sha = _field(task, "sha256", "str", at)
         _field(task, "prompt", "str", at, required=False)
-        if not TASK_NAME.match(name):
-            raise CacheError(f"{at}: name {name!r} is not a valid task name")
+        problem = task_name_problem(name)
+        if problem:
+            raise CacheError(f"{at}: {problem}")
         if name in names:
             raise CacheError(f"{at}: duplicate task name {name!r}")
         if Path(file).name != file or file.startswith(".") or file in files:
@@ -268,8 +269,9 @@ def write_task(
     manifest = read_manifest(folder)
     target = manifest["target"]
     width = len(manifest["layer_ids"]) * target["hidden_size"]
-    if not TASK_NAME.match(name):
-        raise ValueError(f"task name {name!r} is not usable as a file name")
+    problem = task_name_problem(name)
+    if problem:
+        raise ValueError(problem)
     if input_ids.ndim != 1 or input_ids.dtype.is_floating_point:
         raise ValueError(f"{name}: input_ids must be a 1-D integer tensor, got {input_ids.dtype} {list(input_ids.shape)}")
     num_tokens = input_ids.shape[0]

@@ -1,7 +1,8 @@
 """Task sets: the prompts a cache is extracted from.
 
 A task set is a YAML file with a `tasks` list; each task has a `name` (it also names
-the task's file in a cache, so letters, digits, `_`, `-` and `.` only) and a `prompt`
+the task's file in a cache, so letters, digits, `_`, `-` and `.` only; `mean` is reserved
+for the run-level mean over tasks in logged keys and tables) and a `prompt`
 (the user's request, sent through the target's chat template at extraction):
 
     name: coding10
@@ -24,7 +25,18 @@ from ..paths import TASKS_DIR
 
 BUILTIN_DIR = TASKS_DIR
 TASK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+RESERVED_TASK_NAMES = ("mean",)  # the run-level mean over tasks: PREFIX/METHOD/AGG/mean, the table's last row
 TASK_KEYS = ("name", "prompt")
+
+
+def task_name_problem(name: str) -> str | None:
+    """Why `name` can not name a task (None: it can): every reader and writer of task names asks this."""
+    if not TASK_NAME.match(name):
+        return (f"task name {name!r} is not usable as a file name: use letters, digits, '_', '-' and '.', "
+                f"starting with a letter or digit")
+    if name in RESERVED_TASK_NAMES:
+        return f"task name {name!r} is reserved for the mean over tasks; rename the task"
+    return None
 
 
 @dataclass(frozen=True)
@@ -57,8 +69,8 @@ def load_tasks(spec: str | Path) -> list[Task]:
 
     Raises ValueError naming the file and the offending entry for: invalid YAML, no
     `tasks` list, an entry that is not a mapping, a missing/unknown key, a name or
-    prompt that is not a string, an empty prompt, a name unfit for a file name, or a
-    duplicate name.
+    prompt that is not a string, an empty prompt, a name unfit for a file name or reserved
+    (`mean`), or a duplicate name.
     """
     path = resolve_task_file(spec)
     try:
@@ -85,11 +97,9 @@ def load_tasks(spec: str | Path) -> list[Task]:
             if not isinstance(entry[key], str):
                 raise ValueError(f"{where}.{key} must be a string, got {type(entry[key]).__name__}")
         name, prompt = entry["name"], entry["prompt"].strip()
-        if not TASK_NAME.match(name):
-            raise ValueError(
-                f"{where}.name {name!r} is not usable as a file name: use letters, digits, '_', '-' and '.', "
-                f"starting with a letter or digit"
-            )
+        problem = task_name_problem(name)
+        if problem:
+            raise ValueError(f"{where}.name: {problem}")
         if not prompt:
             raise ValueError(f"{where} ({name}) has an empty prompt")
         if name in seen:

@@ -430,11 +430,12 @@ class DrafterEvalCallback(ReportSource):
                                          "error": outcome.error, "seconds": outcome.seconds})
 
     def _publish(self, trainer, report: EvalReport, seconds: float | None) -> None:
+        seconds = report.seconds if seconds is None else seconds
+        if not self._publisher.publish(trainer, report, self.baseline_report, seconds, self.errors):
+            return  # refused: an error line, nothing logged
         self.history = sorted([h for h in self.history if h["step"] != report.step]
                               + [{"step": report.step, "mean": report.mean}], key=lambda h: h["step"])
         self.reports.append(report)
-        seconds = report.seconds if seconds is None else seconds
-        self._publisher.publish(trainer, report, self.baseline_report, seconds, self.errors)
 
     def _fail(self, trainer, message: str) -> None:
         self.errors += 1

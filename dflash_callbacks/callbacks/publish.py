@@ -7,7 +7,10 @@
 
 A step that fails (a full disk, a broken logger, a subscriber that raises) is reported
 through `fail` and the other steps still run; a report that could not be appended is
-kept and appended again before the next one.
+kept and appended again before the next one. A report the strict reader refuses
+(`EvalReport.from_dict`: a NaN, a tau out of range, ...) is an error for its step: an
+error line takes its place in results.jsonl and none of its numbers is logged. A line that
+can not be JSON at all is dropped and counted, never retried.
 
 Metric keys (PREFIX is the callback's `name`, "dflash" by default; AGG live or dense;
 TASK a task name or `mean`):
@@ -36,7 +39,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from ..scoring.methods import AGGREGATES
 from ..scoring.report import EvalReport, comparison, ratio
-from .run_folder import ResultsWriteError, RunFolder
+from .run_folder import ResultsRecordError, ResultsWriteError, RunFolder
 
 Subscriber = Callable[[EvalReport, "EvalReport | None"], object]
 
@@ -102,29 +105,47 @@ class Publisher:
         self.prefix, self.run, self.fail, self.verbose = prefix, run, fail, verbose
         self.subscribers = subscribers  # the eval callback's list: subscribing later still counts
         self.unsaved: list[dict] = []  # records whose append failed, retried first
-        self._wandb_defined: set[int] = set()
+        self._wandb_defined: dict[int, set[str]] = {}  # per W&B run: the keys define_metric has seen
 
     def record(self, trainer, record: dict | None) -> bool:
         """Append a results.jsonl line (earlier failed ones first; None: only retry those);
-        False if something could not be written."""
+        False if something could not be written. A record that is not JSON is dropped."""
         if record is not None:
             self.unsaved.append(record)
+        written = True
         while self.unsaved:
             try:
                 self.run.append(self.unsaved[0])
             except ResultsWriteError as e:
                 self.fail(trainer, f"{e} ({len(self.unsaved)} line(s) held in memory, retried with the next report)")
                 return False
+            except ResultsRecordError as e:
+                self.unsaved.pop(0)
+                self.fail(trainer, str(e))
+                written = False
+                continue
             self.unsaved.pop(0)
-        return True
+        return written
 
     def record_report(self, trainer, report: EvalReport, score_seconds: float) -> bool:
-        """Append the report's results.jsonl line (what `publish` does first)."""
-        return self.record(trainer, {**report.to_dict(), "score_seconds": score_seconds})
+        """Append the report's results.jsonl line. A report the reader would refuse is an
+        error line instead (and a failure): False, and none of its numbers may be logged."""
+        record = {**report.to_dict(), "score_seconds": score_seconds}
+        try:
+            EvalReport.from_dict(record)  # what the reader would refuse is never logged
+        except ValueError as e:
+            error = f"step {report.step}: the report is refused, none of its numbers is logged: {e}"
+            self.record(trainer, {"step": report.step, "snapshot_id": report.snapshot_id, "error": error})
+            self.fail(trainer, error)
+            return False
+        self.record(trainer, record)
+        return True
 
     def publish(self, trainer, report: EvalReport, baseline: EvalReport | None, score_seconds: float,
-                errors: int) -> None:
-        self.record_report(trainer, report, score_seconds)
+                errors: int) -> bool:
+        """Record, log, fill callback_metrics and notify; False (nothing logged) for a refused report."""
+        if not self.record_report(trainer, report, score_seconds):
+            return False
         metrics = report_metrics(self.prefix, report, baseline)
         metrics.update({f"{self.prefix}/step": float(report.step), f"{self.prefix}/score_seconds": score_seconds,
                         f"{self.prefix}/errors": float(errors)})
@@ -141,6 +162,7 @@ class Publisher:
         if self.verbose:
             rank_zero_info(summary_line(self.prefix, report, baseline))
         self.notify(trainer, report, baseline)
+        return True
 
     def set_callback_metrics(self, trainer, step: int, means: dict[str, float]) -> None:
         """The means, for EarlyStopping and ModelCheckpoint, with `<prefix>/step`: the step they are of."""
@@ -169,13 +191,16 @@ class Publisher:
         p = self.prefix
         if id(run) not in self._wandb_defined:
             run.define_metric(f"{p}/step")
-            for key in metrics:
-                summary = "max" if key not in (f"{p}/step", f"{p}/score_seconds", f"{p}/errors") else None
-                run.define_metric(key, step_metric=f"{p}/step", **({"summary": summary} if summary else {}))
             run.config.update({p: {"cache": report.cache.get("path"), "cache_fingerprint": report.cache["fingerprint"],
+                                   "target_fingerprint": report.cache.get("target"),
                                    "block_size": report.block_size, "drafter_block_size": report.drafter_block_size,
                                    "methods": report.methods, "scoring": report.scoring}}, allow_val_change=True)
-            self._wandb_defined.add(id(run))
+            self._wandb_defined[id(run)] = set()
+        defined = self._wandb_defined[id(run)]
+        for key in [k for k in metrics if k not in defined]:  # each key the first time it is seen (the baseline's may come late)
+            summary = "max" if key not in (f"{p}/step", f"{p}/score_seconds", f"{p}/errors") else None
+            run.define_metric(key, step_metric=f"{p}/step", **({"summary": summary} if summary else {}))
+            defined.add(key)
         columns, rows = comparison(report, baseline)
         extras = {f"{p}/live_table": wandb.Table(columns=columns, data=[[row[0], *(round(x, 4) for x in row[1:])]
                                                                         for row in rows])}

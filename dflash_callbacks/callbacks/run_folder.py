@@ -52,6 +52,11 @@ class ResultsWriteError(OSError):
     """A line could not be appended to results.jsonl (nothing of it was left behind)."""
 
 
+class ResultsRecordError(ValueError):
+    """A record that strict JSON can not hold (NaN, Inf, an object of another type): it is
+    never written, and writing it again would fail the same way."""
+
+
 @dataclass
 class Recovery:
     """What a killed run left in its folder (`RunFolder.recover`)."""
@@ -224,8 +229,14 @@ class RunFolder:
 
     # ------------------------------------------------------------ results.jsonl
     def append(self, record: dict) -> None:
-        """Append one line, whole or not at all; ResultsWriteError says why not."""
-        line = (json.dumps(record, allow_nan=False) + "\n").encode()
+        """Append one line, whole or not at all; ResultsWriteError says why the file did not
+        take it, ResultsRecordError why the record is not a line at all."""
+        try:
+            line = (json.dumps(record, allow_nan=False) + "\n").encode()
+        except (TypeError, ValueError) as e:
+            step = record.get("step") if isinstance(record, dict) else None
+            raise ResultsRecordError(f"the results.jsonl line of step {step} is not strict JSON ({e}); "
+                                     f"it is not written") from None
         try:
             fd = os.open(self.results_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as e:

@@ -7,6 +7,7 @@ read and the target model is never instantiated.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -24,6 +25,8 @@ EMBED_KEYS = (
     "embed_tokens.weight",
 )
 LM_HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight")
+FINGERPRINT_ROWS = 64
+"""Rows of each head tensor `head_fingerprint` reads, evenly spaced from the first to the last."""
 
 
 def tie_word_embeddings(config: dict) -> bool:
@@ -59,6 +62,7 @@ class TargetHead(nn.Module):
         self.lm_head = nn.Linear(lm_head_weight.shape[1], lm_head_weight.shape[0], bias=False)
         self.lm_head.weight = nn.Parameter(lm_head_weight, requires_grad=False)
         self.source: str | None = None
+        self.fingerprint: str | None = None  # head_fingerprint of the folder it was read from
 
     @property
     def vocab_size(self) -> int:
@@ -86,6 +90,7 @@ class TargetHead(nn.Module):
         head_weight = read(head_key) if head_key is not None else embed
         head = cls(embed, head_weight)
         head.source = str(folder)
+        head.fingerprint = head_fingerprint(folder)
         return head.eval()
 
 
@@ -117,3 +122,22 @@ def head_shapes(target_path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
         with safe_open(str(where[key]), framework="pt") as f:
             shapes[name] = tuple(f.get_slice(key).get_shape())
     return shapes
+
+
+def head_fingerprint(target_path: str | os.PathLike) -> str:
+    """16 hex digits naming the target's embedding and LM head: sha256 over each one's tensor
+    name, shape, dtype and FINGERPRINT_ROWS evenly spaced rows, read through `safe_open`
+    (a few rows, never a whole tensor: milliseconds for a 248k x 5120 head). Two heads of
+    the same shapes with other weights (a re-trained or re-quantised target) differ; a
+    change confined to rows it does not read goes unseen."""
+    _, where, embed_key, head_key = _locate_head(target_path)
+    digest = hashlib.sha256()
+    for name, key in (("embed_tokens", embed_key), ("lm_head", head_key or embed_key)):
+        with safe_open(str(where[key]), framework="pt") as f:
+            tensor = f.get_slice(key)
+            shape, dtype = tensor.get_shape(), tensor.get_dtype()
+            digest.update(json.dumps([name, key, shape, dtype]).encode())
+            count = min(FINGERPRINT_ROWS, shape[0])
+            for row in sorted({i * (shape[0] - 1) // max(count - 1, 1) for i in range(count)}):
+                digest.update(tensor[row : row + 1].contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]

@@ -1,8 +1,10 @@
 """EvalReport: the numbers of one scoring run, as JSON, and the comparison table.
 
 A report is read back strictly (`EvalReport.from_dict`): anything that is not the shape
-below, or holds a number that is not finite, is refused with ValueError naming what is
-wrong, so a damaged or foreign file is never logged as a score.
+below, holds a number that is not finite (anywhere, `extra` included) or a number outside
+its legal range (tau 1 to block_size, curve shares 0 to 1, counts and times >= 0, integers
+within int64), or a task named `mean` (the run-level mean), is refused with ValueError
+naming the task, method and field, so a damaged or foreign file is never logged as a score.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..cache.tasks import task_name_problem
+from ..checks import is_int
 from ..files import atomic_write
 from .methods import AGGREGATES, Method, Monitor
 
@@ -23,8 +27,10 @@ TASK_FIELDS = ("dense", "live", "curve", "live_rounds", "anchors")
 class EvalReport:
     """Per task and method: {"dense", "live", "curve", "live_rounds", "anchors"}; tau units.
 
-    JSON shape: {"step", "snapshot_id", "drafter", "cache": {"path", "fingerprint"},
+    JSON shape: {"step", "snapshot_id", "drafter", "cache": {"path", "fingerprint", "target"},
     "block_size", "tasks": {TASK: {METHOD: {...}}}, "mean": {METHOD: {"dense", "live"}}, ...}.
+    `cache.target` is the fingerprint of the target head scored with (`head_fingerprint`;
+    absent in reports written before it was recorded).
     `step` and `snapshot_id` name the snapshot scored (None for a drafter folder);
     `seconds` is the scorer's own time; `peak_memory` its peak accelerator memory in bytes
     (None on the CPU); `created` the Unix time scoring started; `extra` anything else.
@@ -109,45 +115,107 @@ class EvalReport:
             raise ValueError(f"{path}: {e}") from None
 
 
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+INT_MAX = 2**63 - 1
+"""The largest integer a report holds (an int64): a mean of values up to it stays finite."""
+
+
+def _bad(what: str) -> ValueError:
+    return ValueError(f"not a report: {what}")
+
+
+def _check_number(value: Any, name: str, low: float, high: float = INT_MAX, *, integer: bool = False,
+                  optional: bool = False) -> None:
+    """`value` is a finite number (an integer when `integer`) in [low, high], or null when optional."""
+    if optional and value is None:
+        return
+    number = is_int(value) or (not integer and isinstance(value, float) and math.isfinite(value))
+    if not number or not low <= value <= high:
+        kind = "an integer" if integer else "a finite number"
+        top = "2**63 - 1" if high == INT_MAX else high
+        raise _bad(f"{name} is {value!r}, not {kind} from {low} to {top}" + (" or null" if optional else ""))
+
+
+def _strict_json_problem(value: Any, where: str) -> str | None:
+    """Where `value` holds what strict JSON can not hold (NaN, Inf, a non-string key, a Python object)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{where} is {value}, not a finite number"
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return f"{where} has the key {key!r}, not a string"
+            if (problem := _strict_json_problem(item, f"{where}.{key}" if where else key)) is not None:
+                return problem
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            if (problem := _strict_json_problem(item, f"{where}[{i}]")) is not None:
+                return problem
+    elif not isinstance(value, (str, int, float, type(None))):
+        return f"{where} is a {type(value).__name__}, not a JSON value"
+    return None
 
 
 def _check_shape(raw: dict) -> None:
-    def bad(what: str) -> ValueError:
-        return ValueError(f"not a report: {what}")
-
+    if (problem := _strict_json_problem(raw, "")) is not None:
+        raise _bad(problem)
     if not isinstance(raw["drafter"], str):
-        raise bad("'drafter' is not a string")
-    if not isinstance(raw["cache"], dict) or not isinstance(raw["cache"].get("fingerprint"), str):
-        raise bad("'cache' is not an object with a 'fingerprint' string")
-    if isinstance(raw["block_size"], bool) or not isinstance(raw["block_size"], int) or raw["block_size"] < 2:
-        raise bad(f"'block_size' is {raw['block_size']!r}, not an integer >= 2")
-    step = raw.get("step")
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
-        raise bad(f"'step' is {step!r}, not an integer >= 0 or null")
+        raise _bad("'drafter' is not a string")
+    cache = raw["cache"]
+    if not isinstance(cache, dict) or not isinstance(cache.get("fingerprint"), str):
+        raise _bad("'cache' is not an object with a 'fingerprint' string")
+    if not all(isinstance(cache.get(k, ""), str) for k in ("path", "target")):
+        raise _bad("'cache' holds a 'path' or 'target' that is not a string")
+    if raw.get("snapshot_id") is not None and not isinstance(raw["snapshot_id"], str):
+        raise _bad(f"'snapshot_id' is {raw['snapshot_id']!r}, not a string or null")
+    for key in ("scoring", "extra"):
+        if not isinstance(raw.get(key, {}), dict):
+            raise _bad(f"{key!r} is not an object")
+    _check_number(raw["block_size"], "'block_size'", 2, integer=True)
+    _check_number(raw.get("drafter_block_size"), "'drafter_block_size'", 2, integer=True, optional=True)
+    _check_number(raw.get("step"), "'step'", 0, integer=True, optional=True)
+    _check_number(raw.get("peak_memory"), "'peak_memory'", 0, integer=True, optional=True)
+    _check_number(raw.get("seconds"), "'seconds'", 0, optional=True)
+    _check_number(raw.get("created"), "'created'", 0, optional=True)
     tasks = raw["tasks"]
     if not isinstance(tasks, dict) or not tasks:
-        raise bad("'tasks' is not a non-empty object of task -> method -> numbers")
+        raise _bad("'tasks' is not a non-empty object of task -> method -> numbers")
     methods = None
     for task, per_method in tasks.items():
+        if (problem := task_name_problem(task)) is not None:
+            raise _bad(problem)
         if not isinstance(per_method, dict) or not per_method:
-            raise bad(f"task {task!r} is not an object of method -> numbers")
+            raise _bad(f"task {task!r} is not an object of method -> numbers")
         if methods is None:
             methods = list(per_method)
             for method in methods:
                 try:
                     Method.parse(method)
                 except ValueError as e:
-                    raise bad(f"task {task!r}: {e}") from None
+                    raise _bad(f"task {task!r}: {e}") from None
         elif list(per_method) != methods:
-            raise bad(f"task {task!r} holds the methods {list(per_method)}, another task {methods}")
+            raise _bad(f"task {task!r} holds the methods {list(per_method)}, another task {methods}")
         for method, numbers in per_method.items():
-            if not isinstance(numbers, dict) or not all(_is_number(numbers.get(agg)) for agg in AGGREGATES):
-                raise bad(f"task {task!r}, {method}: 'dense' and 'live' must be finite numbers")
-            curve = numbers.get("curve", [])
-            if not isinstance(curve, list) or not all(_is_number(x) for x in curve):
-                raise bad(f"task {task!r}, {method}: 'curve' must be a list of finite numbers")
+            if not isinstance(numbers, dict):
+                raise _bad(f"task {task!r}, {method}: not an object of {list(TASK_FIELDS)}")
+            _check_numbers(numbers, f"task {task!r}, {method}: ", raw["block_size"])
+
+
+def _check_numbers(numbers: dict, where: str, block_size: int) -> None:
+    """One task's numbers of one method (DESIGN.md, "Aggregates per task"): tau = streak + 1 is
+    1 to block_size at every anchor, so its means and each live round are too; the acceptance
+    curve holds shares (0 to 1) for depths 1 to block_size - 1."""
+    for agg in AGGREGATES:
+        _check_number(numbers.get(agg), f"{where}{agg!r}", 1, block_size)
+    curve = numbers.get("curve", [])
+    if not isinstance(curve, list) or len(curve) > block_size - 1:
+        raise _bad(f"{where}'curve' must be a list of at most {block_size - 1} shares (depths 1 to block size - 1)")
+    for depth, share in enumerate(curve, 1):
+        _check_number(share, f"{where}'curve' at depth {depth}", 0, 1)
+    rounds = numbers.get("live_rounds", [])
+    if not isinstance(rounds, list) or ("live_rounds" in numbers and not rounds):
+        raise _bad(f"{where}'live_rounds' must be a non-empty list of taus")
+    for i, tau in enumerate(rounds):
+        _check_number(tau, f"{where}'live_rounds'[{i}]", 1, block_size, integer=True)
+    _check_number(numbers.get("anchors"), f"{where}'anchors'", 1, integer=True, optional=True)
 
 
 @dataclass
@@ -186,18 +254,6 @@ def read_results(path: str | Path) -> Results:
             continue
         (results.reports if isinstance(record, EvalReport) else results.errors).append(record)
     return results
-
-
-def comparable(ours: EvalReport, baseline: EvalReport) -> list[str]:
-    """Reasons the two reports can not be compared number for number (empty: they can)."""
-    problems = []
-    if ours.cache.get("fingerprint") != baseline.cache.get("fingerprint"):
-        problems.append(f"different caches ({ours.cache.get('fingerprint')} vs {baseline.cache.get('fingerprint')})")
-    if ours.block_size != baseline.block_size:
-        problems.append(f"different block sizes ({ours.block_size} vs {baseline.block_size})")
-    if set(ours.tasks) != set(baseline.tasks):
-        problems.append(f"different tasks ({sorted(ours.tasks)} vs {sorted(baseline.tasks)})")
-    return problems
 
 
 def ratio(a: float, b: float) -> float:

@@ -197,6 +197,15 @@ def summarize(task: TaskStreaks, config: ScoringConfig, block_size: int) -> dict
     return out
 
 
+def _report_cache(cache, head: TargetHead) -> dict[str, str]:
+    """What a report records of its inputs: the cache (path, fingerprint) and, when the head
+    was read from a target folder, the target head's fingerprint."""
+    out = {"path": str(cache.path), "fingerprint": cache.fingerprint}
+    if head.fingerprint is not None:
+        out["target"] = head.fingerprint
+    return out
+
+
 class Cancelled(RuntimeError):
     """Scoring was cancelled between two tasks (`score_drafter(cancel=...)`)."""
 
@@ -250,7 +259,7 @@ def score_drafter(
         tasks[task_name] = summarize(streaks, config, block_size)
     return EvalReport(
         drafter=name or "drafter",
-        cache={"path": str(cache.path), "fingerprint": cache.fingerprint},
+        cache=_report_cache(cache, head),
         block_size=block_size,
         tasks=tasks,
         step=step,

@@ -9,7 +9,7 @@ Every entry point uses it: the callback's thread runner, the process runner's wo
     service = ScoringService(spec)         # loads the target's embedding and LM head
     report = service.score(config, state, step=400, snapshot_id="...")
     report = service.score_folder("runs/x/snapshots/step-00000400")
-    baseline = service.baseline()          # scored once per (weights, cache, scoring config), cached on disk
+    baseline = service.baseline()          # scored once per (weights, cache, target head, scoring config), cached on disk
 
 Nothing that is not a finite number is ever reported: NaN or Inf weights, hidden states
 or logits raise NonFiniteError for that report.
@@ -33,7 +33,7 @@ from ..model import DFlashDrafter, DrafterConfig, TargetHead, load_drafter
 from ..model.drafter import check_state_dict
 from ..model.geometry import anchor_range
 from ..model.io import read_config, read_snapshot_meta, read_state_shapes, safetensors_files
-from ..model.target_head import head_shapes
+from ..model.target_head import head_fingerprint, head_shapes
 from .basis import Basis
 from .config import ScoringConfig
 from .report import EvalReport
@@ -90,7 +90,8 @@ def run_basis(spec: ServiceSpec, drafter_block_size: int | None, cache: HiddenSt
     """What every report of a run scored by `spec` stands on, for a drafter of
     `drafter_block_size` (None: not known yet); see `scoring.basis`."""
     config = ScoringConfig(**spec.scoring)
-    return Basis.of_run(config, cache or HiddenStateCache(spec.cache), config.block_size or drafter_block_size)
+    return Basis.of_run(config, cache or HiddenStateCache(spec.cache), config.block_size or drafter_block_size,
+                        head_fingerprint(spec.target))
 
 
 # ---------------------------------------------------------------- preflight
@@ -127,7 +128,7 @@ def preflight(spec: ServiceSpec, drafter: DrafterConfig | None, drafter_shapes: 
         except ValueError as e:
             problems.append(str(e))
     if spec.baseline is not None and cache is not None:
-        problems += _baseline_problems(Path(spec.baseline), cache, config, block)
+        problems += _baseline_problems(Path(spec.baseline), cache, config, block, spec.target)
     if problems:
         raise PreflightError("the scoring inputs do not fit together:\n  " + "\n  ".join(problems))
 
@@ -208,7 +209,8 @@ def _target_problems(target: str, vocab: int | None, hidden: int | None, whose: 
     return problems
 
 
-def _baseline_problems(source: Path, cache: HiddenStateCache, config: ScoringConfig, block: int | None) -> list[str]:
+def _baseline_problems(source: Path, cache: HiddenStateCache, config: ScoringConfig, block: int | None,
+                       target: str) -> list[str]:
     if not source.exists():
         return [f"baseline {source} does not exist (give a drafter folder or a saved report JSON)"]
     if source.is_file():
@@ -216,7 +218,11 @@ def _baseline_problems(source: Path, cache: HiddenStateCache, config: ScoringCon
             report = EvalReport.load(source)
         except ValueError as e:
             return [f"baseline: {e}"]
-        return Basis.of_run(config, cache, block).mismatches(report, f"baseline {source}")
+        try:
+            head = head_fingerprint(target)
+        except (OSError, ValueError):
+            head = None  # the target's own problem is listed on its own
+        return Basis.of_run(config, cache, block, head).mismatches(report, f"baseline {source}")
     try:
         config = read_config(source)
         problems = _shape_problems(config, read_state_shapes(source), f"baseline {source}")
@@ -274,7 +280,8 @@ class ScoringService:
 
     def baseline(self, *, cancel: threading.Event | None = None, progress: bool = False) -> EvalReport | None:
         """The baseline's report: from a saved report JSON, from the on-disk cache of
-        earlier runs, or scored now (and cached)."""
+        earlier runs (keyed by the baseline's weights, the cache, the target head's
+        fingerprint and the scoring config), or scored now (and cached)."""
         if self._baseline is not None or self.spec.baseline is None:
             return self._baseline
         source = Path(self.spec.baseline)
@@ -282,7 +289,7 @@ class ScoringService:
             report = EvalReport.load(source)
         else:
             key = {"weights": weights_fingerprint(source), "cache": self.cache.fingerprint,
-                   "scoring": self.config.fingerprint_fields()}
+                   "target": self.head.fingerprint, "scoring": self.config.fingerprint_fields()}
             digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
             cache_dir = Path(self.spec.baseline_cache_dir or default_baseline_cache_dir())
             cached = cache_dir / f"baseline-{digest}.json"
