@@ -236,7 +236,7 @@ class DrafterEvalCallback(ReportSource):
         if not trainer.is_global_zero:
             return
         root = self.dirpath or Path(trainer.default_root_dir) / self.name
-        about = {"basis": self._basis.to_dict(), "baseline": self._spec.baseline}
+        about = {"runner": self.runner_kind, "basis": self._basis.to_dict(), "baseline": self._spec.baseline}
         self._publisher = None
         jobs = []
         if self._restored is not None and self._restored.get("run_id"):

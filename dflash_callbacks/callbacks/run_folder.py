@@ -2,7 +2,7 @@
 
     <dirpath>/<run_id>/
       run.json                         who the folder belongs to: {"run_id", "created", "host", "pid",
-                                       "basis" (what its reports stand on), "baseline" (the source expected)}
+                                       "runner", "basis" (what its reports stand on), "baseline" (the source expected)}
       .lock                            held (flock) by the one process writing here; a kill releases it
       results.jsonl                    one JSON object per line: a report, or {"step", "snapshot_id", "error"}
       snapshots/step-00000400/         model.safetensors, config.json, snapshot.json (step, snapshot_id, ...)
