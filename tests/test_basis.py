@@ -266,3 +266,41 @@ def test_the_runner_scores_a_snapshot_only_after_its_copy_lands(world, tmp_path)
     expected = service(world).score(config, weights, step=2)
     assert outcome.report.tasks == expected.tasks
     run.unlock()
+
+
+def test_a_target_other_than_the_caches_is_refused_before_any_work(random_target_dir, tmp_path):
+    """The cache records its target's head fingerprint at extraction: scoring it with
+    another target of the same shapes (a re-trained one) is refused up front by the
+    preflight every entry point runs, naming both heads."""
+    from fixtures_cache import save_random_target
+
+    from dflash_callbacks.cache.extract import extract_cache
+    from dflash_callbacks.cache.tasks import Task
+    from dflash_callbacks.model.target_head import head_fingerprint
+    from dflash_callbacks.scoring.service import preflight
+
+    other = save_random_target(tmp_path / "other-target", seed=1)
+    cache = extract_cache(random_target_dir, tmp_path / "cache", [Task("t", "def f(x):")], [1, 2],
+                          max_new_tokens=12, chat_template=False, progress=False)
+    assert cache.target.head == head_fingerprint(random_target_dir)
+    preflight(ServiceSpec(str(cache.path), str(random_target_dir), None, SCORING), None)  # its own target: fine
+    with pytest.raises(PreflightError, match=f"has head {head_fingerprint(other)}, but the cache was extracted "
+                                             f"from a target with head {cache.target.head}"):
+        preflight(ServiceSpec(str(cache.path), str(other), None, SCORING), None)
+
+
+def test_a_stop_that_can_never_judge_or_a_percentage_ratio_is_said_before_training(world, tmp_path):
+    """A stop linked to an eval callback without a baseline never decides: said at setup,
+    before the first batch. min_ratio=90 (a percentage typed for a fraction) is said at once."""
+    with pytest.warns(UserWarning, match=r"min_ratio=90\): the drafter must reach 90x the baseline"):
+        TrailingBaselineStop(monitor="ddtree@4/live", min_ratio=90)
+    batches = []
+
+    class Count(pl.Callback):
+        def on_train_batch_start(self, *args):
+            batches.append(1)
+            assert not batches[1:], "setup warned late"
+
+    stop = TrailingBaselineStop(monitor="ddtree@4/live", verbose=False)
+    with pytest.warns(UserWarning, match="'dflash' has no baseline, so ddtree@4/live is recorded but never judged"):
+        fit(world, tmp_path, [eval_cb(world, tmp_path), stop, Count()], max_steps=1)

@@ -29,6 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 
 from ..checks import DTYPES, check_device, dtype_name
+from ..model.target_head import head_fingerprint
 from .format import (
     CacheError,
     HiddenStateCache,
@@ -102,6 +103,7 @@ def target_info(model, path: str | os.PathLike) -> TargetInfo:
         hidden_size=config.hidden_size,
         vocab_size=config.vocab_size,
         dtype=dtype_name(model.dtype),
+        head=head_fingerprint(path),
     )
 
 

@@ -60,6 +60,7 @@ class TargetInfo:
     hidden_size: int
     vocab_size: int
     dtype: str  # a key of DTYPES
+    head: str | None = None  # model.target_head.head_fingerprint of its embedding and LM head (older caches: None)
 
 
 @dataclass
@@ -120,6 +121,7 @@ def validate_manifest(raw: Any, where: str) -> dict:
     for key in ("num_layers", "hidden_size", "vocab_size"):
         if _field(target, key, "int", f"{where}: target") < 1:
             raise CacheError(f"{where}: target.{key} must be positive, got {target[key]}")
+    _field(target, "head", "str", f"{where}: target", required=False)
     if _field(target, "dtype", "str", f"{where}: target") not in DTYPES:
         raise CacheError(f"{where}: target.dtype {target['dtype']!r} is not one of {list(DTYPES)}")
 
@@ -211,7 +213,7 @@ def new_manifest(
     manifest = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
-        "target": asdict(target),
+        "target": {k: v for k, v in asdict(target).items() if v is not None},
         "layer_ids": [int(i) for i in layer_ids],
         "block_size": block_size,
     }
@@ -346,7 +348,8 @@ class HiddenStateCache:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.manifest = read_manifest(self.path)
-        self.target = TargetInfo(**{f.name: self.manifest["target"][f.name] for f in fields(TargetInfo)})
+        self.target = TargetInfo(**{f.name: self.manifest["target"][f.name] for f in fields(TargetInfo)
+                                    if f.name in self.manifest["target"]})
         self.layer_ids: list[int] = list(self.manifest["layer_ids"])
         self.block_size: int | None = self.manifest.get("block_size")
         self._entries = {entry["name"]: entry for entry in self.manifest["tasks"]}

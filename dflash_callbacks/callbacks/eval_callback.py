@@ -194,6 +194,9 @@ class DrafterEvalCallback(ReportSource):
     def scored_methods(self) -> list[str]:
         return self.scoring.methods
 
+    def has_baseline(self) -> bool:
+        return self.baseline_source is not None
+
     def run_history(self, trainer, pl_module) -> list[dict]:
         self.open_run(trainer, pl_module)
         return list(self.history)

@@ -55,6 +55,10 @@ class ReportSource(Callback):
         """The method names every report of this source holds."""
         raise NotImplementedError
 
+    def has_baseline(self) -> bool:
+        """Whether reports come with a baseline to judge them against (a source without one says so)."""
+        return True
+
     def subscribe(self, fn: Subscriber) -> Callable[[], None]:
         """Call `fn(report, baseline)` on the training thread for every new report; returns an unsubscribe."""
         raise NotImplementedError

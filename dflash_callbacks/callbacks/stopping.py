@@ -156,6 +156,10 @@ class TrailingBaselineStop(Callback):
         self.min_delta = check_number("`min_delta`", min_delta, optional=True)
         if self.min_ratio is None and self.min_delta is None:
             self.min_ratio = DEFAULT_MIN_RATIO
+        if self.min_ratio is not None and self.min_ratio > 1:
+            rank_zero_warn(f"TrailingBaselineStop(min_ratio={self.min_ratio:g}): the drafter must reach "
+                           f"{self.min_ratio:g}x the baseline or training stops; a share is written as a fraction "
+                           f"(0.9 for 90%)")
         self.patience = check_int("`patience`", patience, 1)
         self.grace_steps = check_int("`grace_steps`", grace_steps, 0)
         self.projection = check_bool("`projection`", projection)
@@ -273,6 +277,9 @@ class TrailingBaselineStop(Callback):
                 f"TrailingBaselineStop monitors {self.monitor!r}, but {self.source.name!r} scores only {scored}; "
                 f"monitor one of those, or add it to that callback's scoring (ddtree_budgets / topk)"
             )
+        if not self.source.has_baseline():
+            rank_zero_warn(f"TrailingBaselineStop: {self.source.name!r} has no baseline, so {self.monitor} is recorded "
+                           "but never judged and training is never stopped; give that callback baseline=...")
         if self._unsubscribe is not None:
             self._unsubscribe()
         self._unsubscribe = self.source.subscribe(lambda report, baseline: self.on_dflash_report(

@@ -118,7 +118,8 @@ def preflight(spec: ServiceSpec, drafter: DrafterConfig | None, drafter_shapes: 
         problems += _cache_problems(cache, drafter, config, block)
     vocab = drafter.vocab_size if drafter is not None else cache.vocab_size if cache is not None else None
     hidden = drafter.hidden_size if drafter is not None else cache.hidden_size if cache is not None else None
-    problems += _target_problems(spec.target, vocab, hidden, "the drafter's" if drafter is not None else "the cache's")
+    problems += _target_problems(spec.target, vocab, hidden, "the drafter's" if drafter is not None else "the cache's",
+                                 cache.target.head if cache is not None else None)
     if drafter is not None and cache is not None and config.max_memory_gib is not None:
         with torch.device("meta"):
             sized = DFlashDrafter(drafter)
@@ -195,12 +196,17 @@ def _cache_problems(cache: HiddenStateCache, drafter: DrafterConfig | None, conf
     return problems
 
 
-def _target_problems(target: str, vocab: int | None, hidden: int | None, whose: str) -> list[str]:
+def _target_problems(target: str, vocab: int | None, hidden: int | None, whose: str,
+                     cache_head: str | None) -> list[str]:
     try:
         shapes = head_shapes(target)
+        head = head_fingerprint(target)
     except (OSError, ValueError) as e:
         return [f"target: {e}"]
     problems = []
+    if cache_head is not None and head != cache_head:
+        problems.append(f"the target {target} has head {head}, but the cache was extracted from a target with head "
+                        f"{cache_head}: give the target the cache was made from, or extract a cache from this one")
     for name, (rows, width) in shapes.items():
         if vocab is not None and rows != vocab:
             problems.append(f"the target's {name} has {rows} rows but {whose} vocabulary is {vocab}")
