@@ -1,15 +1,19 @@
 """Where scoring runs. One background thread per run takes jobs (snapshots) in order,
-writes each to the run folder when snapshots are kept, has a scorer score it, and hands
-back exactly one outcome per job, success or failure; first of all the baseline's.
+waits for its copy to land, writes it to the run folder when snapshots are kept, has a
+scorer score it, and hands back exactly one outcome per job, success or failure; first
+of all the baseline's. A report (or baseline) that does not stand on the run's basis
+(`scoring.basis`: another cache, target head, block size, tasks or scoring field) is a
+failure, never a number.
 
-Scorers (one interface: `baseline()`, `score(job)`, `close()`):
+Scorers (one interface: `baseline()`, `late_baseline()`, `score(job)`, `close()`):
 - "thread": the ScoringService in this process, on the runner's thread.
 - "process": a spawned worker process (its own CUDA context, e.g. on a spare GPU) scores
   the written snapshot. A worker that dies fails that job and is replaced for the next;
   a worker whose training process dies exits too (never an orphan).
 - "external": `dflash-callbacks watch`, in another process or on another host sharing
   the folder, writes reports/step-XXXXXXXX.json; the scorer waits for the one whose
-  snapshot_id is the job's.
+  snapshot_id is the job's. The watcher's baseline must be of the run's baseline
+  weights; after a failure, the one a watcher's retry writes is taken (`late_baseline`).
 
 The pending count (jobs submitted and not yet handed back) changes in one place: `poll`.
 Jobs run one at a time, oldest first, so a snapshot is only ever pruned from disk once
