@@ -304,3 +304,16 @@ def test_a_stop_that_can_never_judge_or_a_percentage_ratio_is_said_before_traini
     stop = TrailingBaselineStop(monitor="ddtree@4/live", verbose=False)
     with pytest.warns(UserWarning, match="'dflash' has no baseline, so ddtree@4/live is recorded but never judged"):
         fit(world, tmp_path, [eval_cb(world, tmp_path), stop, Count()], max_steps=1)
+
+
+def test_a_report_nested_past_the_parsers_depth_is_an_error_not_a_crash(tmp_path):
+    """A watcher report or a results.jsonl line nested deeper than json can parse is named,
+    never a RecursionError out of the run."""
+    run = RunFolder.create(tmp_path / "d", "run")
+    run.reports_dir.mkdir()
+    deep = "[" * 100_000 + "]" * 100_000
+    run.report_path(2).write_text(deep)
+    assert "unreadable report" in run.read_report(run.report_path(2)).message
+    run.results_path.write_text(deep + "\n")
+    assert run.read_results().skipped[0].startswith("line 1:")
+    run.unlock()

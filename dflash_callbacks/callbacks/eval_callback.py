@@ -359,16 +359,18 @@ class DrafterEvalCallback(ReportSource):
         runner, self._runner = self._runner, None
         runner.close(wait, self.wait_timeout, reason)
         self._baseline_settled = True
-        if publish:
-            self._drain(trainer, runner)
-        else:  # the fit is failing: keep every outcome on disk, log nothing
-            for outcome in runner.poll():
-                if isinstance(outcome, SnapshotOutcome) and outcome.report is not None:
-                    self._publisher.record_report(trainer, outcome.report, outcome.seconds)
-                elif isinstance(outcome, SnapshotOutcome):
-                    self._record_outcome(trainer, outcome)
-        self._publisher.record(trainer, None)
-        self.run.unlock()
+        try:  # on_error="raise" may raise from here: the folder is unlocked all the same
+            if publish:
+                self._drain(trainer, runner)
+            else:  # the fit is failing: keep every outcome on disk, log nothing
+                for outcome in runner.poll():
+                    if isinstance(outcome, SnapshotOutcome) and outcome.report is not None:
+                        self._publisher.record_report(trainer, outcome.report, outcome.seconds)
+                    elif isinstance(outcome, SnapshotOutcome):
+                        self._record_outcome(trainer, outcome)
+            self._publisher.record(trainer, None)
+        finally:
+            self.run.unlock()
 
     # ------------------------------------------------------------------ snapshots
     def _snapshot(self, trainer, pl_module, step: int, force: bool = False) -> None:

@@ -208,7 +208,7 @@ class RunFolder:
         `{"error", "snapshot_id"}`, or why the file is not a report). Never raises on bad content."""
         try:
             raw = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested beyond the parser's depth
             return WatcherError(f"unreadable report {path}: {type(e).__name__}: {e}")
         if isinstance(raw, dict) and isinstance(raw.get("error"), str):
             return WatcherError(raw["error"], raw.get("snapshot_id"))

@@ -249,7 +249,7 @@ def read_results(path: str | Path) -> Results:
     for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
         try:
             record = parse_record(json.loads(line))
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, RecursionError) as e:
             results.skipped.append(f"line {number}: {e}")
             continue
         (results.reports if isinstance(record, EvalReport) else results.errors).append(record)

@@ -130,6 +130,8 @@ def preflight(spec: ServiceSpec, drafter: DrafterConfig | None, drafter_shapes: 
             problems.append(str(e))
     if spec.baseline is not None and cache is not None:
         problems += _baseline_problems(Path(spec.baseline), cache, config, block, spec.target)
+    elif spec.baseline is not None and not Path(spec.baseline).exists():  # what can be checked without the cache
+        problems.append(f"baseline {spec.baseline} does not exist (give a drafter folder or a saved report JSON)")
     if problems:
         raise PreflightError("the scoring inputs do not fit together:\n  " + "\n  ".join(problems))
 
