@@ -173,3 +173,45 @@ def test_snapshot_buffers_are_allocated_once_reused_and_hold_their_steps_weights
     for report in during:
         assert report.tasks == service.score(world.config, seen.weights[report.step], step=report.step).tasks
     assert_clean(tmp_path / "d", cb.reports)
+
+
+class ReadsResultsWhenLogged(CSVLogger):
+    """A real CSV logger that, each time dflash metrics reach it, reads results.jsonl."""
+
+    def __init__(self, cb: DrafterEvalCallback, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cb, self.seen = cb, []
+
+    def log_metrics(self, metrics, step=None):
+        if "dflash/step" in metrics:
+            on_disk = [r.step for r in self.cb.run.read_results().reports]
+            self.seen.append((int(metrics["dflash/step"]), on_disk))
+        super().log_metrics(metrics, step)
+
+
+def test_scoring_runs_on_the_runners_thread_and_each_report_is_on_disk_before_it_is_logged(world, tmp_path,
+                                                                                           monkeypatch):
+    """Who scores: `score_drafter` (the real one, wrapped to note its thread) never runs on
+    the training thread. When a report's numbers reach a logger, its line is already in
+    results.jsonl."""
+    import threading
+
+    from dflash_callbacks.scoring import service
+
+    threads, real = [], service.score_drafter
+
+    def noting_thread(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(service, "score_drafter", noting_thread)
+    torch.manual_seed(0)
+    cb = DrafterEvalCallback(cache=world.cache, target=world.target, every_n_train_steps=3, scoring=SCORING,
+                             busy="queue", max_pending=4, dirpath=tmp_path / "dflash", verbose=False)
+    logger = ReadsResultsWhenLogged(cb, tmp_path / "logs", name="run")
+    t = pl.Trainer(max_steps=9, accelerator="cpu", logger=logger, callbacks=[cb], enable_progress_bar=False,
+                   enable_checkpointing=False, enable_model_summary=False)
+    t.fit(DFlashTrainingModule(world.config, world.target, lr=3e-3), loader(world))
+    assert threads == ["dflash-eval"] * 3 and threading.current_thread().name not in threads
+    assert [step for step, _ in logger.seen] == [3, 6, 9]
+    assert all(step in on_disk for step, on_disk in logger.seen)
