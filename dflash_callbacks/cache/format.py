@@ -434,10 +434,11 @@ class HiddenStateCache:
         for name in names or self.task_names:
             check_task_file(self.path, self.entry(name), digest=False)
 
-    def check_compatible(self, drafter_config, block_size: int | None = None) -> None:
+    def check_compatible(self, drafter_config, block_size: int | None = None, warn: bool = True) -> None:
         """Refuse a drafter this cache cannot feed: different layer ids, hidden size, vocabulary
-        (or target layer count, where the drafter config records one). Warn when the cache was
-        made for another block size than the one scored (`block_size`, default the drafter's)."""
+        (or target layer count, where the drafter config records one). Warn (`warn`) when the
+        cache was made for another block size than the one scored (`block_size`, default the
+        drafter's); the scorer warns, the preflight before it does not say it twice."""
         cfg = drafter_config
         problems = []
         if list(cfg.target_layer_ids) != self.layer_ids:
@@ -454,7 +455,7 @@ class HiddenStateCache:
         if problems:
             raise CacheMismatchError(f"the cache at {self.path} does not fit the drafter: " + "; ".join(problems))
         scored = block_size if block_size is not None else cfg.block_size
-        if self.block_size is not None and scored != self.block_size:
+        if warn and self.block_size is not None and scored != self.block_size:
             warnings.warn(
                 f"the cache at {self.path} was made for block size {self.block_size} but block size {scored} "
                 f"is being scored",

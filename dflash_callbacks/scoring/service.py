@@ -167,7 +167,7 @@ def _cache_problems(cache: HiddenStateCache, drafter: DrafterConfig | None, conf
     problems = []
     if drafter is not None:
         try:
-            cache.check_compatible(drafter, block_size=block)
+            cache.check_compatible(drafter, block_size=block, warn=False)
         except ValueError as e:
             problems.append(str(e))
     unknown = sorted(set(config.tasks or []) - set(cache.task_names))
@@ -175,7 +175,7 @@ def _cache_problems(cache: HiddenStateCache, drafter: DrafterConfig | None, conf
         problems.append(f"scoring.tasks {unknown} are not in the cache {cache.path}; it holds {cache.task_names}")
     names = [n for n in config.tasks or cache.task_names if n in cache.task_names]
     if not names:
-        return problems + [f"the cache {cache.path} holds no task to score"]
+        return problems + ([] if unknown else [f"the cache {cache.path} holds no task to score"])
     entries = [cache.entry(n) for n in names]
     for e in entries:
         if not anchor_range(e["prompt_len"], e["num_tokens"], config.window):
@@ -234,7 +234,7 @@ def _baseline_problems(source: Path, cache: HiddenStateCache, config: ScoringCon
     try:
         config = read_config(source)
         problems = _shape_problems(config, read_state_shapes(source), f"baseline {source}")
-        cache.check_compatible(config, block_size=block)
+        cache.check_compatible(config, block_size=block, warn=False)
     except (OSError, ValueError) as e:
         return [f"baseline {source}: {e}"]
     return problems
