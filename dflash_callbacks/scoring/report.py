@@ -292,7 +292,8 @@ def comparison_table(ours: EvalReport, baseline: EvalReport | None = None, aggre
             return f"**{x}**" if x == "mean" else x
         return f"{100 * x:.0f}%" if i in ratios else f"{x:+.2f}" if i in deltas else f"{x:.2f}"
 
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    header = [c.replace(f" {aggregate} ", " ") for c in columns]  # the title names the aggregate
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(i, x) for i, x in enumerate(row)) + " |" for row in rows]
     title = f"{aggregate} tau (tokens per target forward, 1 to {ours.block_size}; higher is better)"
     title += f", block size {ours.block_size}" + (f", step {ours.step}" if ours.step is not None else "")
