@@ -206,3 +206,35 @@ def test_watch_retries_a_failed_baseline(world, tmp_path):
     save_file(good, str(baseline / "model.safetensors"))
     watcher.scan_once()
     assert isinstance(run.read_report(run.report_path(None)), EvalReport) and "scored" in lines[-1]
+
+
+def test_score_reads_a_scoring_config_file_and_flags_win(world, tmp_path, capsys):
+    config = tmp_path / "scoring.yaml"
+    config.write_text("ddtree_budgets: [2]\ntopk: [3]\ndevice: cuda:7\nmax_rounds: 5\n")
+    args = score_args(world, **{"--config": config, "--json": tmp_path / "ours.json", "--max-rounds": 7,
+                                "--max-memory-gib": 4})
+    assert cli_main(args + ["--release-memory"]) == 0
+    scoring = json.loads((tmp_path / "ours.json").read_text())["scoring"]
+    assert (scoring["ddtree_budgets"], scoring["topk"], scoring["device"]) == ([4], [3], "cpu")  # the flags win
+    assert (scoring["max_rounds"], scoring["max_memory_gib"], scoring["release_memory"]) == (7, 4.0, True)
+    capsys.readouterr()
+    config.write_text("ddtree_budget: [2]\n")
+    fails(score_args(world, **{"--config": config}), capsys, f"config key 'ddtree_budget' in {config}")
+    fails(score_args(world, **{"--config": tmp_path / "nope.yaml"}), capsys, "--config", "is not a file")
+
+
+def test_the_shipped_scoring_yaml_works_with_score_and_watch(world, tmp_path, capsys):
+    from dflash_callbacks.callbacks.run_folder import RunFolder
+    from dflash_callbacks.callbacks.snapshot import Snapshot
+    from dflash_callbacks.paths import CONF_DIR
+
+    assert "--config conf/scoring.yaml" in (CONF_DIR / "scoring.yaml").read_text()
+    assert cli_main(score_args(world, **{"--config": CONF_DIR / "scoring.yaml"})) == 0
+    run = RunFolder.create(tmp_path / "runs", "run-a")
+    run.write_snapshot(Snapshot(3, 0, world.config, {k: v.clone() for k, v in world.drafter.state_dict().items()}))
+    run.unlock()
+    assert cli_main(["watch", "--dir", str(tmp_path / "runs"), "--cache", str(world.cache), "--target", str(world.target),
+                     "--config", str(CONF_DIR / "scoring.yaml"), "--device", "cpu", "--budgets", "4", "--once",
+                     "--max-memory-gib", "2", "--release-memory"]) == 0
+    scoring = json.loads(run.report_path(3).read_text())["scoring"]
+    assert (scoring["ddtree_budgets"], scoring["max_memory_gib"], scoring["release_memory"]) == ([4], 2.0, True)
