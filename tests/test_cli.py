@@ -238,3 +238,44 @@ def test_the_shipped_scoring_yaml_works_with_score_and_watch(world, tmp_path, ca
                      "--max-memory-gib", "2", "--release-memory"]) == 0
     scoring = json.loads(run.report_path(3).read_text())["scoring"]
     assert (scoring["ddtree_budgets"], scoring["max_memory_gib"], scoring["release_memory"]) == ([4], 2.0, True)
+
+
+def test_watch_names_a_dir_without_run_folders_and_the_one_meant(world, tmp_path, capsys):
+    from dflash_callbacks.callbacks.run_folder import RunFolder
+    from dflash_callbacks.callbacks.snapshot import Snapshot
+
+    base = ["watch", "--cache", str(world.cache), "--target", str(world.target), "--budgets", "4", "--device", "cpu"]
+    run = RunFolder.create(tmp_path / "runs" / "demo" / "dflash", "run-a")
+    run.write_snapshot(Snapshot(3, 0, world.config, {k: v.clone() for k, v in world.drafter.state_dict().items()}))
+    run.unlock()
+    demo, dflash = tmp_path / "runs" / "demo", tmp_path / "runs" / "demo" / "dflash"
+    fails([*base, "--dir", str(demo), "--once"], capsys, f"--dir {demo} holds no run folder; did you mean --dir {dflash}?")
+    fails([*base, "--dir", str(tmp_path / "runs"), "--once"], capsys, f"did you mean --dir {dflash}?")
+    fails([*base, "--dir", str(run.snapshots_dir), "--once"], capsys, f"did you mean --dir {run.path}?")
+    (tmp_path / "empty").mkdir()
+    fails([*base, "--dir", str(tmp_path / "empty"), "--once"], capsys, "holds no run folder (a run folder holds run.json)")
+    assert not (demo / "watcher.json").exists()
+    # without --once a notice, and the watcher keeps polling: runs may appear later
+    assert cli_main([*base, "--dir", str(demo), "--idle-exit", "0", "--poll-seconds", "0"]) == 0
+    assert f"watch: {demo} holds no run folder yet, waiting for one; did you mean --dir {dflash}?" in capsys.readouterr().out
+
+
+def test_watch_skips_runs_of_another_runner_and_logs_it_once(world, tmp_path):
+    from dflash_callbacks.callbacks.run_folder import RunFolder
+    from dflash_callbacks.callbacks.snapshot import Snapshot
+    from dflash_callbacks.callbacks.watch import Watcher
+    from dflash_callbacks.scoring.service import ScoringService, ServiceSpec
+
+    runs = {}
+    for name, about in (("thread-run", {"runner": "thread"}), ("external-run", {"runner": "external"}), ("old-run", {})):
+        runs[name] = RunFolder.create(tmp_path / "runs", name, about)
+        runs[name].write_snapshot(Snapshot(3, 0, world.config, {k: v.clone() for k, v in world.drafter.state_dict().items()}))
+        runs[name].unlock()
+    lines = []
+    spec = ServiceSpec(str(world.cache), str(world.target), None, {"ddtree_budgets": [4], "device": "cpu"})
+    watcher = Watcher(ScoringService(spec), tmp_path / "runs", log=lines.append)
+    assert watcher.scan_once() == 2 and watcher.scan_once() == 0
+    assert not runs["thread-run"].report_path(3).exists()
+    assert runs["external-run"].report_path(3).is_file() and runs["old-run"].report_path(3).is_file()
+    assert [line for line in lines if "skipping" in line] == \
+        ["watch: skipping thread-run: its runner is 'thread', not 'external' (it scores its own snapshots)"]
