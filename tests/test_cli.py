@@ -279,3 +279,18 @@ def test_watch_skips_runs_of_another_runner_and_logs_it_once(world, tmp_path):
     assert runs["external-run"].report_path(3).is_file() and runs["old-run"].report_path(3).is_file()
     assert [line for line in lines if "skipping" in line] == \
         ["watch: skipping thread-run: its runner is 'thread', not 'external' (it scores its own snapshots)"]
+
+
+def test_a_truncated_safetensors_file_is_one_error_line_naming_it(world, tmp_path, capsys):
+    def truncated(folder, name):
+        copy = shutil.copytree(folder, tmp_path / name)
+        data = (copy / "model.safetensors").read_bytes()
+        (copy / "model.safetensors").write_bytes(data[: len(data) // 2])
+        return copy / "model.safetensors"
+
+    damaged = "is not a readable safetensors file (truncated or corrupt?)"
+    drafter, baseline, target = truncated(world.baseline, "d"), truncated(world.baseline, "b"), truncated(world.target, "t")
+    fails(score_args(world, **{"--drafter": drafter.parent}), capsys, f"{drafter} {damaged}")
+    err = fails(score_args(world, **{"--baseline": baseline.parent, "--target": target.parent}), capsys,
+                f"baseline {baseline.parent}: {baseline} {damaged}", f"target: {target} {damaged}")
+    assert "internal error" not in err
