@@ -175,7 +175,10 @@ def test_demo_help_lists_every_setting_and_output(capsys):
 
 
 def test_demo_overrides_name_the_key(capsys):
-    fails(["demo", "train.max_steps=abc"], capsys, "config key 'train.max_steps'")
+    fails(["demo", "train.max_steps=abc"], capsys, "override 'train.max_steps=abc': Value 'abc'")
+    fails(["demo", "train.max_step=300"], capsys, "error: override 'train.max_step=300': Key 'max_step' not in 'TrainConfig'")
+    fails(["demo", "eval.scoring.topk=4"], capsys, "error: override 'eval.scoring.topk=4': topk is a list: "
+          "write eval.scoring.topk=[4]")
     fails(["demo", "train.max_steps"], capsys, "override 'train.max_steps' is not key=value")
 
 
