@@ -6,9 +6,10 @@
 `EvalConfig` and `StopConfig` are derived from the callbacks' signatures: one field per
 constructor argument, with the signature's default, so a default is written once. The
 YAML in conf/ and the README's tables are held to them by tests. Unknown keys, wrong
-types and overrides that are not `key=value` are refused naming the key and the file, or the override it came from (a list given a scalar says how to write it);
-impossible values by the callbacks' own validation, when the config is built, before any
-training starts. A user's config object is copied, never changed.
+types and overrides that are not `key=value` are refused naming the key and the file, or
+the override it came from (a list given a scalar says how to write the list); impossible
+values by the callbacks' own validation, when the config is built, before any training
+starts. A user's config object is copied, never changed.
 """
 
 from __future__ import annotations
