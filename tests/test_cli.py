@@ -118,6 +118,12 @@ def test_compare_takes_reports_and_results_jsonl(world, tmp_path, capsys):
     fails(["compare", str(tmp_path / "list.json"), str(tmp_path / "a.json")], capsys,
           "not a report: a JSON object was expected, found list")
     fails(["compare", str(tmp_path / "missing.json"), str(tmp_path / "a.json")], capsys, "no report at")
+    # swapped arguments, and a drafter folder where a report belongs, say what to give instead
+    fails(["compare", str(tmp_path / "a.json"), str(tmp_path / "results.jsonl")], capsys,
+          f"the baseline {tmp_path / 'results.jsonl'} is a results.jsonl", "are they swapped?")
+    fails(["compare", str(tmp_path / "a.json"), str(world.baseline)], capsys,
+          f"the baseline {world.baseline} is a folder", f"score --drafter OURS --baseline {world.baseline} --baseline-json")
+    fails(["compare", str(world.baseline), str(tmp_path / "a.json")], capsys, "is a folder", "results.jsonl")
 
 
 def test_extract_refuses_a_missing_target_without_asking_the_hub(tmp_path, capsys):

@@ -122,6 +122,9 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def load_ours(path: Path, step: int | None) -> EvalReport:
+    if path.is_dir():
+        raise UsageError(f"{path} is a folder: the first argument is our report JSON (from `score --json`) or a run's "
+                         "results.jsonl; a drafter folder is scored with `dflash-callbacks score --drafter`")
     if path.suffix != ".jsonl":
         if step is not None:
             raise UsageError("--step picks a report from a results.jsonl; this is a single report")
@@ -139,8 +142,19 @@ def load_ours(path: Path, step: int | None) -> EvalReport:
     return chosen[-1]
 
 
+def load_baseline(path: Path) -> EvalReport:
+    if path.is_dir():
+        raise UsageError(f"the baseline {path} is a folder: compare takes the baseline's report JSON; score a drafter "
+                         f"folder with `dflash-callbacks score --drafter OURS --baseline {path} --baseline-json base.json` "
+                         "and compare with base.json")
+    if path.suffix == ".jsonl":
+        raise UsageError(f"the baseline {path} is a results.jsonl: the first argument may be a results.jsonl, the second "
+                         "must be the baseline's report JSON (e.g. from `score --baseline-json`); are they swapped?")
+    return EvalReport.load(path)
+
+
 def run_compare(args: argparse.Namespace) -> int:
-    ours, baseline = load_ours(args.ours, args.step), EvalReport.load(args.baseline)
+    ours, baseline = load_ours(args.ours, args.step), load_baseline(args.baseline)
     # the table shows the methods both scored; anything else that changes numbers refuses
     problems = replace(Basis.of_report(ours), methods=()).mismatches(baseline, f"the baseline {args.baseline}")
     if problems and not args.force:
