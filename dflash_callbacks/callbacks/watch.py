@@ -119,14 +119,14 @@ class Watcher:
 
 
 def add_watch_arguments(p: argparse.ArgumentParser) -> None:
-    from ..scoring.cli import add_scoring_arguments
+    from ..scoring.cli import BASELINE_CACHE_HELP, add_scoring_arguments
 
     p.add_argument("--dir", required=True, type=Path,
                    help="the callback's dirpath (one subfolder per run) or one run folder; must exist")
-    p.add_argument("--cache", required=True, type=Path)
-    p.add_argument("--target", required=True, type=Path)
-    p.add_argument("--baseline", type=Path, default=None)
-    p.add_argument("--baseline-cache-dir", type=Path, default=None)
+    p.add_argument("--cache", required=True, type=Path, help="hidden-state cache folder")
+    p.add_argument("--target", required=True, type=Path, help="target folder (only embed_tokens and lm_head are read)")
+    p.add_argument("--baseline", type=Path, default=None, help="the runs' baseline drafter folder or saved report JSON")
+    p.add_argument("--baseline-cache-dir", type=Path, default=None, help=BASELINE_CACHE_HELP)
     p.add_argument("--poll-seconds", type=float, default=5.0, help="seconds between scans (>= 0)")
     p.add_argument("--idle-exit", type=float, default=None, help="exit after this many seconds without a new snapshot")
     p.add_argument("--once", action="store_true", help="score what is there now and exit")

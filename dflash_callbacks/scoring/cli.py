@@ -68,6 +68,10 @@ def scoring_config(args: argparse.Namespace) -> ScoringConfig:
     return replace(base, **{key: getattr(args, flag) for flag, key in SCORING_FLAGS.items() if hasattr(args, flag)})
 
 
+BASELINE_CACHE_HELP = ("where baseline reports are cached (default $XDG_CACHE_HOME/dflash_callbacks/baselines, "
+                       "~/.cache/dflash_callbacks/baselines when XDG_CACHE_HOME is unset)")
+
+
 def check_output(option: str, path: Path | None) -> None:
     if path is not None and not path.parent.is_dir():
         raise UsageError(f"{option} {path}: the folder {path.parent} does not exist")
@@ -79,7 +83,7 @@ def add_score_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, type=Path, help="target folder (only embed_tokens and lm_head are read)")
     p.add_argument("--baseline", type=Path, default=None, help="baseline drafter folder or saved report JSON")
     p.add_argument("--baseline-cache-dir", type=Path, default=None,
-                   help="where baseline reports are cached (default ~/.cache/dflash_callbacks/baselines)")
+                   help=BASELINE_CACHE_HELP)
     p.add_argument("--json", type=Path, default=None, help="write our report here")
     p.add_argument("--baseline-json", type=Path, default=None, help="write the baseline's report here")
     p.add_argument("--aggregate", choices=("live", "dense"), default="live", help="aggregate shown in the table")
