@@ -6,9 +6,10 @@
 `EvalConfig` and `StopConfig` are derived from the callbacks' signatures: one field per
 constructor argument, with the signature's default, so a default is written once. The
 YAML in conf/ and the README's tables are held to them by tests. Unknown keys, wrong
-types and overrides that are not `key=value` are refused naming the key (and the file);
-impossible values by the callbacks' own validation, when the config is built, before any
-training starts. A user's config object is copied, never changed.
+types and overrides that are not `key=value` are refused naming the key and the file, or
+the override it came from (a list given a scalar says how to write the list); impossible
+values by the callbacks' own validation, when the config is built, before any training
+starts. A user's config object is copied, never changed.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import dataclasses
 import inspect
 import os
 import typing
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,26 +69,50 @@ def parse_overrides(overrides: list[str] | tuple) -> DictConfig:
     return OmegaConf.from_dotlist(list(overrides))
 
 
+def is_list_key(schema: type, key: str) -> bool:
+    """Whether the dotted `key` of the dataclass `schema` holds a list (or None or a list)."""
+    kind: Any = schema
+    for part in key.split("."):
+        kind = typing.get_type_hints(kind).get(part) if dataclasses.is_dataclass(kind) else None
+    return list in (typing.get_origin(kind), *map(typing.get_origin, typing.get_args(kind)))
+
+
+@contextmanager
+def naming(schema: type, where: str, item: str | None = None):
+    """OmegaConf's errors as one ValueError naming the key and where it came from: the file
+    (`where`), or the command-line override `item`."""
+    try:
+        yield
+    except OmegaConfBaseException as e:
+        key, message = getattr(e, "full_key", None), str(e).splitlines()[0]
+        if item is not None:
+            key, _, value = item.partition("=")
+            if is_list_key(schema, key) and not value.lstrip().startswith("["):
+                message = f"{key.split('.')[-1]} is a list: write {key}=[{value}]"
+            raise ValueError(f"override {item!r}: {message}") from None
+        raise ValueError(f"config key {key!r}{where}: {message}" if key else f"invalid config{where}: {message}") from None
+
+
 def load_config(schema: type, path: str | os.PathLike | None = None, overrides: list[str] | tuple = ()) -> Any:
     """`schema` defaults, then the YAML file, then `key=value` overrides; returns the
-    instantiated dataclass. Errors name the offending key and the file."""
+    instantiated dataclass. Errors name the offending key and the file, or the override."""
     where = f" in {path}" if path is not None else ""
-    try:
+    with naming(schema, where):
         cfg = OmegaConf.structured(schema)
         if path is not None:
             loaded = OmegaConf.load(path)
             if not isinstance(loaded, DictConfig):
                 raise ValueError(f"config file {path} must hold a mapping of keys to values, not a list")
             cfg = OmegaConf.merge(cfg, loaded)
-        cfg = OmegaConf.merge(cfg, parse_overrides(overrides))
+    parse_overrides(overrides)
+    for item in overrides:  # one at a time, so that an error names its override
+        with naming(schema, where, item):
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+    with naming(schema, where):
         missing = sorted(OmegaConf.missing_keys(cfg))
         if missing:
             raise ValueError(f"config{where} leaves required keys unset: {missing} (set them with key=value)")
         return OmegaConf.to_object(cfg)
-    except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None)
-        message = str(e).splitlines()[0]
-        raise ValueError(f"config key {key!r}{where}: {message}" if key else f"invalid config{where}: {message}") from None
 
 
 def build_eval_callback(cfg: EvalConfig) -> DrafterEvalCallback:

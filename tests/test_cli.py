@@ -118,6 +118,12 @@ def test_compare_takes_reports_and_results_jsonl(world, tmp_path, capsys):
     fails(["compare", str(tmp_path / "list.json"), str(tmp_path / "a.json")], capsys,
           "not a report: a JSON object was expected, found list")
     fails(["compare", str(tmp_path / "missing.json"), str(tmp_path / "a.json")], capsys, "no report at")
+    # swapped arguments, and a drafter folder where a report belongs, say what to give instead
+    fails(["compare", str(tmp_path / "a.json"), str(tmp_path / "results.jsonl")], capsys,
+          f"the baseline {tmp_path / 'results.jsonl'} is a results.jsonl", "are they swapped?")
+    fails(["compare", str(tmp_path / "a.json"), str(world.baseline)], capsys,
+          f"the baseline {world.baseline} is a folder", f"score --drafter OURS --baseline {world.baseline} --baseline-json")
+    fails(["compare", str(world.baseline), str(tmp_path / "a.json")], capsys, "is a folder", "results.jsonl")
 
 
 def test_extract_refuses_a_missing_target_without_asking_the_hub(tmp_path, capsys):
@@ -175,7 +181,10 @@ def test_demo_help_lists_every_setting_and_output(capsys):
 
 
 def test_demo_overrides_name_the_key(capsys):
-    fails(["demo", "train.max_steps=abc"], capsys, "config key 'train.max_steps'")
+    fails(["demo", "train.max_steps=abc"], capsys, "override 'train.max_steps=abc': Value 'abc'")
+    fails(["demo", "train.max_step=300"], capsys, "error: override 'train.max_step=300': Key 'max_step' not in 'TrainConfig'")
+    fails(["demo", "eval.scoring.topk=4"], capsys, "error: override 'eval.scoring.topk=4': topk is a list: "
+          "write eval.scoring.topk=[4]")
     fails(["demo", "train.max_steps"], capsys, "override 'train.max_steps' is not key=value")
 
 
@@ -206,3 +215,91 @@ def test_watch_retries_a_failed_baseline(world, tmp_path):
     save_file(good, str(baseline / "model.safetensors"))
     watcher.scan_once()
     assert isinstance(run.read_report(run.report_path(None)), EvalReport) and "scored" in lines[-1]
+
+
+def test_score_reads_a_scoring_config_file_and_flags_win(world, tmp_path, capsys):
+    config = tmp_path / "scoring.yaml"
+    config.write_text("ddtree_budgets: [2]\ntopk: [3]\ndevice: cuda:7\nmax_rounds: 5\n")
+    args = score_args(world, **{"--config": config, "--json": tmp_path / "ours.json", "--max-rounds": 7,
+                                "--max-memory-gib": 4})
+    assert cli_main(args + ["--release-memory"]) == 0
+    scoring = json.loads((tmp_path / "ours.json").read_text())["scoring"]
+    assert (scoring["ddtree_budgets"], scoring["topk"], scoring["device"]) == ([4], [3], "cpu")  # the flags win
+    assert (scoring["max_rounds"], scoring["max_memory_gib"], scoring["release_memory"]) == (7, 4.0, True)
+    capsys.readouterr()
+    config.write_text("ddtree_budget: [2]\n")
+    fails(score_args(world, **{"--config": config}), capsys, f"config key 'ddtree_budget' in {config}")
+    fails(score_args(world, **{"--config": tmp_path / "nope.yaml"}), capsys, "--config", "is not a file")
+
+
+def test_the_shipped_scoring_yaml_works_with_score_and_watch(world, tmp_path, capsys):
+    from dflash_callbacks.callbacks.run_folder import RunFolder
+    from dflash_callbacks.callbacks.snapshot import Snapshot
+    from dflash_callbacks.paths import CONF_DIR
+
+    assert "--config conf/scoring.yaml" in (CONF_DIR / "scoring.yaml").read_text()
+    assert cli_main(score_args(world, **{"--config": CONF_DIR / "scoring.yaml"})) == 0
+    run = RunFolder.create(tmp_path / "runs", "run-a")
+    run.write_snapshot(Snapshot(3, 0, world.config, {k: v.clone() for k, v in world.drafter.state_dict().items()}))
+    run.unlock()
+    assert cli_main(["watch", "--dir", str(tmp_path / "runs"), "--cache", str(world.cache), "--target", str(world.target),
+                     "--config", str(CONF_DIR / "scoring.yaml"), "--device", "cpu", "--budgets", "4", "--once",
+                     "--max-memory-gib", "2", "--release-memory"]) == 0
+    scoring = json.loads(run.report_path(3).read_text())["scoring"]
+    assert (scoring["ddtree_budgets"], scoring["max_memory_gib"], scoring["release_memory"]) == ([4], 2.0, True)
+
+
+def test_watch_names_a_dir_without_run_folders_and_the_one_meant(world, tmp_path, capsys):
+    from dflash_callbacks.callbacks.run_folder import RunFolder
+    from dflash_callbacks.callbacks.snapshot import Snapshot
+
+    base = ["watch", "--cache", str(world.cache), "--target", str(world.target), "--budgets", "4", "--device", "cpu"]
+    run = RunFolder.create(tmp_path / "runs" / "demo" / "dflash", "run-a")
+    run.write_snapshot(Snapshot(3, 0, world.config, {k: v.clone() for k, v in world.drafter.state_dict().items()}))
+    run.unlock()
+    demo, dflash = tmp_path / "runs" / "demo", tmp_path / "runs" / "demo" / "dflash"
+    fails([*base, "--dir", str(demo), "--once"], capsys, f"--dir {demo} holds no run folder; did you mean --dir {dflash}?")
+    fails([*base, "--dir", str(tmp_path / "runs"), "--once"], capsys, f"did you mean --dir {dflash}?")
+    fails([*base, "--dir", str(run.snapshots_dir), "--once"], capsys, f"did you mean --dir {run.path}?")
+    (tmp_path / "empty").mkdir()
+    fails([*base, "--dir", str(tmp_path / "empty"), "--once"], capsys, "holds no run folder (a run folder holds run.json)")
+    assert not (demo / "watcher.json").exists()
+    # without --once a notice, and the watcher keeps polling: runs may appear later
+    assert cli_main([*base, "--dir", str(demo), "--idle-exit", "0", "--poll-seconds", "0"]) == 0
+    assert f"watch: {demo} holds no run folder yet, waiting for one; did you mean --dir {dflash}?" in capsys.readouterr().out
+
+
+def test_watch_skips_runs_of_another_runner_and_logs_it_once(world, tmp_path):
+    from dflash_callbacks.callbacks.run_folder import RunFolder
+    from dflash_callbacks.callbacks.snapshot import Snapshot
+    from dflash_callbacks.callbacks.watch import Watcher
+    from dflash_callbacks.scoring.service import ScoringService, ServiceSpec
+
+    runs = {}
+    for name, about in (("thread-run", {"runner": "thread"}), ("external-run", {"runner": "external"}), ("old-run", {})):
+        runs[name] = RunFolder.create(tmp_path / "runs", name, about)
+        runs[name].write_snapshot(Snapshot(3, 0, world.config, {k: v.clone() for k, v in world.drafter.state_dict().items()}))
+        runs[name].unlock()
+    lines = []
+    spec = ServiceSpec(str(world.cache), str(world.target), None, {"ddtree_budgets": [4], "device": "cpu"})
+    watcher = Watcher(ScoringService(spec), tmp_path / "runs", log=lines.append)
+    assert watcher.scan_once() == 2 and watcher.scan_once() == 0
+    assert not runs["thread-run"].report_path(3).exists()
+    assert runs["external-run"].report_path(3).is_file() and runs["old-run"].report_path(3).is_file()
+    assert [line for line in lines if "skipping" in line] == \
+        ["watch: skipping thread-run: its runner is 'thread', not 'external' (it scores its own snapshots)"]
+
+
+def test_a_truncated_safetensors_file_is_one_error_line_naming_it(world, tmp_path, capsys):
+    def truncated(folder, name):
+        copy = shutil.copytree(folder, tmp_path / name)
+        data = (copy / "model.safetensors").read_bytes()
+        (copy / "model.safetensors").write_bytes(data[: len(data) // 2])
+        return copy / "model.safetensors"
+
+    damaged = "is not a readable safetensors file (truncated or corrupt?)"
+    drafter, baseline, target = truncated(world.baseline, "d"), truncated(world.baseline, "b"), truncated(world.target, "t")
+    fails(score_args(world, **{"--drafter": drafter.parent}), capsys, f"{drafter} {damaged}")
+    err = fails(score_args(world, **{"--baseline": baseline.parent, "--target": target.parent}), capsys,
+                f"baseline {baseline.parent}: {baseline} {damaged}", f"target: {target} {damaged}")
+    assert "internal error" not in err

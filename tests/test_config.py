@@ -27,11 +27,13 @@ def test_default_yaml_with_overrides_builds_both_callbacks():
 
 
 @pytest.mark.parametrize("override,message", [
-    ("eval.bogus=1", r"config key 'eval.bogus' in .*callbacks.yaml: Key 'bogus' not in 'EvalConfig'"),
-    ("eval.every_n_train_steps=abc", r"config key 'eval.every_n_train_steps' .*could not be converted to Integer"),
+    ("eval.bogus=1", r"^override 'eval.bogus=1': Key 'bogus' not in 'EvalConfig'"),
+    ("eval.every_n_train_steps=abc", r"^override 'eval.every_n_train_steps=abc': .*could not be converted to Integer"),
     ("eval.scoring.ddtree_budgets=[0]", r"ddtree_budgets must be a list of integers >= 1; got 0 in \[0\]"),
     ("eval.scoring.max_rounds=0", "max_rounds must be an integer >= 1; got 0"),
-    ("eval.scoring.ddtree_budgets=16", r"config key 'eval.scoring.ddtree_budgets'"),
+    ("eval.scoring.ddtree_budgets=16", r"^override 'eval.scoring.ddtree_budgets=16': ddtree_budgets is a list: "
+                                       r"write eval.scoring.ddtree_budgets=\[16\]$"),
+    ("eval.scoring.tasks=a,b", r"tasks is a list: write eval.scoring.tasks=\[a,b\]$"),
     ("eval.every_n_train_steps", r"override 'eval.every_n_train_steps' is not key=value"),
 ])
 def test_bad_values_are_refused_with_the_key(override, message):
@@ -64,8 +66,20 @@ def test_demo_config_overrides_name_the_key():
     cfg = demo_config(["train.max_steps=30", "stop.patience=2", "wandb=disabled"])
     assert cfg.train.max_steps == 30 and cfg.stop.patience == 2 and cfg.wandb == "disabled"
     assert cfg.eval.scoring.ddtree_budgets == [4, 8] and cfg.eval.every_n_train_steps == 25
-    with pytest.raises(ValueError, match=r"config key 'train.max_steps' in .*demo.yaml: Value 'abc'"):
+    with pytest.raises(ValueError, match=r"^override 'train.max_steps=abc': Value 'abc'"):
         demo_config(["train.max_steps=abc"])
+
+
+def test_an_override_typo_names_the_override_and_a_file_typo_the_file(tmp_path):
+    """A key given on the command line is blamed on the override, never on the YAML file."""
+    with pytest.raises(ValueError, match=r"^override 'train.max_step=300': Key 'max_step' not in 'TrainConfig'"):
+        demo_config(["train.max_step=300"])
+    path = tmp_path / "run.yaml"
+    path.write_text("eval:\n  scoring:\n    topk: [4]\n    top_k: [4]\n")
+    with pytest.raises(ValueError, match=r"^config key 'eval.scoring.top_k' in .*run.yaml: Key 'top_k' not in"):
+        load_config(CallbacksConfig, path, REQUIRED)
+    cfg = load_config(CallbacksConfig, CONF_DIR / "callbacks.yaml", REQUIRED + ["eval.scoring.topk=[4]"])
+    assert cfg.eval.scoring.topk == [4]
 
 
 # ---------------------------------------------------------------- one default, everywhere

@@ -27,3 +27,16 @@ def test_the_example_runs_as_written(tmp_path):
     assert "3 reports in runs/attach-example/dflash/" in run.stdout
     (folder,) = (tmp_path / "runs" / "attach-example" / "dflash").iterdir()
     assert len((folder / "results.jsonl").read_text().splitlines()) == 3
+
+
+def test_every_cli_flag_is_in_the_commands_section():
+    """A flag a command takes and the README's Commands section does not name is a flag no newcomer finds."""
+    from dflash_callbacks.cli import build_parser
+
+    readme = (REPO / "README.md").read_text()
+    commands = re.search(r"\n## Commands\n(.*?)\n## ", readme, flags=re.S).group(1)
+    subparsers = next(a for a in build_parser()._actions if a.dest == "command").choices
+    missing = [f"{name} {flag}" for name, sub in subparsers.items() for action in sub._actions
+               for flag in action.option_strings if flag.startswith("--") and flag not in ("--help", "--debug")
+               and not re.search(rf"`{flag}\b", commands)]
+    assert not missing, f"flags not in the README's Commands section: {missing}"

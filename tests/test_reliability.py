@@ -375,7 +375,7 @@ def test_bad_manifest_is_refused_before_training(world, tmp_path, how, message):
 
 
 @pytest.mark.parametrize("override,message", [
-    ("eval.bogus=1", r"config key 'eval.bogus' in .*run.yaml: Key 'bogus' not in 'EvalConfig'"),
+    ("eval.bogus=1", r"override 'eval.bogus=1': Key 'bogus' not in 'EvalConfig'"),
     ("eval.scoring.ddtree_budgets=[4,0]", r"ddtree_budgets must be a list of integers >= 1; got 0 in \[4, 0\]"),
     ("eval.scoring.anchors_per_forward=0", r"anchors_per_forward must be an integer >= 1; got 0"),
     ("eval.every_n_train_steps=0", r"every_n_train_steps must be an integer >= 1; got 0"),
@@ -385,7 +385,7 @@ def test_bad_manifest_is_refused_before_training(world, tmp_path, how, message):
     ("stop.min_delta=-0.5", None),  # alone, from YAML: min_ratio defaults to null (defect: it was refused)
 ])
 def test_bad_config_is_refused_before_a_trainer_exists(world, tmp_path, override, message):
-    """load_config refuses unknown keys and wrong types (naming the file) and ScoringConfig's
+    """load_config refuses unknown keys and wrong types (naming the override) and ScoringConfig's
     impossible values; the callbacks' own checks refuse the rest when they are built."""
     paths = world_paths(world)
     path = tmp_path / "run.yaml"

@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-import dflash_callbacks.model.target_head as target_head_module
+import dflash_callbacks.model.io as io_module  # every safetensors file is opened through io.open_safetensors
 from dflash_callbacks import TargetHead
 from dflash_callbacks.model.target_head import head_fingerprint, head_shapes
 
@@ -33,7 +33,7 @@ def read_keys(monkeypatch):
     """Every tensor name whose data TargetHead reads whole, in order (the real safe_open runs
     underneath); `read_keys.rows` the names read only in part, through get_slice."""
     keys = KeyLog()
-    real_safe_open = target_head_module.safe_open
+    real_safe_open = io_module.safe_open
 
     class Recording:
         def __init__(self, *args, **kwargs):
@@ -57,7 +57,7 @@ def read_keys(monkeypatch):
             keys.rows.add(key)
             return self.handle.get_slice(key)
 
-    monkeypatch.setattr(target_head_module, "safe_open", Recording)
+    monkeypatch.setattr(io_module, "safe_open", Recording)
     return keys
 
 

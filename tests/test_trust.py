@@ -5,6 +5,7 @@ processes and real signals, and every run folder goes through the audit (runs.py
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -623,6 +624,18 @@ def test_a_damaged_cache_or_a_task_with_no_anchor_is_refused_before_training(wor
     no_anchor = cache_with(world, tmp_path / "no-anchor", prompt_len=19, tokens=20)
     refused_before_training(world, tmp_path, eval_cb(world, tmp_path, cache=no_anchor),
                             r"cache task 't' has no anchor to score: 19 prompt tokens and 20 in all")
+
+
+def test_a_truncated_baseline_or_target_weight_file_is_listed_before_training(world, tmp_path):
+    """The drafter's target and baseline are read by the preflight: a damaged safetensors file is
+    a line naming it, never a raw SafetensorError from setup."""
+    damaged = {}
+    for name in ("baseline", "target"):
+        damaged[name] = shutil.copytree(world / name, tmp_path / f"damaged-{name}") / "model.safetensors"
+        damaged[name].write_bytes(damaged[name].read_bytes()[:100])
+    cb = eval_cb(world, tmp_path, target=damaged["target"].parent, baseline=damaged["baseline"].parent)
+    refused_before_training(world, tmp_path, cb, rf"(?s)target: {re.escape(str(damaged['target']))} is not a readable "
+                            rf"safetensors file \(truncated or corrupt\?\).*\n  baseline .*{re.escape(str(damaged['baseline']))} is not")
 
 
 def test_a_memory_budget_too_small_for_one_block_is_refused_before_training(world, tmp_path):

@@ -399,7 +399,7 @@ class HiddenStateCache:
                     raise CacheError(f"task {name!r}: file {path} has no tensor(s) {sorted(missing)}")
                 input_ids, hidden = f.get_tensor("input_ids"), f.get_tensor("hidden")
         except SafetensorError as e:
-            raise CacheError(f"task {name!r}: file {path} is not a readable safetensors file: {e}") from e
+            raise CacheError(f"task {name!r}: file {path} is not a readable safetensors file (truncated or corrupt?): {e}") from e
         width = len(self.layer_ids) * self.hidden_size
         T = entry["num_tokens"]
         if input_ids.dtype != torch.int64 or tuple(input_ids.shape) != (T,):

@@ -2,7 +2,9 @@
 
 Pair it with `DrafterEvalCallback(runner="external", dirpath=DIR)`. `--dir` is that
 `dirpath` (one subfolder per run; new runs are picked up as they appear) or one run
-folder. Every poll, for every run folder, the watcher
+folder; a --dir holding no run folder is an error with --once (naming the folder meant,
+when one is near), else a notice. Run folders whose run.json names another runner
+(thread, process) are skipped, and said so once. Every poll, for every run folder, the watcher
 - scores the baseline once into reports/baseline.json (a failure is written there as
   `{"error": ...}`, so the run goes on without one, and retried on the next poll; the
   run takes the report when it appears); without --baseline, writes that error for a
@@ -21,7 +23,7 @@ from pathlib import Path
 
 from ..scoring.report import EvalReport
 from ..scoring.service import ScoringService, ServiceSpec, preflight
-from .run_folder import RunFolder, is_run_folder, write_heartbeat
+from .run_folder import RUN_FILE, RunFolder, is_run_folder, write_heartbeat
 from .runners import describe
 
 
@@ -32,11 +34,23 @@ def run_folders(root: Path) -> list[RunFolder]:
     return [RunFolder(p) for p in sorted(root.iterdir()) if p.is_dir() and is_run_folder(p)]
 
 
+def runs_hint(root: Path) -> str:
+    """For a --dir that holds no run folder: the folder nearby that does, if there is one
+    (the run folder above a run's snapshots/, or a subfolder holding run folders)."""
+    if is_run_folder(root.parent):
+        return f"; did you mean --dir {root.parent}?"
+    holders = sorted({f.parent.parent for depth in (2, 3) for f in root.glob("*/" * depth + RUN_FILE)})
+    if holders:
+        return f"; did you mean --dir {holders[0]}?"
+    return f" (a run folder holds {RUN_FILE}); give the callback's dirpath, e.g. runs/demo/dflash"
+
+
 class Watcher:
     def __init__(self, service: ScoringService, root: Path, log=print):
         self.service, self.root, self.log = service, root, log
         self._baseline: EvalReport | str | None = None  # the report, or the last error
         self._read: dict[Path, tuple[tuple, bool, str | None]] = {}  # report path -> (its stat, read back)
+        self._skipped: set[Path] = set()  # run folders of another runner, logged once
 
     def reported(self, run: RunFolder, path: Path) -> tuple[bool, str | None] | None:
         """(is it a report rather than an error, the snapshot id it names) of a report file,
@@ -68,6 +82,13 @@ class Watcher:
         done = 0
         write_heartbeat(self.root)
         for run in run_folders(self.root):
+            runner = run.about().get("runner", "external")  # older runs do not record it
+            if runner != "external":
+                if run.path not in self._skipped:
+                    self._skipped.add(run.path)
+                    self.log(f"watch: skipping {run.path.name}: its runner is {runner!r}, not 'external' "
+                             "(it scores its own snapshots)")
+                continue
             baseline, expected = self.reported(run, run.report_path(None)), run.about().get("baseline")
             if self.service.spec.baseline is not None and (baseline is None or not baseline[0]):
                 baseline = self.baseline()
@@ -98,14 +119,14 @@ class Watcher:
 
 
 def add_watch_arguments(p: argparse.ArgumentParser) -> None:
-    from ..scoring.cli import add_scoring_arguments
+    from ..scoring.cli import BASELINE_CACHE_HELP, add_scoring_arguments
 
     p.add_argument("--dir", required=True, type=Path,
                    help="the callback's dirpath (one subfolder per run) or one run folder; must exist")
-    p.add_argument("--cache", required=True, type=Path)
-    p.add_argument("--target", required=True, type=Path)
-    p.add_argument("--baseline", type=Path, default=None)
-    p.add_argument("--baseline-cache-dir", type=Path, default=None)
+    p.add_argument("--cache", required=True, type=Path, help="hidden-state cache folder")
+    p.add_argument("--target", required=True, type=Path, help="target folder (only embed_tokens and lm_head are read)")
+    p.add_argument("--baseline", type=Path, default=None, help="the runs' baseline drafter folder or saved report JSON")
+    p.add_argument("--baseline-cache-dir", type=Path, default=None, help=BASELINE_CACHE_HELP)
     p.add_argument("--poll-seconds", type=float, default=5.0, help="seconds between scans (>= 0)")
     p.add_argument("--idle-exit", type=float, default=None, help="exit after this many seconds without a new snapshot")
     p.add_argument("--once", action="store_true", help="score what is there now and exit")
@@ -125,10 +146,15 @@ def run_watch(args: argparse.Namespace) -> int:
         scoring=scoring_config(args).to_dict(),
         baseline_cache_dir=None if args.baseline_cache_dir is None else str(args.baseline_cache_dir),
     )
+    no_runs = not run_folders(args.dir)
+    if no_runs and args.once:
+        raise UsageError(f"--dir {args.dir} holds no run folder{runs_hint(args.dir)}")
     preflight(spec, None)
     watcher = Watcher(ScoringService(spec), args.dir, log=lambda line: print(line, flush=True))
     print(f"watch: scoring the snapshots of the runs in {args.dir} (every {args.poll_seconds:g} s; Ctrl-C stops)",
           flush=True)
+    if no_runs:
+        print(f"watch: {args.dir} holds no run folder yet, waiting for one{runs_hint(args.dir)}", flush=True)
     last_work = time.time()
     while True:
         if watcher.scan_once():

@@ -219,7 +219,7 @@ def add_demo_arguments(p) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = (f"settings (conf/demo.yaml over the callbacks' defaults; override any as key=value):\n{keys}\n\n"
                 "writes under OUT (default runs/demo): world/ (toy caches), baseline-reports/, dflash/<run id>/ "
-                "(results.jsonl, snapshots/), csv/, wandb/, live_tau.png")
+                "(results.jsonl, snapshots/), csv/version_N/metrics.csv, wandb/, live_tau.png")
     p.add_argument("overrides", nargs="*", help="key=value settings of DemoConfig, e.g. train.max_steps=300")
 
 

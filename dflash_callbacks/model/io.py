@@ -12,11 +12,12 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .config import DrafterConfig
@@ -46,10 +47,22 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
+@contextmanager
+def open_safetensors(file: Path, device: str = "cpu") -> Iterator:
+    """`safe_open` of a weight file; a damaged one (truncated, corrupt, not safetensors at
+    all) is a ValueError naming the file, so a CLI prints one `error:` line and a preflight
+    lists it."""
+    try:
+        with safe_open(str(file), framework="pt", device=device) as f:
+            yield f
+    except SafetensorError as e:
+        raise ValueError(f"{file} is not a readable safetensors file (truncated or corrupt?): {e}") from e
+
+
 def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for file in safetensors_files(folder):
-        with safe_open(str(file), framework="pt") as f:
+        with open_safetensors(file) as f:
             for key in f.keys():
                 if key in state:
                     raise ValueError(f"tensor {key!r} appears in more than one file of {folder}")
@@ -61,7 +74,7 @@ def read_state_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     """The shape of every stored tensor, from the safetensors headers alone."""
     shapes: dict[str, tuple[int, ...]] = {}
     for file in safetensors_files(folder):
-        with safe_open(str(file), framework="pt") as f:
+        with open_safetensors(file) as f:
             shapes.update((key, tuple(f.get_slice(key).get_shape())) for key in f.keys())
     return shapes
 

@@ -13,10 +13,9 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
-from .io import INDEX_FILE, safetensors_files
+from .io import INDEX_FILE, open_safetensors, safetensors_files
 
 EMBED_KEYS = (
     "model.embed_tokens.weight",
@@ -44,7 +43,7 @@ def locate_keys(folder: Path) -> dict[str, Path]:
         return {key: folder / name for key, name in json.loads(index.read_text())["weight_map"].items()}
     where = {}
     for file in safetensors_files(folder):
-        with safe_open(str(file), framework="pt") as f:
+        with open_safetensors(file) as f:
             where.update((key, file) for key in f.keys())
     return where
 
@@ -83,7 +82,7 @@ class TargetHead(nn.Module):
         folder, where, embed_key, head_key = _locate_head(target_path)
 
         def read(key: str) -> torch.Tensor:
-            with safe_open(str(where[key]), framework="pt", device="cpu") as f:
+            with open_safetensors(where[key]) as f:
                 return f.get_tensor(key).to(device=device, dtype=dtype)
 
         embed = read(embed_key)
@@ -119,7 +118,7 @@ def head_shapes(target_path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     _, where, embed_key, head_key = _locate_head(target_path)
     shapes = {}
     for name, key in (("embed_tokens", embed_key), ("lm_head", head_key or embed_key)):
-        with safe_open(str(where[key]), framework="pt") as f:
+        with open_safetensors(where[key]) as f:
             shapes[name] = tuple(f.get_slice(key).get_shape())
     return shapes
 
@@ -133,7 +132,7 @@ def head_fingerprint(target_path: str | os.PathLike) -> str:
     _, where, embed_key, head_key = _locate_head(target_path)
     digest = hashlib.sha256()
     for name, key in (("embed_tokens", embed_key), ("lm_head", head_key or embed_key)):
-        with safe_open(str(where[key]), framework="pt") as f:
+        with open_safetensors(where[key]) as f:
             tensor = f.get_slice(key)
             shape, dtype = tensor.get_shape(), tensor.get_dtype()
             digest.update(json.dumps([name, key, shape, dtype]).encode())

@@ -29,27 +29,47 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+# scoring flag -> ScoringConfig field; a flag that is not given leaves the field to --config (or its default)
+SCORING_FLAGS = {"budgets": "ddtree_budgets", "topk": "topk", "window": "window", "block_size": "block_size",
+                 "max_rounds": "max_rounds", "tasks": "tasks", "anchors_per_forward": "anchors_per_forward",
+                 "vocab_chunk": "vocab_chunk", "backend": "backend", "device": "device", "dtype": "dtype",
+                 "max_memory_gib": "max_memory_gib", "release_memory": "release_memory"}
+
+
 def add_scoring_arguments(p: argparse.ArgumentParser) -> None:
     d = ScoringConfig()
-    p.add_argument("--budgets", type=int_list, default=d.ddtree_budgets, help="DDTree node budgets (default 4,8)")
-    p.add_argument("--topk", type=int_list, default=d.topk, help="top@k widths, e.g. 4,8 (default none)")
-    p.add_argument("--window", type=int, default=d.window, help="score the first N completion tokens (default all)")
-    p.add_argument("--block-size", type=int, default=d.block_size, help="default: the drafter's")
-    p.add_argument("--max-rounds", type=int, default=d.max_rounds, help="rounds of the live schedule")
-    p.add_argument("--tasks", type=lambda s: s.split(","), default=d.tasks, help="comma-separated subset of tasks")
-    p.add_argument("--anchors-per-forward", type=int, default=d.anchors_per_forward)
-    p.add_argument("--vocab-chunk", type=int, default=d.vocab_chunk)
-    p.add_argument("--backend", choices=BACKENDS, default=d.backend)
-    p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--dtype", choices=list(DTYPES), default=d.dtype)
+    g = p.add_argument_group("scoring (ScoringConfig; a flag given here wins over --config)",
+                             argument_default=argparse.SUPPRESS)
+    g.add_argument("--config", type=Path, default=None,
+                   help="a ScoringConfig YAML (e.g. conf/scoring.yaml); flags given on the command line win")
+    g.add_argument("--budgets", type=int_list, help=f"DDTree node budgets (default {','.join(map(str, d.ddtree_budgets))})")
+    g.add_argument("--topk", type=int_list, help="top@k widths, e.g. 4,8 (default none)")
+    g.add_argument("--window", type=int, help="score the first N completion tokens (default all)")
+    g.add_argument("--block-size", type=int, help="default: the drafter's")
+    g.add_argument("--max-rounds", type=int, help=f"rounds of the live schedule (default {d.max_rounds})")
+    g.add_argument("--tasks", type=lambda s: s.split(","), help="comma-separated subset of tasks (default all)")
+    g.add_argument("--anchors-per-forward", type=int, help=f"blocks decoded side by side (default {d.anchors_per_forward})")
+    g.add_argument("--vocab-chunk", type=int, help="vocabulary tile of the torch LM-head path (default 8192)")
+    g.add_argument("--backend", choices=BACKENDS, help=f"LM-head statistics (default {d.backend})")
+    g.add_argument("--device", help=f"auto | cpu | cuda | cuda:N (default {d.device})")
+    g.add_argument("--dtype", choices=list(DTYPES), help=f"default {d.dtype}")
+    g.add_argument("--max-memory-gib", type=float, help="the scorer's memory budget in GiB (default none)")
+    g.add_argument("--release-memory", action="store_true",
+                   help="give the scorer's accelerator memory back after each report")
 
 
 def scoring_config(args: argparse.Namespace) -> ScoringConfig:
-    return ScoringConfig(
-        ddtree_budgets=args.budgets, topk=args.topk, window=args.window, block_size=args.block_size,
-        max_rounds=args.max_rounds, tasks=args.tasks, anchors_per_forward=args.anchors_per_forward,
-        vocab_chunk=args.vocab_chunk, backend=args.backend, device=args.device, dtype=args.dtype,
-    )
+    """--config (or the defaults), then the scoring flags given on the command line."""
+    from ..config import load_config
+
+    if args.config is not None and not args.config.is_file():
+        raise UsageError(f"--config {args.config} is not a file: give a ScoringConfig YAML such as conf/scoring.yaml")
+    base = load_config(ScoringConfig, args.config) if args.config is not None else ScoringConfig()
+    return replace(base, **{key: getattr(args, flag) for flag, key in SCORING_FLAGS.items() if hasattr(args, flag)})
+
+
+BASELINE_CACHE_HELP = ("where baseline reports are cached (default $XDG_CACHE_HOME/dflash_callbacks/baselines, "
+                       "~/.cache/dflash_callbacks/baselines when XDG_CACHE_HOME is unset)")
 
 
 def check_output(option: str, path: Path | None) -> None:
@@ -63,7 +83,7 @@ def add_score_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, type=Path, help="target folder (only embed_tokens and lm_head are read)")
     p.add_argument("--baseline", type=Path, default=None, help="baseline drafter folder or saved report JSON")
     p.add_argument("--baseline-cache-dir", type=Path, default=None,
-                   help="where baseline reports are cached (default ~/.cache/dflash_callbacks/baselines)")
+                   help=BASELINE_CACHE_HELP)
     p.add_argument("--json", type=Path, default=None, help="write our report here")
     p.add_argument("--baseline-json", type=Path, default=None, help="write the baseline's report here")
     p.add_argument("--aggregate", choices=("live", "dense"), default="live", help="aggregate shown in the table")
@@ -106,6 +126,9 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def load_ours(path: Path, step: int | None) -> EvalReport:
+    if path.is_dir():
+        raise UsageError(f"{path} is a folder: the first argument is our report JSON (from `score --json`) or a run's "
+                         "results.jsonl; a drafter folder is scored with `dflash-callbacks score --drafter`")
     if path.suffix != ".jsonl":
         if step is not None:
             raise UsageError("--step picks a report from a results.jsonl; this is a single report")
@@ -123,8 +146,19 @@ def load_ours(path: Path, step: int | None) -> EvalReport:
     return chosen[-1]
 
 
+def load_baseline(path: Path) -> EvalReport:
+    if path.is_dir():
+        raise UsageError(f"the baseline {path} is a folder: compare takes the baseline's report JSON; score a drafter "
+                         f"folder with `dflash-callbacks score --drafter OURS --baseline {path} --baseline-json base.json` "
+                         "and compare with base.json")
+    if path.suffix == ".jsonl":
+        raise UsageError(f"the baseline {path} is a results.jsonl: the first argument may be a results.jsonl, the second "
+                         "must be the baseline's report JSON (e.g. from `score --baseline-json`); are they swapped?")
+    return EvalReport.load(path)
+
+
 def run_compare(args: argparse.Namespace) -> int:
-    ours, baseline = load_ours(args.ours, args.step), EvalReport.load(args.baseline)
+    ours, baseline = load_ours(args.ours, args.step), load_baseline(args.baseline)
     # the table shows the methods both scored; anything else that changes numbers refuses
     problems = replace(Basis.of_report(ours), methods=()).mismatches(baseline, f"the baseline {args.baseline}")
     if problems and not args.force:
