@@ -317,3 +317,79 @@ def test_a_report_nested_past_the_parsers_depth_is_an_error_not_a_crash(tmp_path
     run.results_path.write_text(deep + "\n")
     assert run.read_results().skipped[0].startswith("line 1:")
     run.unlock()
+
+
+def test_on_error_raise_keeps_every_polled_outcome_on_disk(world, tmp_path, monkeypatch):
+    """Step 5's scoring is slow (the real scorer, held 1 s), so the reports of steps 5 to 8
+    reach the training thread together at the end; a subscriber that raises on step 5
+    (on_error="raise") ends the fit, and steps 6 to 8 are still in results.jsonl."""
+    real = ScoringService.score
+
+    def slow_at_5(self, *args, **kwargs):
+        if kwargs.get("step") == 5:
+            time.sleep(1.0)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ScoringService, "score", slow_at_5)
+    cb = eval_cb(world, tmp_path, on_error="raise", busy="queue", max_pending=8, every_n_train_steps=1)
+
+    def fails_from_5(report, baseline):
+        if report.step >= 5:
+            raise ValueError("a subscriber fails")
+
+    cb.subscribe(fails_from_5)
+    with pytest.raises(RuntimeError, match="subscriber .* raised on step 5"):
+        fit(world, tmp_path, [cb], max_steps=8)
+    assert [r["step"] for r in records(tmp_path / "d") if "tasks" in r] == list(range(1, 9))
+    assert_clean(tmp_path / "d")
+
+
+def test_a_snapshot_baseline_is_taken_from_the_watcher_and_another_watchers_is_replaced(world, tmp_path):
+    """External runner: a baseline drafter folder that is a snapshot (its report names a
+    snapshot id) is taken; a watcher finds another watcher's baseline report (other weights)
+    in a run and replaces it with its own."""
+    import threading
+
+    from dflash_callbacks.callbacks.runners import ExternalScorer
+    from dflash_callbacks.scoring.service import weights_fingerprint
+
+    other = tmp_path / "other-baseline"
+    shutil.copytree(world / "baseline", other)
+    drafter = load_drafter(other)
+    with torch.no_grad():
+        drafter.fc.weight.mul_(0.5)
+    from dflash_callbacks import save_drafter
+
+    save_drafter(other, drafter.config, drafter.state_dict())
+    spec = ServiceSpec(str(world / "cache"), str(world / "target"), str(world / "baseline"), SCORING, str(tmp_path / "bc"))
+    own = ScoringService(spec).baseline()
+    run = RunFolder.create(tmp_path / "runs", "run", {"runner": "external", "baseline": str(world / "baseline")})
+    run.reports_dir.mkdir()
+    as_snapshot = own.to_dict() | {"snapshot_id": "a" * 16, "step": 40}
+    run.write_report(None, as_snapshot)
+    scorer = ExternalScorer(spec, run, threading.Event(), threading.Event())
+    taken = scorer.baseline()
+    assert taken.snapshot_id == "a" * 16 and taken.extra["baseline_key"]["weights"] == weights_fingerprint(world / "baseline")
+
+    wrong = ScoringService(ServiceSpec(str(world / "cache"), str(world / "target"), str(other), SCORING,
+                                       str(tmp_path / "bc"))).baseline()
+    run.write_report(None, wrong.to_dict())
+    lines = []
+    watcher = Watcher(ScoringService(spec), tmp_path / "runs", log=lines.append)
+    watcher.scan_once()
+    assert run.read_report(run.report_path(None)).tasks == own.tasks and "replaced another watcher's" in lines[-1]
+    watcher.scan_once()
+    assert sum("replaced another watcher's" in line for line in lines) == 1  # once
+    run.unlock()
+
+
+def test_a_baseline_drafter_of_another_block_size_is_refused_before_training(world, tmp_path):
+    import json
+
+    baseline = shutil.copytree(world / "baseline", tmp_path / "baseline-b4")
+    config = json.loads((baseline / "config.json").read_text())
+    config["block_size"] = 4
+    (baseline / "config.json").write_text(json.dumps(config))
+    cb = eval_cb(world, tmp_path, baseline=baseline)
+    with pytest.raises(PreflightError, match=r"is a drafter of block size 4, this run scores block size 6"):
+        fit(world, tmp_path, [cb], max_steps=2)

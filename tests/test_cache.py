@@ -315,3 +315,16 @@ def test_task_file_and_unknown_set(tmp_path):
     assert load_tasks(str(path)) == [Task("hello", "Say hello.")]
     with pytest.raises(FileNotFoundError, match=r"unknown task set 'coding11': give a built-in name \(coding10\)"):
         load_tasks("coding11")
+
+
+def test_a_cache_made_before_heads_were_fingerprinted_reopens_for_writing(tmp_path):
+    """An older cache records no target head: reopening it with one goes on (nothing to hold
+    it to); two recorded heads that differ are refused."""
+    from dflash_callbacks.cache.format import CacheError, new_manifest, open_for_writing
+
+    with_head = lambda head: TargetInfo(**{**TARGET.__dict__, "head": head})  # noqa: E731
+    open_for_writing(tmp_path / "old", new_manifest(TARGET, [0, 2]))
+    assert "head" not in open_for_writing(tmp_path / "old", new_manifest(with_head("a" * 16), [0, 2]))["target"]
+    open_for_writing(tmp_path / "new", new_manifest(with_head("a" * 16), [0, 2]))
+    with pytest.raises(CacheError, match="made differently"):
+        open_for_writing(tmp_path / "new", new_manifest(with_head("b" * 16), [0, 2]))

@@ -236,8 +236,10 @@ def open_for_writing(folder: str | os.PathLike, header: dict) -> dict:
         write_manifest(folder, header)
         return header
     manifest = read_manifest(folder)
-    old_target = {k: v for k, v in manifest["target"].items() if k != "path"}
-    new_target = {k: v for k, v in header["target"].items() if k != "path"}
+    # the path may move; a cache made before heads were fingerprinted records none
+    skip = {"path"} | ({"head"} if "head" not in manifest["target"] else set())
+    old_target = {k: v for k, v in manifest["target"].items() if k not in skip}
+    new_target = {k: v for k, v in header["target"].items() if k not in skip}
     differences = [
         f"{key} {theirs} != {mine}"
         for key, theirs, mine in [

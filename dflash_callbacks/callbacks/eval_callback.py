@@ -36,7 +36,7 @@ from ..checks import check_bool, check_choice, check_int, check_number
 from ..model import DrafterConfig
 from ..scoring.config import ScoringConfig
 from ..scoring.basis import Basis
-from ..scoring.report import EvalReport
+from ..scoring.report import EvalReport, ratio
 from ..scoring.service import ServiceSpec, preflight, run_basis
 from .publish import Publisher, ReportSource, Subscriber
 from .run_folder import RunFolder, new_run_id
@@ -239,7 +239,8 @@ class DrafterEvalCallback(ReportSource):
         if not trainer.is_global_zero:
             return
         root = self.dirpath or Path(trainer.default_root_dir) / self.name
-        about = {"runner": self.runner_kind, "basis": self._basis.to_dict(), "baseline": self._spec.baseline}
+        watcher_baseline = self._spec.baseline if self.baseline_source and self.baseline_source.is_dir() else None
+        about = {"runner": self.runner_kind, "basis": self._basis.to_dict(), "baseline": watcher_baseline}
         self._publisher = None
         jobs = []
         if self._restored is not None and self._restored.get("run_id"):
@@ -248,7 +249,7 @@ class DrafterEvalCallback(ReportSource):
             changed = self._basis_changes()
             if changed:
                 self.run.unlock()
-                self._fresh_state(None)
+                self._fresh_state({k: v for k, v in self._restored.items() if k in ("errors", "skipped")})
                 self.run = None
                 rank_zero_warn(f"{self.name}: run {self._restored['run_id']} was scored with {'; '.join(changed)}; its "
                                "numbers can not stand beside this resume's, so the resume goes on in a new run folder")
@@ -260,12 +261,13 @@ class DrafterEvalCallback(ReportSource):
             rank_zero_info(f"{self.name}: new run {self.run_id}, writing to {self.run.path}")
         self._publisher = Publisher(self.name, self.run, self._fail, self.verbose, self._subscribers)
         self._restore_metrics(trainer)
-        for outcome in self._rejected:
-            self._record_outcome(trainer, outcome)
-            self._fail(trainer, f"step {outcome.step} failed: {outcome.error}")
         self._runner = BackgroundRunner(self.runner_kind, self._spec, self.run, self.keep_last, self._basis)
         for job in jobs:
             self._runner.submit(job)
+        for outcome in self._rejected:  # every line on disk first: on_error="raise" raises at the first
+            self._record_outcome(trainer, outcome)
+        for outcome in self._rejected:
+            self._fail(trainer, f"step {outcome.step} failed: {outcome.error}")
         module = resolve_drafter(pl_module, self.drafter)
         if not is_sharded(module):
             self._pool = StagingPool(1 if self.busy == "skip" else self.max_pending)
@@ -286,18 +288,29 @@ class DrafterEvalCallback(ReportSource):
     def _basis_changes(self) -> list[str]:
         """How this resume's basis differs from the reopened run's (run.json's, else its first report's)."""
         recorded = self.run.about().get("basis")
-        if isinstance(recorded, dict):
+        try:
             return self._basis.differences(Basis.from_dict(recorded))
+        except (TypeError, ValueError, AttributeError):  # none recorded (an older run), or damaged
+            pass
         reports = self.run.read_results().reports
         return self._basis.differences(Basis.of_report(reports[0])) if reports else []
 
     def _restore_metrics(self, trainer) -> None:
-        """A resume: the last report's means back in callback_metrics (Lightning starts them empty)."""
-        if self.history:
-            last = self.history[-1]
-            self._publisher.set_callback_metrics(trainer, last["step"], {
-                f"{self.name}/{method}/{agg}/mean": value for method, aggs in last["mean"].items()
-                for agg, value in aggs.items()})
+        """A resume: the last report's means back in callback_metrics (Lightning starts them
+        empty), with the baseline's, the deltas and the ratios once the baseline is known."""
+        if not self.history:
+            return
+        last, p, means = self.history[-1], self.name, {}
+        base = self.baseline_report.mean if self.baseline_report is not None else {}
+        for method, aggs in last["mean"].items():
+            for agg, ours in aggs.items():
+                means[f"{p}/{method}/{agg}/mean"] = ours
+                if agg in base.get(method, {}):
+                    theirs = base[method][agg]
+                    means.update({f"{p}/baseline/{method}/{agg}/mean": theirs,
+                                  f"{p}/delta/{method}/{agg}/mean": ours - theirs,
+                                  f"{p}/ratio/{method}/{agg}/mean": ratio(ours, theirs)})
+        self._publisher.set_callback_metrics(trainer, last["step"], means)
 
     def _recover(self) -> list[Job]:
         """A resume: the history from results.jsonl, the watcher reports a killed run never
@@ -364,10 +377,7 @@ class DrafterEvalCallback(ReportSource):
                 self._drain(trainer, runner)
             else:  # the fit is failing: keep every outcome on disk, log nothing
                 for outcome in runner.poll():
-                    if isinstance(outcome, SnapshotOutcome) and outcome.report is not None:
-                        self._publisher.record_report(trainer, outcome.report, outcome.seconds)
-                    elif isinstance(outcome, SnapshotOutcome):
-                        self._record_outcome(trainer, outcome)
+                    self._keep(trainer, outcome)
             self._publisher.record(trainer, None)
         finally:
             self.run.unlock()
@@ -408,21 +418,47 @@ class DrafterEvalCallback(ReportSource):
         runner = runner or self._runner
         if runner is None:
             return
-        for outcome in runner.poll():
-            if isinstance(outcome, BaselineOutcome):
-                self._baseline_settled = True
-                if outcome.error is not None:
-                    self._fail(trainer, f"scoring the baseline failed: {outcome.error}")
-                else:
-                    self.baseline_report = outcome.report
-            elif outcome.error is not None:
-                self._record_outcome(trainer, outcome)
-                if is_non_finite(outcome.error):  # the drafter's numbers are NaN: so are its means
-                    self._publisher.set_callback_metrics(trainer, outcome.step, {
-                        key: float("nan") for key in trainer.callback_metrics if self._is_mean(key)})
-                self._fail(trainer, f"step {outcome.step} failed: {outcome.error}")
-            else:
-                self._publish(trainer, outcome.report, outcome.seconds)
+        outcomes = runner.poll()
+        self._publish_recovered(trainer)
+        for i, outcome in enumerate(outcomes):
+            try:
+                self._handle(trainer, outcome)
+            except Exception:  # on_error="raise": what was polled after it still reaches the disk
+                for rest in outcomes[i + 1:]:
+                    self._keep(trainer, rest)
+                raise
+
+    def _handle(self, trainer, outcome) -> None:
+        if isinstance(outcome, BaselineOutcome):
+            self._baseline_settled = True
+            if outcome.error is not None:
+                self._fail(trainer, f"scoring the baseline failed: {outcome.error}")
+                return
+            self.baseline_report = outcome.report
+            if not self.reports:
+                self._restore_metrics(trainer)  # a resume: now with the baseline's keys
+            self._publish_recovered(trainer)
+        elif outcome.error is not None:
+            self._record_outcome(trainer, outcome)
+            if is_non_finite(outcome.error):  # the drafter's numbers are NaN: so are its means
+                self._publisher.set_callback_metrics(trainer, outcome.step, {
+                    key: float("nan") for key in trainer.callback_metrics if self._is_mean(key)})
+            self._fail(trainer, f"step {outcome.step} failed: {outcome.error}")
+        else:
+            self._publish(trainer, outcome.report, outcome.seconds)
+
+    def _keep(self, trainer, outcome) -> None:
+        """An outcome on disk without logging it (the fit is failing)."""
+        if isinstance(outcome, BaselineOutcome):
+            self.baseline_report = outcome.report or self.baseline_report
+        elif outcome.report is not None:
+            self._publisher.record_report(trainer, outcome.report, outcome.seconds)
+        else:
+            self._record_outcome(trainer, outcome)
+
+    def _publish_recovered(self, trainer) -> None:
+        """The watcher reports a killed run never picked up: older than any job, so first,
+        once the baseline is settled."""
         while self._recovered and self._baseline_settled:
             self._publish(trainer, self._recovered.pop(0), None)
 

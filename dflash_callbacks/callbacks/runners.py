@@ -45,6 +45,9 @@ RUNNERS = ("thread", "process", "external")
 WATCHER_TIMEOUT = 120.0
 """External runner: seconds without a watcher heartbeat after which a wait is said to have no watcher."""
 POLL_SECONDS = 0.2
+ANY_SNAPSHOT = object()
+"""What `ExternalScorer._wait` takes for the baseline: a report of any snapshot id (a
+baseline drafter folder may be a snapshot, whose report names its id)."""
 
 
 @dataclass
@@ -224,15 +227,17 @@ class ExternalScorer:
         self._baseline_seen: tuple | None = None
 
     def _wait(self, path: Path, snapshot_id: str | None, what: str) -> EvalReport:
+        """The watcher's report at `path` naming `snapshot_id` (ANY_SNAPSHOT: whatever it
+        names, the baseline's); its error for that snapshot (or for none) raises."""
         started, warned = time.time(), False
         while True:
             if path.is_file():
                 found = self.run.read_report(path)
-                if snapshot_id is None or found.snapshot_id in (snapshot_id, None):
-                    if isinstance(found, WatcherError):
-                        raise RuntimeError(found.message)
-                    if found.snapshot_id == snapshot_id:
-                        return found
+                ours = snapshot_id is ANY_SNAPSHOT or found.snapshot_id == snapshot_id
+                if isinstance(found, WatcherError) and (ours or found.snapshot_id is None):
+                    raise RuntimeError(found.message)
+                if isinstance(found, EvalReport) and ours:
+                    return found
             if self.cancel.is_set():
                 raise Cancelled("scoring was cancelled")
             seen = max(self.run.last_heartbeat() or 0.0, started)
@@ -254,7 +259,7 @@ class ExternalScorer:
             return EvalReport.load(source)
         path = self.run.report_path(None)
         try:
-            return self._same_weights(self._wait(path, None, "the baseline"))
+            return self._same_weights(self._wait(path, ANY_SNAPSHOT, "the baseline"))
         finally:
             self._baseline_seen = _file_key(path)  # what late_baseline looks past
 
@@ -375,7 +380,7 @@ class BackgroundRunner:
     def _baseline(self, late: bool) -> None:
         """One BaselineOutcome (a report on this run's basis, or an error); `late`: after a
         failure, only when the scorer has news (a watcher scored it since)."""
-        started = time.time()
+        started = time.monotonic()
         try:
             report = self.scorer.late_baseline() if late else self.scorer.baseline()
             if late and report is None:
@@ -383,14 +388,14 @@ class BackgroundRunner:
             problems = [] if report is None else self.basis.mismatches(report, "the baseline")
             if problems:
                 raise RuntimeError("; ".join(problems))
-            self._outbox.put(BaselineOutcome(report=report, seconds=time.time() - started))
+            self._outbox.put(BaselineOutcome(report=report, seconds=time.monotonic() - started))
             self._baseline_failed = False
         except Exception as e:
-            self._outbox.put(BaselineOutcome(error=describe(e), seconds=time.time() - started))
+            self._outbox.put(BaselineOutcome(error=describe(e), seconds=time.monotonic() - started))
             self._baseline_failed = True
 
     def _run(self, job: Job) -> SnapshotOutcome:
-        started = time.time()
+        started = time.monotonic()
         try:
             if self._cancel.is_set():
                 raise Cancelled(self._cancel_reason)
@@ -416,6 +421,7 @@ class BackgroundRunner:
             outcome = SnapshotOutcome(step=job.step, snapshot_id=job.snapshot_id, error=describe(e))
         finally:
             if job.snapshot is not None:
+                job.snapshot.wait()  # also when not scored: no copy may still be landing in a reused buffer
                 job.snapshot.release()
-        outcome.seconds = time.time() - started
+        outcome.seconds = time.monotonic() - started
         return outcome

@@ -50,6 +50,7 @@ class Watcher:
         self.service, self.root, self.log = service, root, log
         self._baseline: EvalReport | str | None = None  # the report, or the last error
         self._read: dict[Path, tuple[tuple, bool, str | None]] = {}  # report path -> (its stat, read back)
+        self._own: dict[Path, tuple] = {}  # baseline report path -> its stat when it held this watcher's
         self._skipped: set[Path] = set()  # run folders of another runner, logged once
 
     def reported(self, run: RunFolder, path: Path) -> tuple[bool, str | None] | None:
@@ -64,6 +65,26 @@ class Watcher:
             found = run.read_report(path)
             self._read[path] = (key, isinstance(found, EvalReport), found.snapshot_id)
         return self._read[path][1:]
+
+    def holds_own_baseline(self, run: RunFolder) -> bool:
+        """Whether the run's baseline report is of this watcher's baseline (same weights key and
+        numbers); a report of another watcher's is replaced once ours has scored."""
+        path = run.report_path(None)
+        own = self.baseline()
+        if not isinstance(own, EvalReport):
+            return True  # nothing better to write: keep what is there
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return False
+        if self._own.get(path) == (st.st_ino, st.st_mtime_ns, st.st_size):
+            return True
+        found = run.read_report(path)
+        same = (isinstance(found, EvalReport) and found.tasks == own.tasks
+                and found.extra.get("baseline_key") == own.extra.get("baseline_key"))
+        if same:
+            self._own[path] = (st.st_ino, st.st_mtime_ns, st.st_size)
+        return same
 
     def baseline(self) -> EvalReport | str | None:
         """The baseline's report, scored once; after a failure, tried again on each call."""
@@ -93,7 +114,10 @@ class Watcher:
             if self.service.spec.baseline is not None and (baseline is None or not baseline[0]):
                 baseline = self.baseline()
                 run.write_report(None, baseline.to_dict() if isinstance(baseline, EvalReport) else {"error": baseline})
-            elif self.service.spec.baseline is None and expected and baseline is None:  # the run would wait on
+            elif self.service.spec.baseline is not None and not self.holds_own_baseline(run):
+                run.write_report(None, self._baseline.to_dict())  # another watcher's (which the run may refuse)
+                self.log(f"watch: {run.path.name}: replaced another watcher's baseline report with this one's")
+            elif self.service.spec.baseline is None and expected and baseline is None:  # the run would wait on it
                 run.write_report(None, {"error": f"the watcher runs without --baseline, but this run expects the "
                                                  f"baseline {expected}: restart `dflash-callbacks watch` with "
                                                  f"--baseline {expected}"})

@@ -227,7 +227,7 @@ def score_drafter(
     the way raises NonFiniteError naming the task; a set `cancel` event raises Cancelled
     before the next task."""
     config = config or ScoringConfig()
-    started = time.time()
+    started, clock = time.time(), time.perf_counter()  # when (created) and how long (seconds)
     drafter_block = drafter.config.block_size
     block_size = config.block_size or drafter_block
     if block_size != drafter_block:
@@ -266,7 +266,7 @@ def score_drafter(
         snapshot_id=snapshot_id,
         drafter_block_size=drafter_block,
         scoring=config.to_dict(),
-        seconds=time.time() - started,
+        seconds=time.perf_counter() - clock,
         peak_memory=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         created=started,
     )

@@ -232,11 +232,15 @@ def _baseline_problems(source: Path, cache: HiddenStateCache, config: ScoringCon
             head = None  # the target's own problem is listed on its own
         return Basis.of_run(config, cache, block, head).mismatches(report, f"baseline {source}")
     try:
-        config = read_config(source)
-        problems = _shape_problems(config, read_state_shapes(source), f"baseline {source}")
-        cache.check_compatible(config, block_size=block, warn=False)
+        drafter = read_config(source)
+        problems = _shape_problems(drafter, read_state_shapes(source), f"baseline {source}")
+        cache.check_compatible(drafter, block_size=block, warn=False)
     except (OSError, ValueError) as e:
         return [f"baseline {source}: {e}"]
+    scored_at = config.block_size or drafter.block_size  # the block size the baseline's report will have
+    if block is not None and scored_at != block:
+        problems.append(f"baseline {source} is a drafter of block size {drafter.block_size}, this run scores block "
+                        f"size {block}: their numbers do not compare; set scoring.block_size to score both at one")
     return problems
 
 
