@@ -380,7 +380,30 @@ def test_a_snapshot_baseline_is_taken_from_the_watcher_and_another_watchers_is_r
     assert run.read_report(run.report_path(None)).tasks == own.tasks and "replaced another watcher's" in lines[-1]
     watcher.scan_once()
     assert sum("replaced another watcher's" in line for line in lines) == 1  # once
+
+    # a run that expects the other baseline is another watcher's business; the same weights
+    # scored with another (equal-numbered) key are this watcher's: neither is touched
+    theirs = RunFolder.create(tmp_path / "runs", "theirs", {"runner": "external", "baseline": str(other)})
+    theirs.reports_dir.mkdir()
+    theirs.write_report(None, wrong.to_dict())
+    key = {**own.extra["baseline_key"], "scoring": {**own.extra["baseline_key"]["scoring"], "block_size": 6}}
+    run.write_report(None, own.to_dict() | {"extra": {"baseline_key": key}})
+    watcher.scan_once()
+    assert theirs.read_report(theirs.report_path(None)).tasks == wrong.tasks
+    assert run.read_report(run.report_path(None)).extra["baseline_key"] == key
+    assert sum("replaced another watcher's" in line for line in lines) == 1
     run.unlock()
+    theirs.unlock()
+
+
+def test_a_non_finite_failure_reads_alike_from_every_runner():
+    """A worker's or a watcher's failure keeps its own words, so a NaN there is known as one."""
+    from dflash_callbacks.callbacks.runners import ScorerError, describe, is_non_finite
+    from dflash_callbacks.scoring.scorer import NonFiniteError
+
+    here = describe(NonFiniteError("the drafter's logits are NaN"))
+    assert is_non_finite(here) and describe(ScorerError(here)) == here and is_non_finite(describe(ScorerError(here)))
+    assert not is_non_finite(describe(RuntimeError("the scoring worker died (exit code -9)")))
 
 
 def test_a_baseline_drafter_of_another_block_size_is_refused_before_training(world, tmp_path):

@@ -261,13 +261,17 @@ class DrafterEvalCallback(ReportSource):
             rank_zero_info(f"{self.name}: new run {self.run_id}, writing to {self.run.path}")
         self._publisher = Publisher(self.name, self.run, self._fail, self.verbose, self._subscribers)
         self._restore_metrics(trainer)
+        for outcome in self._rejected:  # every line on disk first: on_error="raise" raises at the first
+            self._record_outcome(trainer, outcome)
+        try:
+            for outcome in self._rejected:
+                self._fail(trainer, f"step {outcome.step} failed: {outcome.error}")
+        except Exception:  # before the runner starts: nothing queued is cancelled, the folder is let go
+            self.run.unlock()
+            raise
         self._runner = BackgroundRunner(self.runner_kind, self._spec, self.run, self.keep_last, self._basis)
         for job in jobs:
             self._runner.submit(job)
-        for outcome in self._rejected:  # every line on disk first: on_error="raise" raises at the first
-            self._record_outcome(trainer, outcome)
-        for outcome in self._rejected:
-            self._fail(trainer, f"step {outcome.step} failed: {outcome.error}")
         module = resolve_drafter(pl_module, self.drafter)
         if not is_sharded(module):
             self._pool = StagingPool(1 if self.busy == "skip" else self.max_pending)
@@ -283,6 +287,7 @@ class DrafterEvalCallback(ReportSource):
         self.baseline_report, self.reports = None, []
         self._taken = {h["step"] for h in self.history}
         self._recovered, self._rejected, self._baseline_settled = [], [], self.baseline_source is None
+        self._metrics_restored = False  # callback_metrics hold the resumed history's last means, nothing newer
         self._last_capture_step = self._last_taken_step = None
 
     def _basis_changes(self) -> list[str]:
@@ -311,6 +316,7 @@ class DrafterEvalCallback(ReportSource):
                                   f"{p}/delta/{method}/{agg}/mean": ours - theirs,
                                   f"{p}/ratio/{method}/{agg}/mean": ratio(ours, theirs)})
         self._publisher.set_callback_metrics(trainer, last["step"], means)
+        self._metrics_restored = True
 
     def _recover(self) -> list[Job]:
         """A resume: the history from results.jsonl, the watcher reports a killed run never
@@ -419,26 +425,33 @@ class DrafterEvalCallback(ReportSource):
         if runner is None:
             return
         outcomes = runner.poll()
-        self._publish_recovered(trainer)
-        for i, outcome in enumerate(outcomes):
-            try:
+        handled = 0
+        try:
+            self._publish_recovered(trainer)
+            for outcome in outcomes:
+                handled += 1
                 self._handle(trainer, outcome)
-            except Exception:  # on_error="raise": what was polled after it still reaches the disk
-                for rest in outcomes[i + 1:]:
+        except Exception:  # on_error="raise": what was polled and not handled still reaches the disk
+            for rest in outcomes[handled:]:
+                try:
                     self._keep(trainer, rest)
-                raise
+                except Exception:
+                    pass  # the first failure is the one raised; the next outcomes are still kept
+            raise
 
     def _handle(self, trainer, outcome) -> None:
         if isinstance(outcome, BaselineOutcome):
             self._baseline_settled = True
+            if outcome.error is None:
+                self.baseline_report = outcome.report
+                if self._metrics_restored:
+                    self._restore_metrics(trainer)  # a resume, nothing newer yet: now with the baseline's keys
+            self._publish_recovered(trainer)  # older than anything polled after the baseline
             if outcome.error is not None:
                 self._fail(trainer, f"scoring the baseline failed: {outcome.error}")
-                return
-            self.baseline_report = outcome.report
-            if not self.reports:
-                self._restore_metrics(trainer)  # a resume: now with the baseline's keys
-            self._publish_recovered(trainer)
-        elif outcome.error is not None:
+            return
+        self._metrics_restored = False  # newer numbers (or NaN) from here on
+        if outcome.error is not None:
             self._record_outcome(trainer, outcome)
             if is_non_finite(outcome.error):  # the drafter's numbers are NaN: so are its means
                 self._publisher.set_callback_metrics(trainer, outcome.step, {
@@ -460,6 +473,7 @@ class DrafterEvalCallback(ReportSource):
         """The watcher reports a killed run never picked up: older than any job, so first,
         once the baseline is settled."""
         while self._recovered and self._baseline_settled:
+            self._metrics_restored = False
             self._publish(trainer, self._recovered.pop(0), None)
 
     def _is_mean(self, key: str) -> bool:

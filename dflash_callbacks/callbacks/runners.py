@@ -79,9 +79,14 @@ class BaselineOutcome(Outcome):
     pass
 
 
+class ScorerError(RuntimeError):
+    """A failure already worded elsewhere (the worker's or the watcher's `describe`)."""
+
+
 def describe(error: BaseException) -> str:
-    """How every runner (and `watch`) words a failure: "ExceptionName: message"."""
-    return f"{type(error).__name__}: {error}"
+    """How every runner (and `watch`) words a failure: "ExceptionName: message"; a
+    ScorerError keeps the words of the process that failed."""
+    return str(error) if isinstance(error, ScorerError) else f"{type(error).__name__}: {error}"
 
 
 def is_non_finite(error: str) -> bool:
@@ -193,7 +198,7 @@ class ProcessScorer:
                     raise Cancelled("scoring was cancelled") from None
                 continue
             if error is not None:
-                raise RuntimeError(error)
+                raise ScorerError(error)
             return None if raw is None else EvalReport.from_dict(raw)
 
     def baseline(self) -> EvalReport | None:
@@ -235,7 +240,7 @@ class ExternalScorer:
                 found = self.run.read_report(path)
                 ours = snapshot_id is ANY_SNAPSHOT or found.snapshot_id == snapshot_id
                 if isinstance(found, WatcherError) and (ours or found.snapshot_id is None):
-                    raise RuntimeError(found.message)
+                    raise ScorerError(found.message)
                 if isinstance(found, EvalReport) and ours:
                     return found
             if self.cancel.is_set():
@@ -421,7 +426,11 @@ class BackgroundRunner:
             outcome = SnapshotOutcome(step=job.step, snapshot_id=job.snapshot_id, error=describe(e))
         finally:
             if job.snapshot is not None:
-                job.snapshot.wait()  # also when not scored: no copy may still be landing in a reused buffer
+                try:
+                    job.snapshot.wait()  # also when not scored: no copy may still be landing in a reused buffer
+                except Exception as e:  # a broken device: this job fails, the runner goes on
+                    outcome = SnapshotOutcome(step=job.step, snapshot_id=job.snapshot_id,
+                                              error=f"waiting for the snapshot's copy failed: {describe(e)}")
                 job.snapshot.release()
         outcome.seconds = time.monotonic() - started
         return outcome

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from ..scoring.report import EvalReport
-from ..scoring.service import ScoringService, ServiceSpec, preflight
+from ..scoring.service import ScoringService, ServiceSpec, preflight, weights_fingerprint
 from .run_folder import RUN_FILE, RunFolder, is_run_folder, write_heartbeat
 from .runners import describe
 
@@ -50,7 +50,8 @@ class Watcher:
         self.service, self.root, self.log = service, root, log
         self._baseline: EvalReport | str | None = None  # the report, or the last error
         self._read: dict[Path, tuple[tuple, bool, str | None]] = {}  # report path -> (its stat, read back)
-        self._own: dict[Path, tuple] = {}  # baseline report path -> its stat when it held this watcher's
+        self._own: dict[Path, tuple] = {}  # baseline report path -> its stat when it held this watcher's weights
+        self._weights: dict[str, str | None] = {}  # baseline folder a run expects -> its weights' fingerprint
         self._skipped: set[Path] = set()  # run folders of another runner, logged once
 
     def reported(self, run: RunFolder, path: Path) -> tuple[bool, str | None] | None:
@@ -66,25 +67,36 @@ class Watcher:
             self._read[path] = (key, isinstance(found, EvalReport), found.snapshot_id)
         return self._read[path][1:]
 
-    def holds_own_baseline(self, run: RunFolder) -> bool:
-        """Whether the run's baseline report is of this watcher's baseline (same weights key and
-        numbers); a report of another watcher's is replaced once ours has scored."""
-        path = run.report_path(None)
+    def replaces_baseline(self, run: RunFolder) -> bool:
+        """Whether the run's baseline report should give way to this watcher's: the run expects
+        this watcher's baseline (the same weights) and the report there is of other weights
+        (another watcher's). Any other run's baseline report is left alone."""
         own = self.baseline()
-        if not isinstance(own, EvalReport):
-            return True  # nothing better to write: keep what is there
+        ours = (own.extra.get("baseline_key") or {}).get("weights") if isinstance(own, EvalReport) else None
+        expected = run.about().get("baseline")
+        if ours is None or not expected or self._weights_of(expected) != ours:
+            return False
+        path = run.report_path(None)
         try:
             st = path.stat()
         except FileNotFoundError:
             return False
         if self._own.get(path) == (st.st_ino, st.st_mtime_ns, st.st_size):
-            return True
+            return False
         found = run.read_report(path)
-        same = (isinstance(found, EvalReport) and found.tasks == own.tasks
-                and found.extra.get("baseline_key") == own.extra.get("baseline_key"))
-        if same:
+        theirs = (found.extra.get("baseline_key") or {}).get("weights") if isinstance(found, EvalReport) else None
+        if theirs == ours:
             self._own[path] = (st.st_ino, st.st_mtime_ns, st.st_size)
-        return same
+        return theirs != ours
+
+    def _weights_of(self, folder: str) -> str | None:
+        """weights_fingerprint of a baseline folder a run expects (None where it can not be read here)."""
+        if folder not in self._weights:
+            try:
+                self._weights[folder] = weights_fingerprint(folder)
+            except (OSError, ValueError):
+                self._weights[folder] = None
+        return self._weights[folder]
 
     def baseline(self) -> EvalReport | str | None:
         """The baseline's report, scored once; after a failure, tried again on each call."""
@@ -114,7 +126,7 @@ class Watcher:
             if self.service.spec.baseline is not None and (baseline is None or not baseline[0]):
                 baseline = self.baseline()
                 run.write_report(None, baseline.to_dict() if isinstance(baseline, EvalReport) else {"error": baseline})
-            elif self.service.spec.baseline is not None and not self.holds_own_baseline(run):
+            elif self.service.spec.baseline is not None and self.replaces_baseline(run):
                 run.write_report(None, self._baseline.to_dict())  # another watcher's (which the run may refuse)
                 self.log(f"watch: {run.path.name}: replaced another watcher's baseline report with this one's")
             elif self.service.spec.baseline is None and expected and baseline is None:  # the run would wait on it
