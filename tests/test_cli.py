@@ -303,3 +303,10 @@ def test_a_truncated_safetensors_file_is_one_error_line_naming_it(world, tmp_pat
     err = fails(score_args(world, **{"--baseline": baseline.parent, "--target": target.parent}), capsys,
                 f"baseline {baseline.parent}: {baseline} {damaged}", f"target: {target} {damaged}")
     assert "internal error" not in err
+
+    # a shard index without its weight map is named the same way
+    indexed = shutil.copytree(world.target, tmp_path / "indexed")
+    (indexed / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    err = fails(score_args(world, **{"--target": indexed}), capsys,
+                f"{indexed / 'model.safetensors.index.json'} has no 'weight_map' object")
+    assert "internal error" not in err

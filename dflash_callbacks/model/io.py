@@ -26,15 +26,24 @@ from .drafter import DFlashDrafter
 INDEX_FILE = "model.safetensors.index.json"
 
 
+def read_weight_map(index: Path) -> dict[str, str]:
+    """The `weight_map` of a shard index (tensor name -> shard file); ValueError naming the file."""
+    try:
+        raw = json.loads(index.read_text())
+    except ValueError as e:
+        raise ValueError(f"{index} is not JSON: {e}") from None
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{index} has no 'weight_map' object of tensor name -> shard file")
+    return weight_map
+
+
 def safetensors_files(folder: Path) -> list[Path]:
     """The weight files of a folder: the shards named by its index, else model.safetensors,
     else every *.safetensors."""
     index = folder / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index} has no 'weight_map' object")
-        files = [folder / name for name in sorted(set(weight_map.values()))]
+        files = [folder / name for name in sorted(set(read_weight_map(index).values()))]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise FileNotFoundError(f"{index} names shards that do not exist: {missing}")

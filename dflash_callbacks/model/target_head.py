@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .io import INDEX_FILE, open_safetensors, safetensors_files
+from .io import INDEX_FILE, open_safetensors, read_weight_map, safetensors_files
 
 EMBED_KEYS = (
     "model.embed_tokens.weight",
@@ -40,7 +40,7 @@ def locate_keys(folder: Path) -> dict[str, Path]:
     else from the headers of the folder's safetensors files (headers only)."""
     index = folder / INDEX_FILE
     if index.is_file():
-        return {key: folder / name for key, name in json.loads(index.read_text())["weight_map"].items()}
+        return {key: folder / name for key, name in read_weight_map(index).items()}
     where = {}
     for file in safetensors_files(folder):
         with open_safetensors(file) as f:

@@ -47,7 +47,8 @@ def add_scoring_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--window", type=int, help="score the first N completion tokens (default all)")
     g.add_argument("--block-size", type=int, help="default: the drafter's")
     g.add_argument("--max-rounds", type=int, help=f"rounds of the live schedule (default {d.max_rounds})")
-    g.add_argument("--tasks", type=lambda s: s.split(","), help="comma-separated subset of tasks (default all)")
+    g.add_argument("--tasks", type=lambda s: [t.strip() for t in s.split(",") if t.strip()],
+                   help="comma-separated subset of tasks (default all)")
     g.add_argument("--anchors-per-forward", type=int, help=f"blocks decoded side by side (default {d.anchors_per_forward})")
     g.add_argument("--vocab-chunk", type=int, help="vocabulary tile of the torch LM-head path (default 8192)")
     g.add_argument("--backend", choices=BACKENDS, help=f"LM-head statistics (default {d.backend})")
