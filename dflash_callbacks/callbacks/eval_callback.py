@@ -239,7 +239,8 @@ class DrafterEvalCallback(ReportSource):
         if not trainer.is_global_zero:
             return
         root = self.dirpath or Path(trainer.default_root_dir) / self.name
-        watcher_baseline = self._spec.baseline if self.baseline_source and self.baseline_source.is_dir() else None
+        watcher_baseline = (str(self.baseline_source.resolve())  # read by a watcher started elsewhere
+                            if self.baseline_source and self.baseline_source.is_dir() else None)
         about = {"runner": self.runner_kind, "basis": self._basis.to_dict(), "baseline": watcher_baseline}
         self._publisher = None
         jobs = []
@@ -261,9 +262,9 @@ class DrafterEvalCallback(ReportSource):
             rank_zero_info(f"{self.name}: new run {self.run_id}, writing to {self.run.path}")
         self._publisher = Publisher(self.name, self.run, self._fail, self.verbose, self._subscribers)
         self._restore_metrics(trainer)
-        for outcome in self._rejected:  # every line on disk first: on_error="raise" raises at the first
-            self._record_outcome(trainer, outcome)
         try:
+            for outcome in self._rejected:  # every line on disk first: on_error="raise" raises at the first
+                self._record_outcome(trainer, outcome)
             for outcome in self._rejected:
                 self._fail(trainer, f"step {outcome.step} failed: {outcome.error}")
         except Exception:  # before the runner starts: nothing queued is cancelled, the folder is let go
@@ -377,10 +378,11 @@ class DrafterEvalCallback(ReportSource):
     def _close(self, trainer, wait: bool, reason: str, publish: bool = True) -> None:
         runner, self._runner = self._runner, None
         runner.close(wait, self.wait_timeout, reason)
-        self._baseline_settled = True
         try:  # on_error="raise" may raise from here: the folder is unlocked all the same
             if publish:
-                self._drain(trainer, runner)
+                self._drain(trainer, runner)  # a baseline polled now still comes before the recovered reports
+                self._baseline_settled = True  # no baseline comes after this
+                self._publish_recovered(trainer)
             else:  # the fit is failing: keep every outcome on disk, log nothing
                 for outcome in runner.poll():
                     self._keep(trainer, outcome)
@@ -450,12 +452,12 @@ class DrafterEvalCallback(ReportSource):
             if outcome.error is not None:
                 self._fail(trainer, f"scoring the baseline failed: {outcome.error}")
             return
-        self._metrics_restored = False  # newer numbers (or NaN) from here on
         if outcome.error is not None:
             self._record_outcome(trainer, outcome)
             if is_non_finite(outcome.error):  # the drafter's numbers are NaN: so are its means
                 self._publisher.set_callback_metrics(trainer, outcome.step, {
                     key: float("nan") for key in trainer.callback_metrics if self._is_mean(key)})
+                self._metrics_restored = False
             self._fail(trainer, f"step {outcome.step} failed: {outcome.error}")
         else:
             self._publish(trainer, outcome.report, outcome.seconds)
@@ -473,7 +475,6 @@ class DrafterEvalCallback(ReportSource):
         """The watcher reports a killed run never picked up: older than any job, so first,
         once the baseline is settled."""
         while self._recovered and self._baseline_settled:
-            self._metrics_restored = False
             self._publish(trainer, self._recovered.pop(0), None)
 
     def _is_mean(self, key: str) -> bool:
@@ -488,6 +489,7 @@ class DrafterEvalCallback(ReportSource):
         seconds = report.seconds if seconds is None else seconds
         if not self._publisher.publish(trainer, report, self.baseline_report, seconds, self.errors):
             return  # refused: an error line, nothing logged
+        self._metrics_restored = False  # callback_metrics hold newer numbers now
         self.history = sorted([h for h in self.history if h["step"] != report.step]
                               + [{"step": report.step, "mean": report.mean}], key=lambda h: h["step"])
         self.reports.append(report)

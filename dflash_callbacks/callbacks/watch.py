@@ -71,10 +71,9 @@ class Watcher:
         """Whether the run's baseline report should give way to this watcher's: the run expects
         this watcher's baseline (the same weights) and the report there is of other weights
         (another watcher's). Any other run's baseline report is left alone."""
-        own = self.baseline()
-        ours = (own.extra.get("baseline_key") or {}).get("weights") if isinstance(own, EvalReport) else None
+        ours = _weights_named(self.baseline())
         expected = run.about().get("baseline")
-        if ours is None or not expected or self._weights_of(expected) != ours:
+        if ours is None or not isinstance(expected, str) or not expected or self._weights_of(expected) != ours:
             return False
         path = run.report_path(None)
         try:
@@ -83,8 +82,7 @@ class Watcher:
             return False
         if self._own.get(path) == (st.st_ino, st.st_mtime_ns, st.st_size):
             return False
-        found = run.read_report(path)
-        theirs = (found.extra.get("baseline_key") or {}).get("weights") if isinstance(found, EvalReport) else None
+        theirs = _weights_named(run.read_report(path))
         if theirs == ours:
             self._own[path] = (st.st_ino, st.st_mtime_ns, st.st_size)
         return theirs != ours
@@ -152,6 +150,13 @@ class Watcher:
                 run.write_report(step, payload)
                 done += 1
         return done
+
+
+def _weights_named(report) -> str | None:
+    """The baseline weights' fingerprint a report records (extra.baseline_key.weights), if any."""
+    key = report.extra.get("baseline_key") if isinstance(report, EvalReport) else None
+    weights = key.get("weights") if isinstance(key, dict) else None
+    return weights if isinstance(weights, str) else None
 
 
 def add_watch_arguments(p: argparse.ArgumentParser) -> None:
