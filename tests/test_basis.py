@@ -416,3 +416,20 @@ def test_a_baseline_drafter_of_another_block_size_is_refused_before_training(wor
     cb = eval_cb(world, tmp_path, baseline=baseline)
     with pytest.raises(PreflightError, match=r"is a drafter of block size 4, this run scores block size 6"):
         fit(world, tmp_path, [cb], max_steps=2)
+
+
+def test_a_watcher_survives_run_folders_it_can_not_read(world, tmp_path):
+    """A run.json whose baseline is not a path, or a baseline report whose key is not an
+    object, is left alone: the watcher goes on scoring every other run."""
+    spec = ServiceSpec(str(world / "cache"), str(world / "target"), str(world / "baseline"), SCORING, str(tmp_path / "bc"))
+    own = ScoringService(spec).baseline()
+    odd = RunFolder.create(tmp_path / "runs", "odd", {"runner": "external", "baseline": ["not", "a", "path"]})
+    keyless = RunFolder.create(tmp_path / "runs", "keyless", {"runner": "external", "baseline": str(world / "baseline")})
+    for run in (odd, keyless):
+        run.reports_dir.mkdir()
+        run.write_report(None, own.to_dict() | {"extra": {"baseline_key": "x"}})
+    Watcher(ScoringService(spec), tmp_path / "runs", log=lambda line: None).scan_once()
+    assert odd.read_report(odd.report_path(None)).extra == {"baseline_key": "x"}  # not its business
+    assert keyless.read_report(keyless.report_path(None)).extra == own.extra  # another's: replaced
+    odd.unlock()
+    keyless.unlock()
