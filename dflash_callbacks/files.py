@@ -1,4 +1,4 @@
-"""Writing files so that a reader never sees half of one."""
+"""Writing files so that a reader never sees half of one, and telling when one was replaced."""
 
 from __future__ import annotations
 
@@ -20,3 +20,13 @@ def atomic_write(path: str | os.PathLike, data: bytes) -> None:
 
 def atomic_write_json(path: str | os.PathLike, payload) -> None:
     atomic_write(path, (json.dumps(payload, indent=2) + "\n").encode())
+
+
+def file_version(path: str | os.PathLike) -> tuple[int, int, int] | None:
+    """(inode, mtime_ns, size) of a file, None when there is none: it changes whenever the
+    file is rewritten, and an atomic write (a rename) always brings a new inode."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size

@@ -34,10 +34,11 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..files import file_version
 from ..scoring.basis import Basis
 from ..scoring.report import EvalReport
 from ..scoring.scorer import Cancelled, NonFiniteError
-from ..scoring.service import ScoringService, ServiceSpec, weights_fingerprint
+from ..scoring.service import ScoringService, ServiceSpec, recorded_weights, weights_fingerprint
 from .run_folder import RunFolder, WatcherError
 from .snapshot import Snapshot
 
@@ -266,13 +267,13 @@ class ExternalScorer:
         try:
             return self._same_weights(self._wait(path, ANY_SNAPSHOT, "the baseline"))
         finally:
-            self._baseline_seen = _file_key(path)  # what late_baseline looks past
+            self._baseline_seen = file_version(path)  # what late_baseline looks past
 
     def late_baseline(self) -> EvalReport | None:
         """The watcher's baseline report when it has appeared since the baseline failed
         (the watcher retries each poll); None while there is none (new)."""
         path = self.run.report_path(None)
-        key = _file_key(path)
+        key = file_version(path)
         if key is None or key == self._baseline_seen:
             return None
         self._baseline_seen = key
@@ -283,7 +284,7 @@ class ExternalScorer:
         """The watcher's baseline report, if it scored this run's baseline weights."""
         if self._weights is None:
             self._weights = weights_fingerprint(self.spec.baseline)
-        theirs = (report.extra.get("baseline_key") or {}).get("weights")
+        theirs = recorded_weights(report)
         if theirs != self._weights:
             raise RuntimeError(f"the watcher's baseline report is of weights {theirs}, this run's baseline "
                                f"{self.spec.baseline} is {self._weights}: start `dflash-callbacks watch` with "
@@ -295,15 +296,6 @@ class ExternalScorer:
 
     def close(self) -> None:
         pass
-
-
-def _file_key(path: Path) -> tuple | None:
-    """Changes whenever the file is replaced (reports are written by a rename)."""
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        return None
-    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 SCORERS = {"thread": ThreadScorer, "process": ProcessScorer, "external": ExternalScorer}

@@ -21,8 +21,9 @@ import argparse
 import time
 from pathlib import Path
 
+from ..files import file_version
 from ..scoring.report import EvalReport
-from ..scoring.service import ScoringService, ServiceSpec, preflight, weights_fingerprint
+from ..scoring.service import ScoringService, ServiceSpec, preflight, recorded_weights, weights_fingerprint
 from .run_folder import RUN_FILE, RunFolder, is_run_folder, write_heartbeat
 from .runners import describe
 
@@ -57,34 +58,28 @@ class Watcher:
     def reported(self, run: RunFolder, path: Path) -> tuple[bool, str | None] | None:
         """(is it a report rather than an error, the snapshot id it names) of a report file,
         None when there is none; a file is read again only when it was replaced."""
-        try:
-            st = path.stat()
-        except FileNotFoundError:
+        key = file_version(path)
+        if key is None:
             return None
-        key = (st.st_ino, st.st_mtime_ns, st.st_size)  # reports are replaced by a rename: a new inode
         if self._read.get(path, (None,))[0] != key:
             found = run.read_report(path)
             self._read[path] = (key, isinstance(found, EvalReport), found.snapshot_id)
         return self._read[path][1:]
 
-    def replaces_baseline(self, run: RunFolder) -> bool:
+    def replaces_baseline(self, run: RunFolder, expected) -> bool:
         """Whether the run's baseline report should give way to this watcher's: the run expects
-        this watcher's baseline (the same weights) and the report there is of other weights
-        (another watcher's). Any other run's baseline report is left alone."""
-        ours = _weights_named(self.baseline())
-        expected = run.about().get("baseline")
+        (`expected`, its run.json's baseline) this watcher's baseline, the same weights, and the
+        report there is of other weights (another watcher's). Any other run's is left alone."""
+        ours = recorded_weights(self.baseline())
         if ours is None or not isinstance(expected, str) or not expected or self._weights_of(expected) != ours:
             return False
         path = run.report_path(None)
-        try:
-            st = path.stat()
-        except FileNotFoundError:
+        version = file_version(path)
+        if version is None or self._own.get(path) == version:
             return False
-        if self._own.get(path) == (st.st_ino, st.st_mtime_ns, st.st_size):
-            return False
-        theirs = _weights_named(run.read_report(path))
+        theirs = recorded_weights(run.read_report(path))
         if theirs == ours:
-            self._own[path] = (st.st_ino, st.st_mtime_ns, st.st_size)
+            self._own[path] = version
         return theirs != ours
 
     def _weights_of(self, folder: str) -> str | None:
@@ -113,18 +108,19 @@ class Watcher:
         done = 0
         write_heartbeat(self.root)
         for run in run_folders(self.root):
-            runner = run.about().get("runner", "external")  # older runs do not record it
+            about = run.about()
+            runner = about.get("runner", "external")  # older runs do not record it
             if runner != "external":
                 if run.path not in self._skipped:
                     self._skipped.add(run.path)
                     self.log(f"watch: skipping {run.path.name}: its runner is {runner!r}, not 'external' "
                              "(it scores its own snapshots)")
                 continue
-            baseline, expected = self.reported(run, run.report_path(None)), run.about().get("baseline")
+            baseline, expected = self.reported(run, run.report_path(None)), about.get("baseline")
             if self.service.spec.baseline is not None and (baseline is None or not baseline[0]):
                 baseline = self.baseline()
                 run.write_report(None, baseline.to_dict() if isinstance(baseline, EvalReport) else {"error": baseline})
-            elif self.service.spec.baseline is not None and self.replaces_baseline(run):
+            elif self.service.spec.baseline is not None and self.replaces_baseline(run, expected):
                 run.write_report(None, self._baseline.to_dict())  # another watcher's (which the run may refuse)
                 self.log(f"watch: {run.path.name}: replaced another watcher's baseline report with this one's")
             elif self.service.spec.baseline is None and expected and baseline is None:  # the run would wait on it
@@ -137,11 +133,11 @@ class Watcher:
                 report = self.reported(run, run.report_path(step))
                 if report is not None and report[1] == snapshot_id:
                     continue
-                started = time.time()
+                started = time.monotonic()
                 try:
                     payload = self.service.score_folder(folder).to_dict()
                     summary = ", ".join(f"{m} {v['live']:.2f}" for m, v in payload["mean"].items())
-                    self.log(f"watch: {run.path.name} step {step}: live tau {summary} ({time.time() - started:.1f} s)")
+                    self.log(f"watch: {run.path.name} step {step}: live tau {summary} ({time.monotonic() - started:.1f} s)")
                 except FileNotFoundError:
                     continue  # pruned by the training run before we got to it
                 except Exception as e:
@@ -150,13 +146,6 @@ class Watcher:
                 run.write_report(step, payload)
                 done += 1
         return done
-
-
-def _weights_named(report) -> str | None:
-    """The baseline weights' fingerprint a report records (extra.baseline_key.weights), if any."""
-    key = report.extra.get("baseline_key") if isinstance(report, EvalReport) else None
-    weights = key.get("weights") if isinstance(key, dict) else None
-    return weights if isinstance(weights, str) else None
 
 
 def add_watch_arguments(p: argparse.ArgumentParser) -> None:

@@ -79,6 +79,14 @@ def weights_fingerprint(folder: str | os.PathLike) -> str:
     return digest.hexdigest()[:16]
 
 
+def recorded_weights(report) -> str | None:
+    """The baseline weights' fingerprint a baseline report records (`extra.baseline_key.weights`,
+    set when `ScoringService.baseline` scored a drafter folder), None if it records none."""
+    key = report.extra.get("baseline_key") if isinstance(report, EvalReport) else None
+    weights = key.get("weights") if isinstance(key, dict) else None
+    return weights if isinstance(weights, str) else None
+
+
 def check_finite_weights(state: Mapping[str, torch.Tensor], what: str) -> None:
     bad = [name for name, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all()]
     if bad:
