@@ -36,9 +36,9 @@ from ..checks import check_bool, check_choice, check_int, check_number
 from ..model import DrafterConfig
 from ..scoring.config import ScoringConfig
 from ..scoring.basis import Basis
-from ..scoring.report import EvalReport, ratio
+from ..scoring.report import EvalReport
 from ..scoring.service import ServiceSpec, preflight, run_basis
-from .publish import Publisher, ReportSource, Subscriber
+from .publish import Publisher, ReportSource, Subscriber, metric_keys
 from .run_folder import RunFolder, new_run_id
 from .runners import RUNNERS, BackgroundRunner, BaselineOutcome, Job, SnapshotOutcome, is_non_finite
 from .snapshot import StagingPool, capture, is_sharded
@@ -306,16 +306,11 @@ class DrafterEvalCallback(ReportSource):
         empty), with the baseline's, the deltas and the ratios once the baseline is known."""
         if not self.history:
             return
-        last, p, means = self.history[-1], self.name, {}
+        last, means = self.history[-1], {}
         base = self.baseline_report.mean if self.baseline_report is not None else {}
         for method, aggs in last["mean"].items():
             for agg, ours in aggs.items():
-                means[f"{p}/{method}/{agg}/mean"] = ours
-                if agg in base.get(method, {}):
-                    theirs = base[method][agg]
-                    means.update({f"{p}/baseline/{method}/{agg}/mean": theirs,
-                                  f"{p}/delta/{method}/{agg}/mean": ours - theirs,
-                                  f"{p}/ratio/{method}/{agg}/mean": ratio(ours, theirs)})
+                means.update(metric_keys(self.name, method, agg, "mean", ours, base.get(method, {}).get(agg)))
         self._publisher.set_callback_metrics(trainer, last["step"], means)
         self._metrics_restored = True
 

@@ -68,20 +68,24 @@ class ReportSource(Callback):
         raise NotImplementedError
 
 
+def metric_keys(prefix: str, method: str, agg: str, task: str, ours: float, base: float | None) -> dict[str, float]:
+    """The logged keys of one number of ours and, with the baseline's, its comparison."""
+    out = {f"{prefix}/{method}/{agg}/{task}": ours}
+    if base is not None:
+        out.update({f"{prefix}/baseline/{method}/{agg}/{task}": base, f"{prefix}/delta/{method}/{agg}/{task}": ours - base,
+                    f"{prefix}/ratio/{method}/{agg}/{task}": ratio(ours, base)})
+    return out
+
+
 def report_metrics(prefix: str, report: EvalReport, baseline: EvalReport | None) -> dict[str, float]:
     """Every number of a report (and its comparison with the baseline), flat."""
     out: dict[str, float] = {}
     for task in list(report.tasks) + ["mean"]:
         for method in report.methods:
+            compared = baseline is not None and method in baseline.methods and (task == "mean" or task in baseline.tasks)
             for agg in AGGREGATES:
-                ours = report.value(f"{method}/{agg}", task)
-                out[f"{prefix}/{method}/{agg}/{task}"] = ours
-                if baseline is None or method not in baseline.methods or (task != "mean" and task not in baseline.tasks):
-                    continue
-                base = baseline.value(f"{method}/{agg}", task)
-                out[f"{prefix}/baseline/{method}/{agg}/{task}"] = base
-                out[f"{prefix}/delta/{method}/{agg}/{task}"] = ours - base
-                out[f"{prefix}/ratio/{method}/{agg}/{task}"] = ratio(ours, base)
+                base = baseline.value(f"{method}/{agg}", task) if compared else None
+                out.update(metric_keys(prefix, method, agg, task, report.value(f"{method}/{agg}", task), base))
     return {k: v for k, v in out.items() if not math.isnan(v)}
 
 
