@@ -45,6 +45,19 @@ def service(world: Path, baseline: Path | None = None, **scoring) -> ScoringServ
                                       None if baseline is None else str(baseline), {**SCORING, **scoring}))
 
 
+def other_baseline(world: Path, tmp_path: Path) -> Path:
+    """A copy of the world's baseline drafter with other weights (its fc halved)."""
+    from dflash_callbacks import save_drafter
+
+    other = tmp_path / "other-baseline"
+    shutil.copytree(world / "baseline", other)
+    drafter = load_drafter(other)
+    with torch.no_grad():
+        drafter.fc.weight.mul_(0.5)
+    save_drafter(other, drafter.config, drafter.state_dict())
+    return other
+
+
 class PoisonAt(pl.Callback):
     """NaN weights from `step` on: every later report is a NonFiniteError."""
 
@@ -93,14 +106,7 @@ def test_the_watchers_baseline_must_be_this_runs_and_a_late_one_is_taken(world, 
     """External runner: reports/baseline.json first holds a report of other weights (an
     error: the run goes on without a baseline), then the watcher's retry writes the right
     one: the reports after it carry deltas, the one before does not."""
-    other = tmp_path / "other-baseline"
-    shutil.copytree(world / "baseline", other)
-    drafter = load_drafter(other)
-    with torch.no_grad():
-        drafter.fc.weight.mul_(0.5)
-    from dflash_callbacks import save_drafter
-
-    save_drafter(other, drafter.config, drafter.state_dict())
+    other = other_baseline(world, tmp_path)
     wrong = ScoringService(ServiceSpec(str(world / "cache"), str(world / "target"), str(other), SCORING,
                                        str(tmp_path / "bc"))).baseline()
     right = ScoringService(ServiceSpec(str(world / "cache"), str(world / "target"), str(world / "baseline"), SCORING,
@@ -353,14 +359,7 @@ def test_a_snapshot_baseline_is_taken_from_the_watcher_and_another_watchers_is_r
     from dflash_callbacks.callbacks.runners import ExternalScorer
     from dflash_callbacks.scoring.service import weights_fingerprint
 
-    other = tmp_path / "other-baseline"
-    shutil.copytree(world / "baseline", other)
-    drafter = load_drafter(other)
-    with torch.no_grad():
-        drafter.fc.weight.mul_(0.5)
-    from dflash_callbacks import save_drafter
-
-    save_drafter(other, drafter.config, drafter.state_dict())
+    other = other_baseline(world, tmp_path)
     spec = ServiceSpec(str(world / "cache"), str(world / "target"), str(world / "baseline"), SCORING, str(tmp_path / "bc"))
     own = ScoringService(spec).baseline()
     run = RunFolder.create(tmp_path / "runs", "run", {"runner": "external", "baseline": str(world / "baseline")})
