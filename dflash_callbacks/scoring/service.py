@@ -126,8 +126,10 @@ def preflight(spec: ServiceSpec, drafter: DrafterConfig | None, drafter_shapes: 
         problems += _cache_problems(cache, drafter, config, block)
     vocab = drafter.vocab_size if drafter is not None else cache.vocab_size if cache is not None else None
     hidden = drafter.hidden_size if drafter is not None else cache.hidden_size if cache is not None else None
-    problems += _target_problems(spec.target, vocab, hidden, "the drafter's" if drafter is not None else "the cache's",
-                                 cache.target.head if cache is not None else None)
+    target_problems, head = _target_problems(spec.target, vocab, hidden,
+                                             "the drafter's" if drafter is not None else "the cache's",
+                                             cache.target.head if cache is not None else None)
+    problems += target_problems
     if drafter is not None and cache is not None and config.max_memory_gib is not None:
         with torch.device("meta"):
             sized = DFlashDrafter(drafter)
@@ -137,7 +139,7 @@ def preflight(spec: ServiceSpec, drafter: DrafterConfig | None, drafter_shapes: 
         except ValueError as e:
             problems.append(str(e))
     if spec.baseline is not None and cache is not None:
-        problems += _baseline_problems(Path(spec.baseline), cache, config, block, spec.target)
+        problems += _baseline_problems(Path(spec.baseline), cache, config, block, head)
     elif spec.baseline is not None and not Path(spec.baseline).exists():  # what can be checked without the cache
         problems.append(f"baseline {spec.baseline} does not exist (give a drafter folder or a saved report JSON)")
     if problems:
@@ -207,12 +209,13 @@ def _cache_problems(cache: HiddenStateCache, drafter: DrafterConfig | None, conf
 
 
 def _target_problems(target: str, vocab: int | None, hidden: int | None, whose: str,
-                     cache_head: str | None) -> list[str]:
+                     cache_head: str | None) -> tuple[list[str], str | None]:
+    """The target's problems, and its head's fingerprint (None when it can not be read)."""
     try:
         shapes = head_shapes(target)
         head = head_fingerprint(target)
     except (OSError, ValueError) as e:
-        return [f"target: {e}"]
+        return [f"target: {e}"], None
     problems = []
     if cache_head is not None and head != cache_head:
         problems.append(f"the target {target} has head {head}, but the cache was extracted from a target with head "
@@ -222,11 +225,11 @@ def _target_problems(target: str, vocab: int | None, hidden: int | None, whose: 
             problems.append(f"the target's {name} has {rows} rows but {whose} vocabulary is {vocab}")
         if hidden is not None and width != hidden:
             problems.append(f"the target's {name} is {width} wide but {whose} hidden size is {hidden}")
-    return problems
+    return problems, head
 
 
 def _baseline_problems(source: Path, cache: HiddenStateCache, config: ScoringConfig, block: int | None,
-                       target: str) -> list[str]:
+                       head: str | None) -> list[str]:
     if not source.exists():
         return [f"baseline {source} does not exist (give a drafter folder or a saved report JSON)"]
     if source.is_file():
@@ -234,11 +237,7 @@ def _baseline_problems(source: Path, cache: HiddenStateCache, config: ScoringCon
             report = EvalReport.load(source)
         except ValueError as e:
             return [f"baseline: {e}"]
-        try:
-            head = head_fingerprint(target)
-        except (OSError, ValueError):
-            head = None  # the target's own problem is listed on its own
-        return Basis.of_run(config, cache, block, head).mismatches(report, f"baseline {source}")
+        return Basis.of_run(config, cache, block, head).mismatches(report, f"baseline {source}")  # head None: unread
     try:
         drafter = read_config(source)
         problems = _shape_problems(drafter, read_state_shapes(source), f"baseline {source}")
