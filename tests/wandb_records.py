@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 from wandb.proto import wandb_internal_pb2
@@ -33,6 +34,8 @@ def raw_records(path: Path) -> list[bytes]:
         _crc, length, kind = struct.unpack("<IHB", data[pos:pos + HEADER])
         if kind == 0 and length == 0:
             break  # zero tail of a file still being written
+        if pos + HEADER + length > len(data):
+            break  # a chunk the writer has not finished
         chunk = data[pos + HEADER:pos + HEADER + length]
         pos += HEADER + length
         if kind == FULL:
@@ -47,13 +50,28 @@ def raw_records(path: Path) -> list[bytes]:
     return records
 
 
+def finished_records(path: Path, timeout: float = 60.0) -> list:
+    """The parsed records of a finished run file. `wandb.finish()` can return before the
+    W&B service has written the file's tail (seen with wandb 0.31 under load: a file cut
+    at its first 32 KiB block), so this waits until the last record is the run's `exit`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = []
+        for blob in raw_records(path):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(blob)
+            records.append(record)
+        if records and records[-1].WhichOneof("record_type") == "exit":
+            return records
+        assert time.monotonic() < deadline, f"{path} has no exit record {timeout:g} s after wandb.finish()"
+        time.sleep(0.1)
+
+
 def read_run(run_dir: Path) -> dict:
     """history rows (dicts of key -> decoded JSON value), summary and config updates, metric definitions."""
     (path,) = Path(run_dir).glob("*.wandb")
     out = {"history": [], "summary": {}, "metrics": {}, "config": {}}
-    for blob in raw_records(path):
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(blob)
+    for record in finished_records(path):
         kind = record.WhichOneof("record_type")
         if kind == "history":
             row = {}

@@ -184,12 +184,14 @@ def _run_demo(cfg: DemoConfig) -> dict:
         from lightning.pytorch.loggers import WandbLogger
 
         loggers.append(WandbLogger(project=cfg.wandb_project, save_dir=str(out), offline=cfg.wandb == "offline"))
+    data = training_data(out / "world", cfg.train)
     trainer = pl.Trainer(
-        max_steps=cfg.train.max_steps, accelerator="cpu", logger=loggers,
+        max_steps=cfg.train.max_steps, max_epochs=-(-cfg.train.max_steps // len(data)),  # "Epoch 4/9", not "4/-2"
+        accelerator="cpu", logger=loggers,
         callbacks=[eval_cb] + ([stop_cb] if stop_cb else []), enable_checkpointing=False,
         enable_model_summary=False, log_every_n_steps=10, default_root_dir=str(out),
     )
-    trainer.fit(toy_module(cfg.train), training_data(out / "world", cfg.train))
+    trainer.fit(toy_module(cfg.train), data)
     if cfg.wandb != "disabled":
         import wandb
 
