@@ -170,8 +170,8 @@ def score_task(
 
     chunks = range(0, len(anchors), plan.anchors_per_forward)
     for start in tqdm(chunks, desc=task.name, disable=not progress, leave=False, unit="chunk"):
-        chunk = torch.tensor(anchors[start : start + plan.anchors_per_forward], device=device)
-        C = int(chunk.max())
+        span = anchors[start : start + plan.anchors_per_forward]  # a range: no host-device sync per chunk
+        C, chunk = span[-1], torch.arange(span.start, span.stop, device=device)
         tokens, labels, valid = block_inputs(input_ids, chunk, block_size, drafter.mask_token_id)
         hidden = drafter.decode_blocks([(k[:, :, :C], v[:, :, :C]) for k, v in context], head.embed_tokens(tokens).to(dtype), chunk)
         drafts = hidden.view(len(chunk), block_size, -1)[:, 1:].flatten(0, 1)
