@@ -38,7 +38,7 @@ from ..scoring.config import ScoringConfig
 from ..scoring.basis import Basis
 from ..scoring.report import EvalReport
 from ..scoring.service import ServiceSpec, preflight, run_basis
-from .publish import Publisher, ReportSource, Subscriber, metric_keys
+from .publish import Publisher, ReportSource, Subscriber, metric_keys, report_sources
 from .run_folder import RunFolder, new_run_id
 from .runners import RUNNERS, BackgroundRunner, BaselineOutcome, Job, SnapshotOutcome, is_non_finite
 from .snapshot import StagingPool, capture, is_sharded
@@ -211,6 +211,7 @@ class DrafterEvalCallback(ReportSource):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        report_sources(trainer.callbacks)  # no other one of this name
         module = resolve_drafter(pl_module, self.drafter)
         self._config = drafter_config_of(module, self.drafter_config)
         self._spec = ServiceSpec(

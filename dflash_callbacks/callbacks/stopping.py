@@ -26,7 +26,7 @@ from typing_extensions import override
 
 from ..checks import check_bool, check_choice, check_int, check_number
 from ..scoring.methods import Monitor
-from .publish import ReportSource
+from .publish import ReportSource, report_sources
 
 if TYPE_CHECKING:
     from dflash_callbacks.scoring.report import EvalReport
@@ -401,7 +401,7 @@ class TrailingBaselineStop(Callback):
 
 def find_source(callbacks: Sequence[Callback], name: str | None) -> ReportSource:
     """The report source TrailingBaselineStop follows: the one called `name`, or the only one."""
-    sources = [cb for cb in callbacks if isinstance(cb, ReportSource)]
+    sources = report_sources(callbacks)
     names = [cb.name for cb in sources]
     if name is not None:
         sources = [cb for cb in sources if cb.name == name]
