@@ -115,7 +115,9 @@ class TrailingBaselineStop(Callback):
               ``estimated_stepping_batches`` (from ``max_epochs``); with no finite horizon, a rising curve
               (``b > 0``) eventually reaches any threshold, so only a flat or falling curve stops.
         projection_window: how many of the latest reports the fit uses (>= 3).
-        action: ``"stop"`` sets ``trainer.should_stop``; ``"warn"`` only warns with the reason.
+        action: ``"stop"`` sets ``trainer.should_stop``; ``"warn"`` only warns with the reason. A decision
+            taken when training ends anyway (``max_steps``/``max_epochs`` reached: the report of the last
+            snapshot; or ``should_stop`` set by another callback) only warns, whatever the action.
         sync_every_n_steps: on multi-process runs, every this many global steps all ranks receive rank 0's
             pending decision (``trainer.strategy.broadcast``), so a stop lands within
             ``sync_every_n_steps`` steps of the report. A single process stops at the report itself.
@@ -126,7 +128,8 @@ class TrailingBaselineStop(Callback):
     Attributes:
         history: ``[(step, value), ...]`` of our monitored value, sorted by step.
         wait_count: consecutive trailing reports at the end of the history.
-        stop_reason: why training was (or, with ``action="warn"``, would be) stopped; ``None`` before.
+        stop_reason: why training was (or, with ``action="warn"`` or once it ends anyway, would be) stopped;
+            ``None`` before.
         stopped_step: ``trainer.global_step`` when ``trainer.should_stop`` was set (0 if never). The reason
             names the report's (snapshot's) step, which is earlier because scoring runs in the background.
 
@@ -333,9 +336,10 @@ class TrailingBaselineStop(Callback):
             if self.verbose:
                 rank_zero_info(f"dflash: step {step}: {decision.reason}")
             return
-        if self.action == "warn":
-            self.stop_reason = f"dflash: trailing the baseline at step {step} (action='warn', not stopping): "
-            self.stop_reason += decision.reason
+        ending = _ending(trainer)
+        if self.action == "warn" or ending:
+            why = "action='warn'" if self.action == "warn" else f"training ends anyway: {ending}"
+            self.stop_reason = f"dflash: trailing the baseline at step {step} ({why}, not stopping): {decision.reason}"
             rank_zero_warn(self.stop_reason)
             return
         reason = f"dflash: stopping at step {step}: {decision.reason}"
@@ -414,6 +418,18 @@ def find_source(callbacks: Sequence[Callback], name: str | None) -> ReportSource
         raise ValueError(f"trainer.callbacks holds several DrafterEvalCallbacks {names}; name the one to follow with "
                          f"TrailingBaselineStop(eval_callback=...)")
     return sources[0]
+
+
+def _ending(trainer: pl.Trainer) -> str | None:
+    """Why the fit loop ends without us (a report of the last snapshot, drained in ``on_train_end``, or one that
+    came after another callback stopped training), or ``None`` while training goes on."""
+    if trainer.should_stop:
+        return "trainer.should_stop is already set"
+    if 0 < trainer.max_steps <= trainer.global_step:
+        return f"max_steps={trainer.max_steps} reached"
+    if trainer.max_epochs is not None and 0 < trainer.max_epochs <= trainer.fit_loop.epoch_progress.current.processed:
+        return f"max_epochs={trainer.max_epochs} reached"
+    return None
 
 
 def _horizon(trainer: pl.Trainer) -> int | None:
