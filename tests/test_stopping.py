@@ -332,6 +332,17 @@ def test_trainer_warn_action_trains_to_the_end():
     assert "ddtree@8/live 1.00 < 0.9 x baseline 5.20 = 4.68 for 3 reports" in stop.stop_reason
 
 
+def test_a_second_fit_with_the_same_callback_starts_fresh():
+    """The stop of the first fit (and a stop still pending on rank 0 when a multi-rank fit ended, which
+    the next fit's first sync broadcast) stayed: the second fit, never trailing, reported "stopping at step 2"."""
+    stop = TrailingBaselineStop(min_ratio=0.9, patience=1, verbose=False)
+    assert fit(stop, {2: 1.0}).global_step == 2 and stop.stopped_step == 2
+    stop._pending = stop.stop_reason  # what rank 0 holds when training ends before the sync
+    trainer = fit(stop, {4: 5.0})
+    assert trainer.global_step == 20 and (stop.stopped_step, stop.stop_reason, stop._pending) == (0, None, None)
+    assert stop.history == [(4, 5.0)] and stop.wait_count == 0
+
+
 class StopAt(pl.Callback):
     """Another callback (EarlyStopping, a Timer) that stops training at `step`."""
 

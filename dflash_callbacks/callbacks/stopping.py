@@ -175,7 +175,10 @@ class TrailingBaselineStop(Callback):
         self.eval_callback = eval_callback
         self.source: ReportSource | None = None
         self._unsubscribe: Callable[[], None] | None = None
+        self._fresh()
 
+    def _fresh(self) -> None:
+        """The state of a fit that has seen nothing yet (a resume then loads its checkpoint's)."""
         self.history: list[tuple[int, float]] = []
         self.wait_count = 0
         self.stop_reason: str | None = None
@@ -272,6 +275,7 @@ class TrailingBaselineStop(Callback):
         """Link to the report source and check the monitor against what it scores, before training."""
         if stage != "fit":
             return
+        self._fresh()  # nothing of an earlier fit with this callback: its reason, its undelivered stop
         self.source = find_source(trainer.callbacks, self.eval_callback)
         method = str(Monitor.parse(self.monitor).method)
         scored = self.source.scored_methods()
