@@ -190,6 +190,24 @@ def test_a_resume_with_another_scoring_config_goes_on_in_a_new_run_folder(world,
     assert_clean(tmp_path / "d", cb.reports)
 
 
+def test_a_resume_on_another_basis_whose_run_folder_is_gone_drops_the_checkpoints_history(world, tmp_path):
+    """The checkpoint travels, its run folder does not (another machine, another dirpath): the
+    folder is recreated, and the history held in the checkpoint (scored without ddtree@8) was
+    taken as this run's: the stop on ddtree@8 died at on_train_start with a KeyError, and with
+    the same methods the old numbers stood beside the new ones. The checkpoint records its basis."""
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", every_n_train_steps=4, save_top_k=-1)
+    fit(world, tmp_path, [eval_cb(world, tmp_path), ckpt], max_steps=4, enable_checkpointing=True)
+    saved = torch.load(tmp_path / "ckpt" / "step=4.ckpt", weights_only=False)["callbacks"]
+    assert [s["basis"]["methods"] for s in saved.values() if "basis" in s] == [["vanilla", "ddtree@4"]]
+    shutil.rmtree(tmp_path / "d")
+    cb = eval_cb(world, tmp_path, scoring={**SCORING, "ddtree_budgets": [4, 8]})
+    stop = TrailingBaselineStop(monitor="ddtree@8/live", verbose=False)
+    with pytest.warns(UserWarning, match=r"was scored with no ddtree@8 .* goes on in a new run folder"):
+        fit(world, tmp_path, [cb, stop], max_steps=6, ckpt_path=str(tmp_path / "ckpt" / "step=4.ckpt"))
+    assert [h["step"] for h in cb.history] == [s for s, _ in stop.history] == [6]
+    assert [r.step for r in RunFolder(cb.run.path).read_results().reports] == [6]
+
+
 def test_a_non_finite_report_leaves_nan_means_and_a_resume_restores_the_last(world, tmp_path):
     """NaN weights from step 3: the report of step 4 is an error, and the means in
     callback_metrics become NaN (ModelCheckpoint ranks it worst) with dflash/step 4, the

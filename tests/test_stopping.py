@@ -243,8 +243,9 @@ class ScriptedReports(ReportSource):
 
     name = "scripted"
 
-    def __init__(self, values: dict[int, float], baseline: float | None = BASE, history: list[dict] = ()):
-        self.values, self.history = values, list(history)
+    def __init__(self, values: dict[int, float], baseline: float | None = BASE, history: list[dict] = (),
+                 at_end: float | None = None):
+        self.values, self.history, self.at_end = values, list(history), at_end  # at_end: a report in on_train_end
         self.baseline_report = None if baseline is None else make_report(baseline, None)
         self.subscribers = []
 
@@ -259,7 +260,12 @@ class ScriptedReports(ReportSource):
         return list(self.history)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        value = self.values.get(trainer.global_step)
+        self.publish(trainer, self.values.get(trainer.global_step))
+
+    def on_train_end(self, trainer, pl_module):
+        self.publish(trainer, self.at_end)
+
+    def publish(self, trainer, value: float | None) -> None:
         if value is None or trainer.global_rank != 0:
             return
         report = make_report(value, trainer.global_step)
@@ -268,11 +274,12 @@ class ScriptedReports(ReportSource):
             fn(report, self.baseline_report)
 
 
-def fit(stop: TrailingBaselineStop, values: dict[int, float], max_steps: int = 20, **kwargs) -> pl.Trainer:
+def fit(stop: TrailingBaselineStop, values: dict[int, float], max_steps: int = 20, at_end: float | None = None,
+        more: list = (), **kwargs) -> pl.Trainer:
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=max_steps,
-        callbacks=[ScriptedReports(values), stop],
+        callbacks=[*more, ScriptedReports(values, at_end=at_end), stop],
         logger=False,
         enable_progress_bar=False,
         enable_checkpointing=False,
@@ -323,6 +330,43 @@ def test_trainer_warn_action_trains_to_the_end():
         trainer = fit(stop, {2: 1.0, 4: 1.0, 6: 1.0}, max_steps=10)
     assert trainer.global_step == 10 and stop.stopped_step == 0
     assert "ddtree@8/live 1.00 < 0.9 x baseline 5.20 = 4.68 for 3 reports" in stop.stop_reason
+
+
+def test_a_second_fit_with_the_same_callback_starts_fresh():
+    """The stop of the first fit (and a stop still pending on rank 0 when a multi-rank fit ended, which
+    the next fit's first sync broadcast) stayed: the second fit, never trailing, reported "stopping at step 2"."""
+    stop = TrailingBaselineStop(min_ratio=0.9, patience=1, verbose=False)
+    assert fit(stop, {2: 1.0}).global_step == 2 and stop.stopped_step == 2
+    stop._pending = stop.stop_reason  # what rank 0 holds when training ends before the sync
+    trainer = fit(stop, {4: 5.0})
+    assert trainer.global_step == 20 and (stop.stopped_step, stop.stop_reason, stop._pending) == (0, None, None)
+    assert stop.history == [(4, 5.0)] and stop.wait_count == 0
+
+
+class StopAt(pl.Callback):
+    """Another callback (EarlyStopping, a Timer) that stops training at `step`."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args):
+        trainer.should_stop = trainer.should_stop or trainer.global_step == self.step
+
+
+def test_a_stop_decided_once_training_ends_anyway_claims_no_stop():
+    """The report of the last snapshot is drained in on_train_end, after max_steps ended the fit; a report
+    can also come after another callback stopped training. Deciding then said "stopping at step 10", set
+    should_stop and stopped_step=10 (the demo drew "stopped at step 10"), though the stop stopped nothing."""
+    stop = TrailingBaselineStop(min_ratio=0.9, patience=2, verbose=False)
+    with pytest.warns(UserWarning, match=r"trailing the baseline at step 10 \(training ends anyway: max_steps=10 "
+                                         r"reached, not stopping\): ddtree@8/live 1.00 < 0.9 x baseline"):
+        trainer = fit(stop, {4: 1.0}, max_steps=10, at_end=1.0)
+    assert trainer.global_step == 10 and not trainer.should_stop and stop.stopped_step == 0
+    assert stop.history == [(4, 1.0), (10, 1.0)]
+    stop = TrailingBaselineStop(min_ratio=0.9, patience=2, verbose=False)
+    with pytest.warns(UserWarning, match=r"\(training ends anyway: trainer.should_stop is already set, not stopping\)"):
+        trainer = fit(stop, {2: 1.0, 6: 1.0}, max_steps=10, more=[StopAt(6)])
+    assert trainer.global_step == 6 and stop.stopped_step == 0
 
 
 class RecordEachRank(pl.Callback):

@@ -673,3 +673,18 @@ def test_the_stop_callback_finds_its_eval_callback_or_says_why_not(world, tmp_pa
     two = [eval_cb(world, tmp_path / "a"), eval_cb(world, tmp_path / "b", name="other", scoring={**SCORING, "topk": [2]})]
     fit(world, tmp_path, [*two, stop], max_steps=4)
     assert stop.source is two[1] and [s for s, _ in stop.history] == [2, 4]
+
+
+@pytest.mark.parametrize("with_stop", [False, True])
+def test_two_eval_callbacks_of_one_name_are_refused_before_training(world, tmp_path, with_stop):
+    """Two eval callbacks on two caches, both left at name="dflash": their numbers were logged
+    under the same keys (callback_metrics held whichever came last), and a stop told to follow
+    "dflash" was told to name the one it follows."""
+    other = write_cache(world, tmp_path / "other-cache", [("t", 20, 4)])
+    counter = CountBatches()
+    callbacks = [eval_cb(world, tmp_path), eval_cb(world, tmp_path, cache=other), counter]
+    callbacks += [TrailingBaselineStop(monitor="ddtree@4/live", eval_callback="dflash")] if with_stop else []
+    with pytest.raises(ValueError, match=r"several DrafterEvalCallbacks named 'dflash' \(names: \['dflash', 'dflash'\]\): "
+                                         r"their numbers would be logged under the same keys \(dflash/...\); give each"):
+        fit(world, tmp_path, callbacks, max_steps=4)
+    assert counter.batches == 0

@@ -38,7 +38,7 @@ from ..scoring.config import ScoringConfig
 from ..scoring.basis import Basis
 from ..scoring.report import EvalReport
 from ..scoring.service import ServiceSpec, preflight, run_basis
-from .publish import Publisher, ReportSource, Subscriber, metric_keys
+from .publish import Publisher, ReportSource, Subscriber, metric_keys, report_sources
 from .run_folder import RunFolder, new_run_id
 from .runners import RUNNERS, BackgroundRunner, BaselineOutcome, Job, SnapshotOutcome, is_non_finite
 from .snapshot import StagingPool, capture, is_sharded
@@ -211,6 +211,7 @@ class DrafterEvalCallback(ReportSource):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        report_sources(trainer.callbacks)  # no other one of this name
         module = resolve_drafter(pl_module, self.drafter)
         self._config = drafter_config_of(module, self.drafter_config)
         self._spec = ServiceSpec(
@@ -292,14 +293,18 @@ class DrafterEvalCallback(ReportSource):
         self._last_capture_step = self._last_taken_step = None
 
     def _basis_changes(self) -> list[str]:
-        """How this resume's basis differs from the reopened run's (run.json's, else its first report's)."""
-        recorded = self.run.about().get("basis")
-        try:
-            return self._basis.differences(Basis.from_dict(recorded))
-        except (TypeError, ValueError, AttributeError):  # none recorded (an older run), or damaged
-            pass
-        reports = self.run.read_results().reports
-        return self._basis.differences(Basis.of_report(reports[0])) if reports else []
+        """How this resume's basis differs from the resumed run's: the checkpoint's (its history's; the
+        folder may be gone and recreated), run.json's, else, with neither recorded, its first report's."""
+        bases = []
+        for recorded in (self._restored.get("basis"), self.run.about().get("basis")):
+            try:
+                bases.append(Basis.from_dict(recorded))
+            except (TypeError, ValueError, AttributeError):  # none recorded (an older run), or damaged
+                pass
+        if not bases:
+            reports = self.run.read_results().reports
+            bases = [Basis.of_report(reports[0])] if reports else []
+        return next((changed for basis in bases if (changed := self._basis.differences(basis))), [])
 
     def _restore_metrics(self, trainer) -> None:
         """A resume: the last report's means back in callback_metrics (Lightning starts them
@@ -501,6 +506,7 @@ class DrafterEvalCallback(ReportSource):
     def state_dict(self) -> dict[str, Any]:
         return {
             "run_id": self.run_id,
+            "basis": self._basis.to_dict() if self.run_id else None,  # what the history was scored on
             "history": [{"step": h["step"], "mean": h["mean"]} for h in self.history],
             "errors": self.errors,
             "skipped": self.skipped,

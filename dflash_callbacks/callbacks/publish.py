@@ -68,6 +68,18 @@ class ReportSource(Callback):
         raise NotImplementedError
 
 
+def report_sources(callbacks) -> list[ReportSource]:
+    """The report sources among `callbacks`; two of one name are refused (their numbers would be
+    logged under the same keys and the stop could not tell them apart)."""
+    sources = [cb for cb in callbacks if isinstance(cb, ReportSource)]
+    names = [cb.name for cb in sources]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ValueError(f"trainer.callbacks holds several DrafterEvalCallbacks named {twice[0]!r} (names: {names}): "
+                         f"their numbers would be logged under the same keys ({twice[0]}/...); give each its own name=")
+    return sources
+
+
 def metric_keys(prefix: str, method: str, agg: str, task: str, ours: float, base: float | None) -> dict[str, float]:
     """The logged keys of one number of ours and, with the baseline's, its comparison."""
     out = {f"{prefix}/{method}/{agg}/{task}": ours}

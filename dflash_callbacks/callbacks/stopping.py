@@ -26,7 +26,7 @@ from typing_extensions import override
 
 from ..checks import check_bool, check_choice, check_int, check_number
 from ..scoring.methods import Monitor
-from .publish import ReportSource
+from .publish import ReportSource, report_sources
 
 if TYPE_CHECKING:
     from dflash_callbacks.scoring.report import EvalReport
@@ -115,7 +115,9 @@ class TrailingBaselineStop(Callback):
               ``estimated_stepping_batches`` (from ``max_epochs``); with no finite horizon, a rising curve
               (``b > 0``) eventually reaches any threshold, so only a flat or falling curve stops.
         projection_window: how many of the latest reports the fit uses (>= 3).
-        action: ``"stop"`` sets ``trainer.should_stop``; ``"warn"`` only warns with the reason.
+        action: ``"stop"`` sets ``trainer.should_stop``; ``"warn"`` only warns with the reason. A decision
+            taken when training ends anyway (``max_steps``/``max_epochs`` reached: the report of the last
+            snapshot; or ``should_stop`` set by another callback) only warns, whatever the action.
         sync_every_n_steps: on multi-process runs, every this many global steps all ranks receive rank 0's
             pending decision (``trainer.strategy.broadcast``), so a stop lands within
             ``sync_every_n_steps`` steps of the report. A single process stops at the report itself.
@@ -126,7 +128,8 @@ class TrailingBaselineStop(Callback):
     Attributes:
         history: ``[(step, value), ...]`` of our monitored value, sorted by step.
         wait_count: consecutive trailing reports at the end of the history.
-        stop_reason: why training was (or, with ``action="warn"``, would be) stopped; ``None`` before.
+        stop_reason: why training was (or, with ``action="warn"`` or once it ends anyway, would be) stopped;
+            ``None`` before.
         stopped_step: ``trainer.global_step`` when ``trainer.should_stop`` was set (0 if never). The reason
             names the report's (snapshot's) step, which is earlier because scoring runs in the background.
 
@@ -172,7 +175,10 @@ class TrailingBaselineStop(Callback):
         self.eval_callback = eval_callback
         self.source: ReportSource | None = None
         self._unsubscribe: Callable[[], None] | None = None
+        self._fresh()
 
+    def _fresh(self) -> None:
+        """The state of a fit that has seen nothing yet (a resume then loads its checkpoint's)."""
         self.history: list[tuple[int, float]] = []
         self.wait_count = 0
         self.stop_reason: str | None = None
@@ -269,6 +275,7 @@ class TrailingBaselineStop(Callback):
         """Link to the report source and check the monitor against what it scores, before training."""
         if stage != "fit":
             return
+        self._fresh()  # nothing of an earlier fit with this callback: its reason, its undelivered stop
         self.source = find_source(trainer.callbacks, self.eval_callback)
         method = str(Monitor.parse(self.monitor).method)
         scored = self.source.scored_methods()
@@ -333,9 +340,10 @@ class TrailingBaselineStop(Callback):
             if self.verbose:
                 rank_zero_info(f"dflash: step {step}: {decision.reason}")
             return
-        if self.action == "warn":
-            self.stop_reason = f"dflash: trailing the baseline at step {step} (action='warn', not stopping): "
-            self.stop_reason += decision.reason
+        ending = _ending(trainer)
+        if self.action == "warn" or ending:
+            why = "action='warn'" if self.action == "warn" else f"training ends anyway: {ending}"
+            self.stop_reason = f"dflash: trailing the baseline at step {step} ({why}, not stopping): {decision.reason}"
             rank_zero_warn(self.stop_reason)
             return
         reason = f"dflash: stopping at step {step}: {decision.reason}"
@@ -401,7 +409,7 @@ class TrailingBaselineStop(Callback):
 
 def find_source(callbacks: Sequence[Callback], name: str | None) -> ReportSource:
     """The report source TrailingBaselineStop follows: the one called `name`, or the only one."""
-    sources = [cb for cb in callbacks if isinstance(cb, ReportSource)]
+    sources = report_sources(callbacks)
     names = [cb.name for cb in sources]
     if name is not None:
         sources = [cb for cb in sources if cb.name == name]
@@ -414,6 +422,18 @@ def find_source(callbacks: Sequence[Callback], name: str | None) -> ReportSource
         raise ValueError(f"trainer.callbacks holds several DrafterEvalCallbacks {names}; name the one to follow with "
                          f"TrailingBaselineStop(eval_callback=...)")
     return sources[0]
+
+
+def _ending(trainer: pl.Trainer) -> str | None:
+    """Why the fit loop ends without us (a report of the last snapshot, drained in ``on_train_end``, or one that
+    came after another callback stopped training), or ``None`` while training goes on."""
+    if trainer.should_stop:
+        return "trainer.should_stop is already set"
+    if 0 < trainer.max_steps <= trainer.global_step:
+        return f"max_steps={trainer.max_steps} reached"
+    if trainer.max_epochs is not None and 0 < trainer.max_epochs <= trainer.fit_loop.epoch_progress.current.processed:
+        return f"max_epochs={trainer.max_epochs} reached"
+    return None
 
 
 def _horizon(trainer: pl.Trainer) -> int | None:
