@@ -310,3 +310,43 @@ def test_a_truncated_safetensors_file_is_one_error_line_naming_it(world, tmp_pat
     err = fails(score_args(world, **{"--target": indexed}), capsys,
                 f"{indexed / 'model.safetensors.index.json'} has no 'weight_map' object")
     assert "internal error" not in err
+
+
+def test_a_report_the_watcher_can_not_write_is_retried_and_the_other_runs_go_on(world, tmp_path, monkeypatch):
+    """A folder where a report file goes (as a full disk, the write fails), a `reports` that is a
+    file, a run folder removed: each is logged once and retried on the next poll, the other runs
+    are scored, and a report scored once is written without scoring it again."""
+    from dflash_callbacks.callbacks.run_folder import RunFolder
+    from dflash_callbacks.callbacks.snapshot import Snapshot
+    from dflash_callbacks.callbacks.watch import Watcher
+    from dflash_callbacks.scoring.service import ScoringService, ServiceSpec
+
+    runs = {}
+    for name in ("a-blocked", "b-reports-is-a-file", "c-removed", "d-good"):
+        runs[name] = RunFolder.create(tmp_path / "runs", name, {"runner": "external"})
+        runs[name].write_snapshot(Snapshot(3, 0, world.config, {k: v.clone() for k, v in world.drafter.state_dict().items()}))
+        runs[name].unlock()
+    runs["a-blocked"].report_path(3).mkdir(parents=True)
+    runs["b-reports-is-a-file"].reports_dir.write_text("")
+    lines = []
+    spec = ServiceSpec(str(world.cache), str(world.target), None, {"ddtree_budgets": [4], "device": "cpu"})
+    watcher = Watcher(ScoringService(spec), tmp_path / "runs", log=lines.append)
+    scored, score_folder, list_snapshots = [], watcher.service.score_folder, RunFolder.list_snapshots
+    monkeypatch.setattr(watcher.service, "score_folder", lambda folder: scored.append(folder) or score_folder(folder))
+
+    def removed_meanwhile(run):  # the training run's folder is removed while the watcher is at it
+        found = list_snapshots(run)
+        if run.path.name == "c-removed":
+            shutil.rmtree(run.path)
+        return found
+
+    monkeypatch.setattr(RunFolder, "list_snapshots", removed_meanwhile)
+    assert watcher.scan_once() == 1 and watcher.scan_once() == 0
+    assert runs["d-good"].report_path(3).is_file() and not runs["c-removed"].path.exists()
+    failed = [line for line in lines if "(retried next poll)" in line]
+    assert len(failed) == 2 and "a-blocked: writing" in failed[0] and "b-reports-is-a-file: " in failed[1], lines
+    assert not list(runs["a-blocked"].reports_dir.glob(".*tmp*"))
+    runs["a-blocked"].report_path(3).rmdir()
+    assert watcher.scan_once() == 1  # a-blocked's report is written now, and was scored once
+    assert [f.parent.parent.name for f in scored].count("a-blocked") == 1
+    assert runs["a-blocked"].read_report(runs["a-blocked"].report_path(3)).step == 3
