@@ -61,6 +61,12 @@ def test_score_checks_the_baseline_and_the_output_folder_before_scoring_ours(wor
           f"baseline {tmp_path / 'basline'} does not exist")
     fails(score_args(world, **{"--json": tmp_path / "no-folder" / "ours.json"}), capsys,
           "--json", "the folder", "does not exist")
+    (tmp_path / "ours.json").mkdir()
+    fails(score_args(world, **{"--json": tmp_path / "ours.json"}), capsys, f"--json {tmp_path / 'ours.json'} is a folder")
+    fails(score_args(world, **{"--baseline-json": tmp_path / "base.json"}), capsys,
+          "--baseline-json writes the baseline's report: give the baseline with --baseline")
+    fails(score_args(world, **{"--baseline": world.baseline, "--json": tmp_path / "r.json", "--baseline-json":
+                               tmp_path / "." / "r.json"}), capsys, "--json and --baseline-json are both")
     assert not (tmp_path / "no-folder").exists() and not list(tmp_path.glob(".*tmp*"))
     assert time.time() - started < 30
 

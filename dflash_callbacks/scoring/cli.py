@@ -74,6 +74,8 @@ BASELINE_CACHE_HELP = ("where baseline reports are cached (default $XDG_CACHE_HO
 
 
 def check_output(option: str, path: Path | None) -> None:
+    if path is not None and path.is_dir():
+        raise UsageError(f"{option} {path} is a folder: give the path of the JSON file to write")
     if path is not None and not path.parent.is_dir():
         raise UsageError(f"{option} {path}: the folder {path.parent} does not exist")
 
@@ -97,6 +99,10 @@ def run_score(args: argparse.Namespace) -> int:
 
     check_output("--json", args.json)
     check_output("--baseline-json", args.baseline_json)
+    if args.baseline_json is not None and args.baseline is None:
+        raise UsageError("--baseline-json writes the baseline's report: give the baseline with --baseline")
+    if args.json is not None and args.baseline_json is not None and args.json.resolve() == args.baseline_json.resolve():
+        raise UsageError(f"--json and --baseline-json are both {args.json}: give each report its own file")
     if not args.drafter.is_dir():
         raise UsageError(f"--drafter {args.drafter} is not a folder: give a drafter folder (config.json and "
                          "*.safetensors) or a snapshot folder")
