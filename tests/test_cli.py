@@ -120,6 +120,17 @@ def test_compare_takes_reports_and_results_jsonl(world, tmp_path, capsys):
     assert "step 2" in capsys.readouterr().out
     fails(["compare", str(tmp_path / "results.jsonl"), str(tmp_path / "a.json"), "--step", "3"], capsys,
           "has no report of step 3; it has steps [2, 4]")
+    fails(["compare", str(tmp_path / "results.jsonl"), str(tmp_path / "a.json"), "--step", "6"], capsys,
+          "step 6 of", "was not scored: x")
+    # a later step that failed, and a line that is no report (torn, or not strict JSON), are said, not passed over
+    with open(tmp_path / "results.jsonl", "a") as f:
+        f.write(json.dumps({**report, "step": 8}).replace('"seconds": ', '"seconds": NaN, "was": ', 1) + "\n")
+        f.write(json.dumps({**report, "step": 10})[:300])
+    assert cli_main(["compare", str(tmp_path / "results.jsonl"), str(tmp_path / "a.json")]) == 0
+    captured = capsys.readouterr()
+    assert "step 4" in captured.out
+    assert [line.split(": ")[0] for line in captured.err.splitlines()] == ["warning"] * 3, captured.err
+    assert "line 4: " in captured.err and "line 5: " in captured.err and "step 6 of" in captured.err
     (tmp_path / "list.json").write_text("[1, 2]")
     fails(["compare", str(tmp_path / "list.json"), str(tmp_path / "a.json")], capsys,
           "not a report: a JSON object was expected, found list")

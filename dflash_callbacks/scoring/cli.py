@@ -142,11 +142,21 @@ def load_ours(path: Path, step: int | None) -> EvalReport:
         return EvalReport.load(path)
     if not path.is_file():
         raise UsageError(f"no results file at {path}")
-    reports = read_results(path).reports
+    results = read_results(path)
+    for line in results.skipped:
+        print(f"warning: {path} {line}; that line is left out", file=sys.stderr)
+    reports = results.reports
+    failed = {e["step"]: e["error"] for e in results.errors if e["step"] not in {r.step for r in reports}}
+    if step in failed:
+        raise UsageError(f"step {step} of {path} was not scored: {failed[step]}")
     if not reports:
-        raise UsageError(f"{path} holds no report")
+        raise UsageError(f"{path} holds no report" + (f"; the scoring of steps {sorted(failed)} failed" if failed else ""))
     if step is None:
-        return max(reports, key=lambda r: r.step)
+        last = max(reports, key=lambda r: r.step)
+        for later in sorted(s for s in failed if s > last.step):
+            print(f"warning: step {later} of {path} was not scored ({failed[later]}); step {last.step} is the last "
+                  "with a report", file=sys.stderr)
+        return last
     chosen = [r for r in reports if r.step == step]
     if not chosen:
         raise UsageError(f"{path} has no report of step {step}; it has steps {sorted(r.step for r in reports)}")
