@@ -157,7 +157,8 @@ def test_watch_refuses_what_can_not_work_and_logs_what_it_scores(world, tmp_path
     base = ["watch", "--cache", str(world.cache), "--target", str(world.target), "--budgets", "4", "--device", "cpu"]
     fails([*base, "--dir", str(tmp_path / "runs-typo")], capsys, "--dir", "is not a folder")
     assert not (tmp_path / "runs-typo").exists()
-    fails([*base, "--dir", str(tmp_path), "--poll-seconds", "-1"], capsys, "--poll-seconds and --idle-exit must be >= 0")
+    for bad in (["--poll-seconds", "-1"], ["--poll-seconds", "inf"], ["--poll-seconds", "nan"], ["--idle-exit", "nan"]):
+        fails([*base, "--dir", str(tmp_path), *bad], capsys, "--poll-seconds and --idle-exit must be finite numbers >= 0")
     fails([*base, "--dir", str(tmp_path), "--baseline", str(tmp_path / "nope")], capsys, "baseline")
 
     # a run folder with one snapshot: it is scored and logged

@@ -18,6 +18,7 @@ Each file is written atomically; each snapshot scored is logged on one line.
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from pathlib import Path
 
@@ -206,8 +207,9 @@ def run_watch(args: argparse.Namespace) -> int:
 
     if not args.dir.is_dir():
         raise UsageError(f"--dir {args.dir} is not a folder: give the callback's dirpath (or a run folder in it)")
-    if args.poll_seconds < 0 or (args.idle_exit is not None and args.idle_exit < 0):
-        raise UsageError("--poll-seconds and --idle-exit must be >= 0")
+    if not all(math.isfinite(x) and x >= 0 for x in (args.poll_seconds, args.idle_exit) if x is not None):
+        raise UsageError(f"--poll-seconds and --idle-exit must be finite numbers >= 0; got {args.poll_seconds:g} "
+                         f"and {'none' if args.idle_exit is None else format(args.idle_exit, 'g')}")
     spec = ServiceSpec(
         cache=str(args.cache), target=str(args.target),
         baseline=None if args.baseline is None else str(args.baseline),
