@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
 
 
 def atomic_write(path: str | os.PathLike, data: bytes) -> None:
-    """Write under a hidden temporary name in the same folder, fsync, rename into place."""
+    """Write under a hidden temporary name in the same folder, fsync, rename into place; a
+    failure (a full disk, a folder where the file goes, an interrupt) leaves no temporary."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
 
 
 def atomic_write_json(path: str | os.PathLike, payload) -> None:

@@ -61,6 +61,12 @@ def test_score_checks_the_baseline_and_the_output_folder_before_scoring_ours(wor
           f"baseline {tmp_path / 'basline'} does not exist")
     fails(score_args(world, **{"--json": tmp_path / "no-folder" / "ours.json"}), capsys,
           "--json", "the folder", "does not exist")
+    (tmp_path / "ours.json").mkdir()
+    fails(score_args(world, **{"--json": tmp_path / "ours.json"}), capsys, f"--json {tmp_path / 'ours.json'} is a folder")
+    fails(score_args(world, **{"--baseline-json": tmp_path / "base.json"}), capsys,
+          "--baseline-json writes the baseline's report: give the baseline with --baseline")
+    fails(score_args(world, **{"--baseline": world.baseline, "--json": tmp_path / "r.json", "--baseline-json":
+                               tmp_path / "." / "r.json"}), capsys, "--json and --baseline-json are both")
     assert not (tmp_path / "no-folder").exists() and not list(tmp_path.glob(".*tmp*"))
     assert time.time() - started < 30
 
@@ -114,6 +120,17 @@ def test_compare_takes_reports_and_results_jsonl(world, tmp_path, capsys):
     assert "step 2" in capsys.readouterr().out
     fails(["compare", str(tmp_path / "results.jsonl"), str(tmp_path / "a.json"), "--step", "3"], capsys,
           "has no report of step 3; it has steps [2, 4]")
+    fails(["compare", str(tmp_path / "results.jsonl"), str(tmp_path / "a.json"), "--step", "6"], capsys,
+          "step 6 of", "was not scored: x")
+    # a later step that failed, and a line that is no report (torn, or not strict JSON), are said, not passed over
+    with open(tmp_path / "results.jsonl", "a") as f:
+        f.write(json.dumps({**report, "step": 8}).replace('"seconds": ', '"seconds": NaN, "was": ', 1) + "\n")
+        f.write(json.dumps({**report, "step": 10})[:300])
+    assert cli_main(["compare", str(tmp_path / "results.jsonl"), str(tmp_path / "a.json")]) == 0
+    captured = capsys.readouterr()
+    assert "step 4" in captured.out
+    assert [line.split(": ")[0] for line in captured.err.splitlines()] == ["warning"] * 3, captured.err
+    assert "line 4: " in captured.err and "line 5: " in captured.err and "step 6 of" in captured.err
     (tmp_path / "list.json").write_text("[1, 2]")
     fails(["compare", str(tmp_path / "list.json"), str(tmp_path / "a.json")], capsys,
           "not a report: a JSON object was expected, found list")
@@ -140,7 +157,8 @@ def test_watch_refuses_what_can_not_work_and_logs_what_it_scores(world, tmp_path
     base = ["watch", "--cache", str(world.cache), "--target", str(world.target), "--budgets", "4", "--device", "cpu"]
     fails([*base, "--dir", str(tmp_path / "runs-typo")], capsys, "--dir", "is not a folder")
     assert not (tmp_path / "runs-typo").exists()
-    fails([*base, "--dir", str(tmp_path), "--poll-seconds", "-1"], capsys, "--poll-seconds and --idle-exit must be >= 0")
+    for bad in (["--poll-seconds", "-1"], ["--poll-seconds", "inf"], ["--poll-seconds", "nan"], ["--idle-exit", "nan"]):
+        fails([*base, "--dir", str(tmp_path), *bad], capsys, "--poll-seconds and --idle-exit must be finite numbers >= 0")
     fails([*base, "--dir", str(tmp_path), "--baseline", str(tmp_path / "nope")], capsys, "baseline")
 
     # a run folder with one snapshot: it is scored and logged
@@ -310,3 +328,43 @@ def test_a_truncated_safetensors_file_is_one_error_line_naming_it(world, tmp_pat
     err = fails(score_args(world, **{"--target": indexed}), capsys,
                 f"{indexed / 'model.safetensors.index.json'} has no 'weight_map' object")
     assert "internal error" not in err
+
+
+def test_a_report_the_watcher_can_not_write_is_retried_and_the_other_runs_go_on(world, tmp_path, monkeypatch):
+    """A folder where a report file goes (as a full disk, the write fails), a `reports` that is a
+    file, a run folder removed: each is logged once and retried on the next poll, the other runs
+    are scored, and a report scored once is written without scoring it again."""
+    from dflash_callbacks.callbacks.run_folder import RunFolder
+    from dflash_callbacks.callbacks.snapshot import Snapshot
+    from dflash_callbacks.callbacks.watch import Watcher
+    from dflash_callbacks.scoring.service import ScoringService, ServiceSpec
+
+    runs = {}
+    for name in ("a-blocked", "b-reports-is-a-file", "c-removed", "d-good"):
+        runs[name] = RunFolder.create(tmp_path / "runs", name, {"runner": "external"})
+        runs[name].write_snapshot(Snapshot(3, 0, world.config, {k: v.clone() for k, v in world.drafter.state_dict().items()}))
+        runs[name].unlock()
+    runs["a-blocked"].report_path(3).mkdir(parents=True)
+    runs["b-reports-is-a-file"].reports_dir.write_text("")
+    lines = []
+    spec = ServiceSpec(str(world.cache), str(world.target), None, {"ddtree_budgets": [4], "device": "cpu"})
+    watcher = Watcher(ScoringService(spec), tmp_path / "runs", log=lines.append)
+    scored, score_folder, list_snapshots = [], watcher.service.score_folder, RunFolder.list_snapshots
+    monkeypatch.setattr(watcher.service, "score_folder", lambda folder: scored.append(folder) or score_folder(folder))
+
+    def removed_meanwhile(run):  # the training run's folder is removed while the watcher is at it
+        found = list_snapshots(run)
+        if run.path.name == "c-removed":
+            shutil.rmtree(run.path)
+        return found
+
+    monkeypatch.setattr(RunFolder, "list_snapshots", removed_meanwhile)
+    assert watcher.scan_once() == 1 and watcher.scan_once() == 0
+    assert runs["d-good"].report_path(3).is_file() and not runs["c-removed"].path.exists()
+    failed = [line for line in lines if "(retried next poll)" in line]
+    assert len(failed) == 2 and "a-blocked: writing" in failed[0] and "b-reports-is-a-file: " in failed[1], lines
+    assert not list(runs["a-blocked"].reports_dir.glob(".*tmp*"))
+    runs["a-blocked"].report_path(3).rmdir()
+    assert watcher.scan_once() == 1  # a-blocked's report is written now, and was scored once
+    assert [f.parent.parent.name for f in scored].count("a-blocked") == 1
+    assert runs["a-blocked"].read_report(runs["a-blocked"].report_path(3)).step == 3

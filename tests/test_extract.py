@@ -59,7 +59,7 @@ def test_cache_holds_greedy_completion_and_hidden_states(random_target_dir, tmp_
     assert cache.target.dtype == str(dtype).removeprefix("torch.")
     assert (cache.target.num_layers, cache.hidden_size, cache.vocab_size) == (6, 64, 300)
     manifest = json.loads((tmp_path / "cache" / "manifest.json").read_text())
-    assert manifest["extraction"] == {"max_new_tokens": 20, "chat_template": True}
+    assert manifest["extraction"] == {"max_new_tokens": 20, "chat_template": True, "tasks": ["fizz", "search"]}
     for task in TASKS:
         prompt_len, ids, hidden = expected_from_fresh_model(random_target_dir, task.prompt, layer_ids, dtype, 20)
         cached = cache.task(task.name)
@@ -170,3 +170,31 @@ def test_killed_extraction_resumes_without_redoing_finished_tasks(random_target_
     assert cache.task_names == ["t0", "t1", "t2"]
     cache.verify()
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "t0.safetensors", "t1.safetensors", "t2.safetensors"]
+
+
+def test_a_resume_with_other_tasks_or_impossible_settings_is_refused_before_the_target_loads(
+        random_target_dir, tmp_path, monkeypatch):
+    """A cache folder is finished, never mixed: a task list other than the one it was begun with,
+    or a task of another prompt, is refused; so are a block size below 2, layer ids the target
+    does not have and an --out that is a file; all before the target is loaded."""
+    from dflash_callbacks.cache import extract
+
+    out = tmp_path / "cache"
+    extract_cache(random_target_dir, out, TASKS, [1], max_new_tokens=3, progress=False)
+    before = (out / "manifest.json").read_text()
+    monkeypatch.setattr(extract, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    refused = [
+        (out, [Task("fizz", "Write fizzbuzz in Rust."), TASKS[1]], [1], {}, r"holds the tasks \['fizz'\] extracted from other prompts"),
+        (out, TASKS + [Task("sort", "Sort a list.")], [1], {}, "already holds a cache made differently .*extraction settings"),
+        (out, TASKS[:1], [1], {}, "already holds a cache made differently .*extraction settings"),
+        (tmp_path / "new", TASKS, [1], {"block_size": 1}, "block_size must be None or an integer >= 2; got 1"),
+        (tmp_path / "new", TASKS, [1, 6], {}, r"layer ids \[6\] are out of range for a target with 6 decoder layers"),
+        (tmp_path / "manifest.json", TASKS, [1], {}, "is a file: give a folder"),
+    ]
+    (tmp_path / "manifest.json").write_text("{}")
+    for folder, tasks, layer_ids, kw, message in refused:
+        with pytest.raises((ValueError, OSError), match=message):
+            extract_cache(random_target_dir, folder, tasks, layer_ids, max_new_tokens=3, progress=False, **kw)
+    assert (out / "manifest.json").read_text() == before and not (tmp_path / "new").exists()
+    assert extract_cache(random_target_dir, out, TASKS, [1], max_new_tokens=3, progress=False).task_names == \
+        ["fizz", "search"]  # the same tasks: nothing to do, nothing loaded

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 
-from ..checks import DTYPES, check_device, dtype_name
+from ..checks import DTYPES, check_device, check_int, dtype_name
 from ..model.target_head import head_fingerprint
 from .format import (
     CacheError,
@@ -95,14 +95,15 @@ def load_target(path: str | os.PathLike, *, device: str | torch.device = "cpu", 
     return model.to(device).eval(), tokenizer
 
 
-def target_info(model, path: str | os.PathLike) -> TargetInfo:
-    config = model.config.get_text_config()
+def target_info(config, dtype: torch.dtype, path: str | os.PathLike) -> TargetInfo:
+    """What a cache records of the target in `path` (its transformers `config`) run in `dtype`."""
+    config = config.get_text_config()
     return TargetInfo(
         path=str(Path(path).resolve()),
         num_layers=config.num_hidden_layers,
         hidden_size=config.hidden_size,
         vocab_size=config.vocab_size,
-        dtype=dtype_name(model.dtype),
+        dtype=dtype_name(dtype),
         head=head_fingerprint(path),
     )
 
@@ -191,36 +192,46 @@ def extract_cache(
 
     `tasks`: a built-in task-set name ("coding10"), a task YAML file, or a list of Task.
     `block_size`: recorded in the manifest as the block size the cache was made for.
-    A rerun skips tasks whose entry (same prompt) and file are intact; a folder holding a
-    cache made with other settings (target shape/dtype, layer ids, block size,
-    max_new_tokens, chat template) is refused.
+    A rerun finishes an interrupted extraction: it skips tasks whose entry and file are
+    intact. A folder holding a cache made otherwise (target shape/dtype/head, layer ids,
+    block size, max_new_tokens, chat template, another task list, a task of another
+    prompt) is refused, before the target is loaded.
     """
     tasks = resolve_tasks(tasks)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    dtype_name(dtype)  # refuse an unsupported dtype before loading anything
-    model, tokenizer = load_target(target, device=device, dtype=dtype)
-    info = target_info(model, target)
+    check_int("block_size", block_size, 2, optional=True)
+    if Path(out).exists() and not Path(out).is_dir():
+        raise NotADirectoryError(f"the cache folder {out} is a file: give a folder to create, or an unfinished cache")
+    info = target_info(AutoConfig.from_pretrained(check_target_folder(target), local_files_only=True), dtype, target)
     layer_ids = check_layer_ids(layer_ids, info.num_layers)
     header = new_manifest(
         info,
         layer_ids,
         block_size=block_size,
-        extraction={"max_new_tokens": max_new_tokens, "chat_template": chat_template},
+        extraction={"max_new_tokens": max_new_tokens, "chat_template": chat_template, "tasks": [t.name for t in tasks]},
     )
     manifest = open_for_writing(out, header)
     done = {entry["name"]: entry for entry in manifest["tasks"]}
-    eos, pad = stop_token_ids(model, tokenizer)
-
-    for task in tqdm(tasks, desc="tasks", unit="task", disable=not progress):
-        entry = done.get(task.name)
-        if entry is not None and entry.get("prompt") == task.prompt:
+    other = [t.name for t in tasks if t.name in done and done[t.name].get("prompt") not in (None, t.prompt)]
+    if other:
+        raise CacheError(f"{out} holds the tasks {other} extracted from other prompts: write to another folder "
+                         "or delete this one")
+    todo = []
+    for task in tasks:
+        if task.name in done:
             try:
-                check_task_file(Path(out), entry)
+                check_task_file(Path(out), done[task.name])
                 log.info("%s: already in the cache, skipped", task.name)
                 continue
             except CacheError as e:
                 log.warning("%s: re-extracting, %s", task.name, e)
+        todo.append(task)
+    if not todo:
+        return HiddenStateCache(out)
+    model, tokenizer = load_target(target, device=device, dtype=dtype)
+    eos, pad = stop_token_ids(model, tokenizer)
+    for task in tqdm(todo, desc="tasks", unit="task", disable=not progress):
         prompt_ids = torch.tensor([prompt_token_ids(tokenizer, task.prompt, chat_template)], device=model.device)
         with tqdm(total=max_new_tokens, desc=task.name, unit="tok", leave=False, disable=not progress) as bar:
             ids = greedy_generate(model, prompt_ids, max_new_tokens, eos, pad, streamer=TokenProgress(bar))

@@ -238,6 +238,9 @@ def open_for_writing(folder: str | os.PathLike, header: dict) -> dict:
     manifest = read_manifest(folder)
     # the path may move; a cache made before heads were fingerprinted records none
     skip = {"path"} | ({"head"} if "head" not in manifest["target"] else set())
+    extraction = header.get("extraction")
+    if isinstance(extraction, dict) and "tasks" not in (manifest.get("extraction") or {}):  # begun before task lists
+        extraction = {k: v for k, v in extraction.items() if k != "tasks"} or None          # were recorded
     old_target = {k: v for k, v in manifest["target"].items() if k not in skip}
     new_target = {k: v for k, v in header["target"].items() if k not in skip}
     differences = [
@@ -246,7 +249,7 @@ def open_for_writing(folder: str | os.PathLike, header: dict) -> dict:
             ("target", old_target, new_target),
             ("layer ids", manifest["layer_ids"], header["layer_ids"]),
             ("block size", manifest.get("block_size"), header.get("block_size")),
-            ("extraction settings", manifest.get("extraction"), header.get("extraction")),
+            ("extraction settings", manifest.get("extraction"), extraction),
         ]
         if theirs != mine
     ]

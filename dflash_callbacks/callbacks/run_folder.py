@@ -200,7 +200,7 @@ class RunFolder:
         return sorted((int(m.group(1)), p) for p in self.reports_dir.iterdir() if (m := REPORT_NAME.match(p.name)))
 
     def write_report(self, step: int | None, payload: dict) -> None:
-        self.reports_dir.mkdir(parents=True, exist_ok=True)
+        self.reports_dir.mkdir(exist_ok=True)  # not parents: a run folder removed is not made again
         atomic_write_json(self.report_path(step), payload)
 
     def read_report(self, path: Path) -> EvalReport | WatcherError:

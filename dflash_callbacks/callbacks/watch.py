@@ -18,6 +18,7 @@ Each file is written atomically; each snapshot scored is logged on one line.
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from pathlib import Path
 
@@ -54,6 +55,8 @@ class Watcher:
         self._own: dict[Path, tuple] = {}  # baseline report path -> its stat when it held this watcher's weights
         self._weights: dict[str, str | None] = {}  # baseline folder a run expects -> its weights' fingerprint
         self._skipped: set[Path] = set()  # run folders of another runner, logged once
+        self._unwritten: dict[Path, dict] = {}  # report path -> the payload whose write failed
+        self._failing: dict[Path, str] = {}  # run folder or report path -> its failure, logged once while it lasts
 
     def reported(self, run: RunFolder, path: Path) -> tuple[bool, str | None] | None:
         """(is it a report rather than an error, the snapshot id it names) of a report file,
@@ -104,35 +107,58 @@ class Watcher:
         return self._baseline
 
     def scan_once(self) -> int:
-        """Score every snapshot without its report; returns how many were scored."""
+        """Score every snapshot without its report; returns how many were scored. A run folder
+        that can not be read or written (a full disk, a folder where a file goes, a run removed
+        meanwhile) is logged and tried again on the next poll; the other runs go on."""
         done = 0
-        write_heartbeat(self.root)
+        try:
+            write_heartbeat(self.root)
+        except OSError as e:
+            self.log(f"watch: writing the heartbeat in {self.root} failed (retried next poll): {e}")
         for run in run_folders(self.root):
-            about = run.about()
-            runner = about.get("runner", "external")  # older runs do not record it
-            if runner != "external":
-                if run.path not in self._skipped:
-                    self._skipped.add(run.path)
-                    self.log(f"watch: skipping {run.path.name}: its runner is {runner!r}, not 'external' "
-                             "(it scores its own snapshots)")
-                continue
-            baseline, expected = self.reported(run, run.report_path(None)), about.get("baseline")
-            if self.service.spec.baseline is not None and (baseline is None or not baseline[0]):
-                baseline = self.baseline()
-                run.write_report(None, baseline.to_dict() if isinstance(baseline, EvalReport) else {"error": baseline})
-            elif self.service.spec.baseline is not None and self.replaces_baseline(run, expected):
-                run.write_report(None, self._baseline.to_dict())  # another watcher's (which the run may refuse)
+            try:
+                done += self.scan_run(run)
+                self._failing.pop(run.path, None)
+            except OSError as e:
+                self.failing(run.path, f"watch: {run.path.name}: {e} (retried next poll)")
+        return done
+
+    def failing(self, key: Path, message: str) -> None:
+        """Log a failure, once while it lasts (the same message again is not logged)."""
+        if self._failing.get(key) != message:
+            self._failing[key] = message
+            self.log(message)
+
+    def scan_run(self, run: RunFolder) -> int:
+        about = run.about()
+        runner = about.get("runner", "external")  # older runs do not record it
+        if runner != "external":
+            if run.path not in self._skipped:
+                self._skipped.add(run.path)
+                self.log(f"watch: skipping {run.path.name}: its runner is {runner!r}, not 'external' "
+                         "(it scores its own snapshots)")
+            return 0
+        baseline, expected = self.reported(run, run.report_path(None)), about.get("baseline")
+        if self.service.spec.baseline is not None and (baseline is None or not baseline[0]):
+            baseline = self.baseline()
+            self.write(run, None, baseline.to_dict() if isinstance(baseline, EvalReport) else {"error": baseline})
+        elif self.service.spec.baseline is not None and self.replaces_baseline(run, expected):
+            if self.write(run, None, self._baseline.to_dict()):  # another watcher's (which the run may refuse)
                 self.log(f"watch: {run.path.name}: replaced another watcher's baseline report with this one's")
-            elif self.service.spec.baseline is None and expected and baseline is None:  # the run would wait on it
-                run.write_report(None, {"error": f"the watcher runs without --baseline, but this run expects the "
-                                                 f"baseline {expected}: restart `dflash-callbacks watch` with "
-                                                 f"--baseline {expected}"})
+        elif self.service.spec.baseline is None and expected and baseline is None:  # the run would wait on it
+            if self.write(run, None, {"error": f"the watcher runs without --baseline, but this run expects the "
+                                               f"baseline {expected}: restart `dflash-callbacks watch` with "
+                                               f"--baseline {expected}"}):
                 self.log(f"watch: {run.path.name} expects the baseline {expected}, and this watcher has none")
-            for step, folder in run.list_snapshots():
-                snapshot_id = run.snapshot_id(folder)
-                report = self.reported(run, run.report_path(step))
-                if report is not None and report[1] == snapshot_id:
-                    continue
+        done = 0
+        for step, folder in run.list_snapshots():
+            snapshot_id = run.snapshot_id(folder)
+            path = run.report_path(step)
+            report = self.reported(run, path)
+            if report is not None and report[1] == snapshot_id:
+                continue
+            payload = self._unwritten.get(path, {})
+            if snapshot_id is None or payload.get("snapshot_id") != snapshot_id:  # not scored yet
                 started = time.monotonic()
                 try:
                     payload = self.service.score_folder(folder).to_dict()
@@ -143,9 +169,22 @@ class Watcher:
                 except Exception as e:
                     payload = {"error": describe(e), "step": step, "snapshot_id": snapshot_id}
                     self.log(f"watch: {run.path.name} step {step} failed: {payload['error']}")
-                run.write_report(step, payload)
-                done += 1
+            done += self.write(run, step, payload)
         return done
+
+    def write(self, run: RunFolder, step: int | None, payload: dict) -> bool:
+        """Write a report file; when that fails, the failure is logged (once while it lasts) and
+        a snapshot's payload is kept, so the next poll writes it without scoring it again."""
+        path = run.report_path(step)
+        try:
+            run.write_report(step, payload)
+        except OSError as e:
+            self._unwritten[path] = payload
+            self.failing(path, f"watch: {run.path.name}: writing {path} failed (retried next poll): {e}")
+            return False
+        self._unwritten.pop(path, None)
+        self._failing.pop(path, None)
+        return True
 
 
 def add_watch_arguments(p: argparse.ArgumentParser) -> None:
@@ -168,8 +207,9 @@ def run_watch(args: argparse.Namespace) -> int:
 
     if not args.dir.is_dir():
         raise UsageError(f"--dir {args.dir} is not a folder: give the callback's dirpath (or a run folder in it)")
-    if args.poll_seconds < 0 or (args.idle_exit is not None and args.idle_exit < 0):
-        raise UsageError("--poll-seconds and --idle-exit must be >= 0")
+    if not all(math.isfinite(x) and x >= 0 for x in (args.poll_seconds, args.idle_exit) if x is not None):
+        raise UsageError(f"--poll-seconds and --idle-exit must be finite numbers >= 0; got {args.poll_seconds:g} "
+                         f"and {'none' if args.idle_exit is None else format(args.idle_exit, 'g')}")
     spec = ServiceSpec(
         cache=str(args.cache), target=str(args.target),
         baseline=None if args.baseline is None else str(args.baseline),

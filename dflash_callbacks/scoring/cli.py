@@ -74,6 +74,8 @@ BASELINE_CACHE_HELP = ("where baseline reports are cached (default $XDG_CACHE_HO
 
 
 def check_output(option: str, path: Path | None) -> None:
+    if path is not None and path.is_dir():
+        raise UsageError(f"{option} {path} is a folder: give the path of the JSON file to write")
     if path is not None and not path.parent.is_dir():
         raise UsageError(f"{option} {path}: the folder {path.parent} does not exist")
 
@@ -97,6 +99,10 @@ def run_score(args: argparse.Namespace) -> int:
 
     check_output("--json", args.json)
     check_output("--baseline-json", args.baseline_json)
+    if args.baseline_json is not None and args.baseline is None:
+        raise UsageError("--baseline-json writes the baseline's report: give the baseline with --baseline")
+    if args.json is not None and args.baseline_json is not None and args.json.resolve() == args.baseline_json.resolve():
+        raise UsageError(f"--json and --baseline-json are both {args.json}: give each report its own file")
     if not args.drafter.is_dir():
         raise UsageError(f"--drafter {args.drafter} is not a folder: give a drafter folder (config.json and "
                          "*.safetensors) or a snapshot folder")
@@ -136,11 +142,21 @@ def load_ours(path: Path, step: int | None) -> EvalReport:
         return EvalReport.load(path)
     if not path.is_file():
         raise UsageError(f"no results file at {path}")
-    reports = read_results(path).reports
+    results = read_results(path)
+    for line in results.skipped:
+        print(f"warning: {path} {line}; that line is left out", file=sys.stderr)
+    reports = results.reports
+    failed = {e["step"]: e["error"] for e in results.errors if e["step"] not in {r.step for r in reports}}
+    if step in failed:
+        raise UsageError(f"step {step} of {path} was not scored: {failed[step]}")
     if not reports:
-        raise UsageError(f"{path} holds no report")
+        raise UsageError(f"{path} holds no report" + (f"; the scoring of steps {sorted(failed)} failed" if failed else ""))
     if step is None:
-        return max(reports, key=lambda r: r.step)
+        last = max(reports, key=lambda r: r.step)
+        for later in sorted(s for s in failed if s > last.step):
+            print(f"warning: step {later} of {path} was not scored ({failed[later]}); step {last.step} is the last "
+                  "with a report", file=sys.stderr)
+        return last
     chosen = [r for r in reports if r.step == step]
     if not chosen:
         raise UsageError(f"{path} has no report of step {step}; it has steps {sorted(r.step for r in reports)}")

@@ -141,7 +141,7 @@ def build_toy_training_cache(
     model, tokenizer = load_target(toy_target_path(), dtype=torch.float32)
     layer_ids = check_layer_ids(TOY_LAYER_IDS, model.config.num_hidden_layers)
     extraction = {"kind": "toy-training", "seq_len": seq_len, "prompt_len": prompt_len, "seed": seed}
-    manifest = open_for_writing(out, new_manifest(target_info(model, toy_target_path()), layer_ids, extraction=extraction))
+    manifest = open_for_writing(out, new_manifest(target_info(model.config, model.dtype, toy_target_path()), layer_ids, extraction=extraction))
     done = {entry["name"]: entry for entry in manifest["tasks"]}
 
     def written(name: str) -> bool:
