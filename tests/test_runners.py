@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+import threading
 
 import lightning.pytorch as pl
 import pytest
@@ -10,6 +11,7 @@ from torch.utils.data import DataLoader
 
 from dflash_callbacks.callbacks import DrafterEvalCallback
 from dflash_callbacks.callbacks.run_folder import RunFolder, RunFolderBusy
+from dflash_callbacks.callbacks.watch import Watcher
 from dflash_callbacks.scoring.service import ScoringService, ServiceSpec
 from dflash_callbacks.training import CacheSequences, DFlashTrainingModule, collate_sequences
 
@@ -120,3 +122,38 @@ def test_a_fresh_run_gets_a_fresh_folder_and_two_writers_are_refused(tmp_path):
             RunFolder.reopen(tmp_path / "dflash", first.run_id)
     finally:
         held.unlock()
+
+
+def test_a_resume_with_another_runner_is_scored_by_it(tmp_path):
+    """A run scored by a thread, resumed with runner="external": run.json names the resume's
+    runner (and baseline), so a watcher scores its snapshots instead of skipping the run."""
+    world = build_world(tmp_path / "world")
+
+    def callback(runner):
+        return DrafterEvalCallback(cache=world.cache, target=world.target, baseline=world.baseline, every_n_train_steps=2,
+                                   scoring=SCORING, runner=runner, dirpath=tmp_path / "d",
+                                   baseline_cache_dir=tmp_path / "bc", wait_timeout=60, verbose=False)
+
+    first = callback("thread")
+    fit(world, tmp_path, first, max_steps=2, extra=[ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2)])
+    spec = ServiceSpec(str(world.cache), str(world.target), str(world.baseline), SCORING, str(tmp_path / "bc"))
+    watcher, done = Watcher(ScoringService(spec), tmp_path / "d", log=lambda line: None), threading.Event()
+
+    def watch():
+        while not done.wait(0.2):
+            watcher.scan_once()
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    second = callback("external")
+    try:
+        fit(world, tmp_path, second, max_steps=4, ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt"))
+    finally:
+        done.set()
+        thread.join()
+    about = RunFolder(run_dir(tmp_path / "d")).about()
+    assert second.run_id == first.run_id and (about["runner"], about["pid"]) == ("external", os.getpid())
+    assert about["baseline"] == str(world.baseline.resolve())
+    assert [r["step"] for r in records(tmp_path / "d")] == [2, 4] and second.errors == 0
+    assert second.baseline_report is not None and [r.step for r in second.reports] == [4]
+    assert_clean(tmp_path / "d", second.reports)

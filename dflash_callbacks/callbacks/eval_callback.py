@@ -254,7 +254,8 @@ class DrafterEvalCallback(ReportSource):
                 self.run = None
                 rank_zero_warn(f"{self.name}: run {self._restored['run_id']} was scored with {'; '.join(changed)}; its "
                                "numbers can not stand beside this resume's, so the resume goes on in a new run folder")
-            else:
+            else:  # a watcher reads the runner and the baseline of the resume, not those of the killed run
+                self.run.update_about(about)
                 jobs = self._recover()
         if self.run is None:
             self.run_id = new_run_id()
