@@ -2,6 +2,7 @@ import os
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -19,6 +20,7 @@ from runs import assert_clean, records, run_dir, run_dirs
 from synthetic import build_world
 
 SCORING = {"ddtree_budgets": [4], "device": "cpu"}
+TESTS = Path(__file__).resolve().parent
 
 
 def fit(world, tmp_path, cb, max_steps, ckpt_path=None, extra=()):
@@ -157,3 +159,33 @@ def test_a_resume_with_another_runner_is_scored_by_it(tmp_path):
     assert [r["step"] for r in records(tmp_path / "d")] == [2, 4] and second.errors == 0
     assert second.baseline_report is not None and [r.step for r in second.reports] == [4]
     assert_clean(tmp_path / "d", second.reports)
+
+
+def test_the_process_worker_never_runs_the_training_script_again(tmp_path):
+    """A training script without an `if __name__ == "__main__":` guard: a multiprocessing
+    spawn would run all of it again in the worker (a second training run there, and the
+    real run's reports waiting for it to end). The worker imports only the package."""
+    build_world(tmp_path / "world")
+    script = tmp_path / "train.py"
+    script.write_text(f"""
+import os, sys
+sys.path.insert(0, {str(TESTS)!r})
+print("top level ran", flush=True)
+from test_runners import fit
+from synthetic import World
+from dflash_callbacks.callbacks import DrafterEvalCallback
+from dflash_callbacks.model import DrafterConfig
+import pathlib
+root = pathlib.Path({str(tmp_path)!r})
+world = World(DrafterConfig.from_file(root / "world" / "baseline"), root / "world" / "target", root / "world" / "cache",
+              root / "world" / "baseline", None, None)
+cb = DrafterEvalCallback(cache=world.cache, target=world.target, every_n_train_steps=2, scoring={SCORING!r},
+                         runner="process", dirpath=root / "d", verbose=False, wait_timeout=120)
+fit(world, root, cb, max_steps=2)
+print("reports", [r.step for r in cb.reports], "errors", cb.errors, flush=True)
+""")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("top level ran") == 1 and "reports [2] errors 0" in out.stdout, out.stdout
+    assert [r["step"] for r in records(tmp_path / "d")] == [2]
+    assert_clean(tmp_path / "d")

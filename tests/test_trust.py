@@ -332,7 +332,7 @@ def test_sigkilled_training_takes_its_scoring_worker_with_it(world, tmp_path):
     try:
         deadline, workers = time.time() + 120, []
         while time.time() < deadline and not workers:
-            workers = [pid for pid in worker_pids(proc.pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+            workers = [pid for pid in worker_pids(proc.pid) if b"worker_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
             time.sleep(0.2)
         assert workers, "no scoring worker started"
         time.sleep(1.0)  # let it start scoring

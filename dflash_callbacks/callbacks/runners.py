@@ -7,8 +7,8 @@ failure, never a number.
 
 Scorers (one interface: `baseline()`, `late_baseline()`, `score(job)`, `close()`):
 - "thread": the ScoringService in this process, on the runner's thread.
-- "process": a spawned worker process (its own CUDA context, e.g. on a spare GPU) scores
-  the written snapshot. A worker that dies fails that job and is replaced for the next;
+- "process": a worker process (a fresh Python that never imports the training script;
+  its own CUDA context, e.g. on a spare GPU) scores the written snapshot. A worker that dies fails that job and is replaced for the next;
   a worker whose training process dies exits too (never an orphan).
 - "external": `dflash-callbacks watch`, in another process or on another host sharing
   the folder, writes reports/step-XXXXXXXX.json; the scorer waits for the one whose
@@ -23,10 +23,13 @@ it has been scored.
 from __future__ import annotations
 
 import ctypes
-import multiprocessing as mp
+import json
 import os
 import queue
+import select
 import signal
+import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -148,56 +151,91 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _worker_main(spec: dict, parent_pid: int, jobs, results) -> None:
-    """Body of the spawned worker: "baseline" or a folder in, (report dict | None, error) out."""
+WORKER_CODE = ("import sys; sys.path.insert(0, sys.argv[1]); "
+               "from dflash_callbacks.callbacks.runners import worker_main; worker_main()")
+"""What the worker runs: a fresh Python that imports only this package. (A multiprocessing
+spawn would import the training script again, and run all of it where it lacks an
+`if __name__ == "__main__":` guard: a second training run in the worker.)"""
+
+
+def worker_main() -> None:
+    """Body of the worker (`python -c WORKER_CODE PACKAGE_ROOT SPEC_JSON PARENT_PID`): one job
+    per stdin line ("baseline" or a snapshot folder, JSON), one `[report dict | null, error |
+    null]` line per job on the stdout it was started with; whatever else prints goes to stderr."""
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    spec, parent_pid = json.loads(sys.argv[2]), int(sys.argv[3])
     _die_with_parent(parent_pid)
     service = None
-    while True:
-        job = jobs.get()
-        if job is None:
-            return
+    for line in sys.stdin:  # EOF: the training process closed it, or died
+        job = json.loads(line)
         try:
             service = service or ScoringService(ServiceSpec(**spec))
             report = service.baseline() if job == "baseline" else service.score_folder(job)
             if service.config.release_memory:
                 service.release()
-            results.put((None if report is None else report.to_dict(), None))
+            answer = [None if report is None else report.to_dict(), None]
         except Exception as e:  # reported to the training process, which decides
-            results.put((None, describe(e) + "\n" + traceback.format_exc(limit=3)))
+            answer = [None, describe(e) + "\n" + traceback.format_exc(limit=3)]
+        answers.write(json.dumps(answer) + "\n")
+        answers.flush()
 
 
 class ProcessScorer:
-    """A spawned worker process, replaced when it dies."""
+    """A worker process (`worker_main`), replaced when it dies."""
 
     def __init__(self, spec: ServiceSpec, run: RunFolder, cancel: threading.Event, closing: threading.Event):
         self.spec, self.cancel = spec, cancel
-        self.ctx = mp.get_context("spawn")
-        self.process = None
+        self.process: subprocess.Popen | None = None
         self.restarts = -1
+        self._unread = b""  # the worker's answer line read so far
 
     def _ensure_worker(self) -> None:
-        if self.process is not None and self.process.is_alive():
+        if self.process is not None and self.process.poll() is None:
             return
-        self.jobs, self.results = self.ctx.Queue(), self.ctx.Queue()
-        self.process = self.ctx.Process(target=_worker_main, args=(self.spec.to_dict(), os.getpid(), self.jobs,
-                                                                   self.results), daemon=True, name="dflash-worker")
-        self.process.start()
+        package_root = str(Path(__file__).resolve().parents[2])
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", WORKER_CODE, package_root, json.dumps(self.spec.to_dict()), str(os.getpid())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self._unread = b""
         self.restarts += 1
+
+    def _answer(self) -> bytes | None:
+        """The worker's next answer line, None when none came within POLL_SECONDS."""
+        out = self.process.stdout.fileno()
+        while b"\n" not in self._unread:
+            if not select.select([out], [], [], POLL_SECONDS)[0]:
+                return None
+            chunk = os.read(out, 1 << 20)
+            if not chunk:  # the worker is gone (or going): its exit code tells
+                try:
+                    self.process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+                return None
+            self._unread += chunk
+        line, _, self._unread = self._unread.partition(b"\n")
+        return line
 
     def _run(self, job: str) -> EvalReport | None:
         self._ensure_worker()
-        self.jobs.put(job)
+        try:
+            self.process.stdin.write((json.dumps(job) + "\n").encode())
+            self.process.stdin.flush()
+        except OSError:  # a worker that died since it was started: its exit code is read below
+            pass
         while True:
-            try:
-                raw, error = self.results.get(timeout=POLL_SECONDS)
-            except queue.Empty:
-                if not self.process.is_alive():
-                    code, self.process = self.process.exitcode, None
+            line = self._answer()
+            if line is None:
+                if self.process.poll() is not None:
+                    code = self.process.returncode
+                    self._stop_worker()
                     raise RuntimeError(f"the scoring worker died (exit code {code})") from None
                 if self.cancel.is_set():
                     self._stop_worker()
                     raise Cancelled("scoring was cancelled") from None
                 continue
+            raw, error = json.loads(line)
             if error is not None:
                 raise ScorerError(error)
             return None if raw is None else EvalReport.from_dict(raw)
@@ -209,18 +247,26 @@ class ProcessScorer:
         return self._run(str(job.folder))
 
     def _stop_worker(self) -> None:
-        if self.process is not None and self.process.is_alive():
-            self.process.kill()
-            self.process.join(timeout=10)
+        if self.process is not None:
+            self.process.kill()  # no-op once it exited
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass  # unkillable for now (a device in a bad state): not waited on again
+            self.process.stdin.close()
+            self.process.stdout.close()
         self.process = None
 
     def late_baseline(self) -> EvalReport | None:
         return None  # its baseline failed in the worker: trying again fails again
 
     def close(self) -> None:
-        if self.process is not None and self.process.is_alive():
-            self.jobs.put(None)
-            self.process.join(timeout=10)
+        if self.process is not None and self.process.poll() is None:
+            try:
+                self.process.stdin.close()  # end of jobs: the worker exits
+                self.process.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
         self._stop_worker()
 
 
