@@ -485,6 +485,23 @@ def test_reports_still_pending_when_wait_timeout_runs_out_are_recorded_not_dropp
     assert_clean(tmp_path / "d", cb.reports)
 
 
+def test_a_report_the_scorer_can_not_stop_in_time_is_recorded_not_dropped(world, tmp_path, monkeypatch):
+    """The thread scorer stops between tasks: inside one long task when wait_timeout runs out,
+    it outlives the grace `close` gives it. Its step is still an error line, not nothing."""
+    monkeypatch.setattr(runners, "CANCEL_GRACE", 0.1)
+    slow = write_cache(world, tmp_path / "slow-cache", [("slow", 900, 4)])  # one task of a few seconds
+    cb = eval_cb(world, tmp_path, cache=slow, wait_timeout=1.0, scoring={**SCORING, "anchors_per_forward": 1})
+    with pytest.warns(UserWarning, match=r"step 2 failed: not scored: wait_timeout=1 s ran out at the end of training"):
+        fit(world, tmp_path, [cb], max_steps=2)
+    (line,) = records(tmp_path / "d")
+    assert line["step"] == 2 and line["error"].endswith("; the scorer did not stop within 0.1 s") and cb.errors == 1
+    assert_clean(tmp_path / "d", cb.reports)
+    for thread in threading.enumerate():  # it ends with its task, handing back nothing
+        if thread.name == "dflash-eval":
+            thread.join(120)
+    assert records(tmp_path / "d") == [line]
+
+
 def test_external_runner_without_a_watcher_says_so_and_does_not_wait_an_hour(world, tmp_path, monkeypatch):
     monkeypatch.setattr(runners, "WATCHER_TIMEOUT", 1.5)
     cb = eval_cb(world, tmp_path, runner="external", keep_last=2)  # wait_timeout 300

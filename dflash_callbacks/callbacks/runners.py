@@ -49,6 +49,9 @@ RUNNERS = ("thread", "process", "external")
 WATCHER_TIMEOUT = 120.0
 """External runner: seconds without a watcher heartbeat after which a wait is said to have no watcher."""
 POLL_SECONDS = 0.2
+CANCEL_GRACE = 30.0
+"""Seconds `close` waits, after cancelling, for the runner's thread to stop (a thread scorer
+stops between tasks); what it still holds then is recorded as not scored."""
 ANY_SNAPSHOT = object()
 """What `ExternalScorer._wait` takes for the baseline: a report of any snapshot id (a
 baseline drafter folder may be a snapshot, whose report names its id)."""
@@ -361,6 +364,7 @@ class BackgroundRunner:
         self._outbox: queue.Queue = queue.Queue()
         self._pending: dict[int, str] = {}  # step -> snapshot_id: submitted, not yet handed back by poll
         self._lock = threading.Lock()
+        self._abandoned = False  # closed while its thread was still busy: nothing more goes out
         self._thread = threading.Thread(target=self._loop, name="dflash-eval", daemon=True)
         self._thread.start()
 
@@ -401,8 +405,27 @@ class BackgroundRunner:
             self._closing.set()
             self._thread.join(timeout)
         self._cancel.set()
-        self._thread.join(30)
+        self._thread.join(CANCEL_GRACE)
+        if self._thread.is_alive():  # stuck inside one task: its jobs end here, and it hands back nothing more
+            self._abandon(f"{reason}; the scorer did not stop within {CANCEL_GRACE:g} s")
         self.scorer.close()
+
+    def _abandon(self, reason: str) -> None:
+        with self._lock:
+            self._abandoned = True
+            ready = []
+            while not self._outbox.empty():
+                ready.append(self._outbox.get_nowait())
+            handed = {o.step for o in ready if isinstance(o, SnapshotOutcome)}
+            ready += [SnapshotOutcome(step=step, snapshot_id=snapshot_id, error=f"not scored: {reason}")
+                      for step, snapshot_id in sorted(self._pending.items()) if step not in handed]
+            for outcome in ready:
+                self._outbox.put(outcome)
+
+    def _put(self, outcome: Outcome) -> None:
+        with self._lock:
+            if not self._abandoned:
+                self._outbox.put(outcome)
 
     # ---- background thread
     def _loop(self) -> None:
@@ -411,14 +434,14 @@ class BackgroundRunner:
         while (job := self._inbox.get()) is not None:
             if self._baseline_failed:
                 self._baseline(late=True)
-            self._outbox.put(self._run(job))
+            self._put(self._run(job))
         while True:  # after close: a job still queued gets its outcome too
             try:
                 job = self._inbox.get_nowait()
             except queue.Empty:
                 return
             if job is not None:
-                self._outbox.put(self._run(job))
+                self._put(self._run(job))
 
     def _baseline(self, late: bool) -> None:
         """One BaselineOutcome (a report on this run's basis, or an error); `late`: after a
@@ -431,10 +454,10 @@ class BackgroundRunner:
             problems = [] if report is None else self.basis.mismatches(report, "the baseline")
             if problems:
                 raise RuntimeError("; ".join(problems))
-            self._outbox.put(BaselineOutcome(report=report, seconds=time.monotonic() - started))
+            self._put(BaselineOutcome(report=report, seconds=time.monotonic() - started))
             self._baseline_failed = False
         except Exception as e:
-            self._outbox.put(BaselineOutcome(error=describe(e), seconds=time.monotonic() - started))
+            self._put(BaselineOutcome(error=describe(e), seconds=time.monotonic() - started))
             self._baseline_failed = True
 
     def _run(self, job: Job) -> SnapshotOutcome:
