@@ -502,6 +502,36 @@ def test_a_report_the_scorer_can_not_stop_in_time_is_recorded_not_dropped(world,
     assert records(tmp_path / "d") == [line]
 
 
+def test_a_snapshot_cancelled_when_the_fit_fails_is_scored_by_the_resume(world, tmp_path):
+    """A fit that fails (Ctrl-C, a preemption's SIGTERM, an OOM) while step 2's written snapshot
+    is being scored leaves it on disk unscored, with no error line: the resume scores it, as
+    it would after a SIGKILL."""
+    slow = write_cache(world, tmp_path / "slow-cache", [("slow", 300, 4), ("slow2", 300, 4)])  # cancelled between
+
+    class Preempted(pl.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 3:
+                deadline = time.time() + 60
+                while not list(tmp_path.glob("d/*/snapshots/step-00000002")) and time.time() < deadline:
+                    time.sleep(0.01)  # written, and now being scored
+                raise KeyboardInterrupt
+
+    def callback():
+        return eval_cb(world, tmp_path, cache=slow, scoring={**SCORING, "anchors_per_forward": 1}, keep_last=2)
+
+    first = callback()
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, filename="{step}")
+    with pytest.warns(UserWarning, match=r"the fit stopped on KeyboardInterrupt: the snapshots of steps \[2\] are in"):
+        with pytest.raises(SystemExit):  # Lightning's answer to Ctrl-C
+            fit(world, tmp_path, [first, Preempted(), ckpt], max_steps=6, enable_checkpointing=True)
+    assert records(tmp_path / "d") == [] and first.errors == 0
+    second = callback()
+    fit(world, tmp_path, [second], max_steps=4, ckpt_path=str(tmp_path / "ckpt" / "step=2.ckpt"))
+    lines = records(tmp_path / "d")
+    assert [(r["step"], "tasks" in r) for r in lines] == [(2, True), (4, True)] and second.errors == 0
+    assert_clean(tmp_path / "d", second.reports)
+
+
 def test_external_runner_without_a_watcher_says_so_and_does_not_wait_an_hour(world, tmp_path, monkeypatch):
     monkeypatch.setattr(runners, "WATCHER_TIMEOUT", 1.5)
     cb = eval_cb(world, tmp_path, runner="external", keep_last=2)  # wait_timeout 300

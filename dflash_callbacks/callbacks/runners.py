@@ -79,6 +79,7 @@ class Outcome:
 class SnapshotOutcome(Outcome):
     step: int
     snapshot_id: str
+    on_disk: bool = False  # cancelled with its snapshot written: a resume can still score it
 
 
 @dataclass(kw_only=True)
@@ -482,7 +483,8 @@ class BackgroundRunner:
                 raise RuntimeError("; ".join(problems) + "; not recorded")
             outcome = SnapshotOutcome(step=job.step, snapshot_id=job.snapshot_id, report=report)
         except Cancelled:
-            outcome = SnapshotOutcome(step=job.step, snapshot_id=job.snapshot_id, error=f"not scored: {self._cancel_reason}")
+            outcome = SnapshotOutcome(step=job.step, snapshot_id=job.snapshot_id, error=f"not scored: {self._cancel_reason}",
+                                      on_disk=job.folder is not None and job.folder.is_dir())
         except Exception as e:
             outcome = SnapshotOutcome(step=job.step, snapshot_id=job.snapshot_id, error=describe(e))
         finally:
