@@ -126,7 +126,7 @@ def test_killed_scoring_worker_fails_its_step_and_a_new_worker_scores_the_next(w
             deadline = time.time() + 240
             while time.time() < deadline:  # the training thread waits here: no step 4 before the kill
                 proc, snaps = runner.scorer.process, runner.run.list_snapshots()
-                if proc is not None and proc.is_alive() and snaps:
+                if proc is not None and proc.poll() is None and snaps:
                     weights = os.stat(snaps[-1][1] / "model.safetensors")
                     self.loaded = weights.st_atime_ns > weights.st_mtime_ns
                     if self.loaded or not precise:

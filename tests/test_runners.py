@@ -1,6 +1,8 @@
 import os
 import subprocess
 import sys
+import threading
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -10,6 +12,7 @@ from torch.utils.data import DataLoader
 
 from dflash_callbacks.callbacks import DrafterEvalCallback
 from dflash_callbacks.callbacks.run_folder import RunFolder, RunFolderBusy
+from dflash_callbacks.callbacks.watch import Watcher
 from dflash_callbacks.scoring.service import ScoringService, ServiceSpec
 from dflash_callbacks.training import CacheSequences, DFlashTrainingModule, collate_sequences
 
@@ -17,6 +20,7 @@ from runs import assert_clean, records, run_dir, run_dirs
 from synthetic import build_world
 
 SCORING = {"ddtree_budgets": [4], "device": "cpu"}
+TESTS = Path(__file__).resolve().parent
 
 
 def fit(world, tmp_path, cb, max_steps, ckpt_path=None, extra=()):
@@ -120,3 +124,68 @@ def test_a_fresh_run_gets_a_fresh_folder_and_two_writers_are_refused(tmp_path):
             RunFolder.reopen(tmp_path / "dflash", first.run_id)
     finally:
         held.unlock()
+
+
+def test_a_resume_with_another_runner_is_scored_by_it(tmp_path):
+    """A run scored by a thread, resumed with runner="external": run.json names the resume's
+    runner (and baseline), so a watcher scores its snapshots instead of skipping the run."""
+    world = build_world(tmp_path / "world")
+
+    def callback(runner):
+        return DrafterEvalCallback(cache=world.cache, target=world.target, baseline=world.baseline, every_n_train_steps=2,
+                                   scoring=SCORING, runner=runner, dirpath=tmp_path / "d",
+                                   baseline_cache_dir=tmp_path / "bc", wait_timeout=60, verbose=False)
+
+    first = callback("thread")
+    fit(world, tmp_path, first, max_steps=2, extra=[ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2)])
+    spec = ServiceSpec(str(world.cache), str(world.target), str(world.baseline), SCORING, str(tmp_path / "bc"))
+    watcher, done = Watcher(ScoringService(spec), tmp_path / "d", log=lambda line: None), threading.Event()
+
+    def watch():
+        while not done.wait(0.2):
+            watcher.scan_once()
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    second = callback("external")
+    try:
+        fit(world, tmp_path, second, max_steps=4, ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt"))
+    finally:
+        done.set()
+        thread.join()
+    about = RunFolder(run_dir(tmp_path / "d")).about()
+    assert second.run_id == first.run_id and (about["runner"], about["pid"]) == ("external", os.getpid())
+    assert about["baseline"] == str(world.baseline.resolve())
+    assert [r["step"] for r in records(tmp_path / "d")] == [2, 4] and second.errors == 0
+    assert second.baseline_report is not None and [r.step for r in second.reports] == [4]
+    assert_clean(tmp_path / "d", second.reports)
+
+
+def test_the_process_worker_never_runs_the_training_script_again(tmp_path):
+    """A training script without an `if __name__ == "__main__":` guard: a multiprocessing
+    spawn would run all of it again in the worker (a second training run there, and the
+    real run's reports waiting for it to end). The worker imports only the package."""
+    build_world(tmp_path / "world")
+    script = tmp_path / "train.py"
+    script.write_text(f"""
+import os, sys
+sys.path.insert(0, {str(TESTS)!r})
+print("top level ran", flush=True)
+from test_runners import fit
+from synthetic import World
+from dflash_callbacks.callbacks import DrafterEvalCallback
+from dflash_callbacks.model import DrafterConfig
+import pathlib
+root = pathlib.Path({str(tmp_path)!r})
+world = World(DrafterConfig.from_file(root / "world" / "baseline"), root / "world" / "target", root / "world" / "cache",
+              root / "world" / "baseline", None, None)
+cb = DrafterEvalCallback(cache=world.cache, target=world.target, every_n_train_steps=2, scoring={SCORING!r},
+                         runner="process", dirpath=root / "d", verbose=False, wait_timeout=120)
+fit(world, root, cb, max_steps=2)
+print("reports", [r.step for r in cb.reports], "errors", cb.errors, flush=True)
+""")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("top level ran") == 1 and "reports [2] errors 0" in out.stdout, out.stdout
+    assert [r["step"] for r in records(tmp_path / "d")] == [2]
+    assert_clean(tmp_path / "d")

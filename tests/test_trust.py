@@ -332,7 +332,7 @@ def test_sigkilled_training_takes_its_scoring_worker_with_it(world, tmp_path):
     try:
         deadline, workers = time.time() + 120, []
         while time.time() < deadline and not workers:
-            workers = [pid for pid in worker_pids(proc.pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+            workers = [pid for pid in worker_pids(proc.pid) if b"worker_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
             time.sleep(0.2)
         assert workers, "no scoring worker started"
         time.sleep(1.0)  # let it start scoring
@@ -483,6 +483,53 @@ def test_reports_still_pending_when_wait_timeout_runs_out_are_recorded_not_dropp
     assert errors[-1]["step"] == 4 and cb.errors == len(errors) == len(lines) - len(cb.reports)
     assert all("not scored: wait_timeout=0.5 s ran out" in r["error"] for r in errors)
     assert_clean(tmp_path / "d", cb.reports)
+
+
+def test_a_report_the_scorer_can_not_stop_in_time_is_recorded_not_dropped(world, tmp_path, monkeypatch):
+    """The thread scorer stops between tasks: inside one long task when wait_timeout runs out,
+    it outlives the grace `close` gives it. Its step is still an error line, not nothing."""
+    monkeypatch.setattr(runners, "CANCEL_GRACE", 0.1)
+    slow = write_cache(world, tmp_path / "slow-cache", [("slow", 900, 4)])  # one task of a few seconds
+    cb = eval_cb(world, tmp_path, cache=slow, wait_timeout=1.0, scoring={**SCORING, "anchors_per_forward": 1})
+    with pytest.warns(UserWarning, match=r"step 2 failed: not scored: wait_timeout=1 s ran out at the end of training"):
+        fit(world, tmp_path, [cb], max_steps=2)
+    (line,) = records(tmp_path / "d")
+    assert line["step"] == 2 and line["error"].endswith("; the scorer did not stop within 0.1 s") and cb.errors == 1
+    assert_clean(tmp_path / "d", cb.reports)
+    for thread in threading.enumerate():  # it ends with its task, handing back nothing
+        if thread.name == "dflash-eval":
+            thread.join(120)
+    assert records(tmp_path / "d") == [line]
+
+
+def test_a_snapshot_cancelled_when_the_fit_fails_is_scored_by_the_resume(world, tmp_path):
+    """A fit that fails (Ctrl-C, a preemption's SIGTERM, an OOM) while step 2's written snapshot
+    is being scored leaves it on disk unscored, with no error line: the resume scores it, as
+    it would after a SIGKILL."""
+    slow = write_cache(world, tmp_path / "slow-cache", [("slow", 300, 4), ("slow2", 300, 4)])  # cancelled between
+
+    class Preempted(pl.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 3:
+                deadline = time.time() + 60
+                while not list(tmp_path.glob("d/*/snapshots/step-00000002")) and time.time() < deadline:
+                    time.sleep(0.01)  # written, and now being scored
+                raise KeyboardInterrupt
+
+    def callback():
+        return eval_cb(world, tmp_path, cache=slow, scoring={**SCORING, "anchors_per_forward": 1}, keep_last=2)
+
+    first = callback()
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, filename="{step}")
+    with pytest.warns(UserWarning, match=r"the fit stopped on KeyboardInterrupt: the snapshots of steps \[2\] are in"):
+        with pytest.raises(SystemExit):  # Lightning's answer to Ctrl-C
+            fit(world, tmp_path, [first, Preempted(), ckpt], max_steps=6, enable_checkpointing=True)
+    assert records(tmp_path / "d") == [] and first.errors == 0
+    second = callback()
+    fit(world, tmp_path, [second], max_steps=4, ckpt_path=str(tmp_path / "ckpt" / "step=2.ckpt"))
+    lines = records(tmp_path / "d")
+    assert [(r["step"], "tasks" in r) for r in lines] == [(2, True), (4, True)] and second.errors == 0
+    assert_clean(tmp_path / "d", second.reports)
 
 
 def test_external_runner_without_a_watcher_says_so_and_does_not_wait_an_hour(world, tmp_path, monkeypatch):

@@ -15,7 +15,8 @@ On the training thread it only starts weight copies and drains finished reports:
 
 A failure in snapshotting, scoring, writing or logging is a warning and an error count,
 unless `on_error="raise"`. Every submitted snapshot ends as a report or an error line in
-results.jsonl, also when `wait_timeout` runs out.
+results.jsonl, also when `wait_timeout` runs out; when the fit fails, a snapshot written
+and not scored is left on disk instead, for a resume to score.
 """
 
 from __future__ import annotations
@@ -255,7 +256,8 @@ class DrafterEvalCallback(ReportSource):
                 self.run = None
                 rank_zero_warn(f"{self.name}: run {self._restored['run_id']} was scored with {'; '.join(changed)}; its "
                                "numbers can not stand beside this resume's, so the resume goes on in a new run folder")
-            else:
+            else:  # a watcher reads the runner and the baseline of the resume, not those of the killed run
+                self.run.update_about(about)
                 jobs = self._recover()
         if self.run is None:
             self.run_id = new_run_id()
@@ -384,8 +386,15 @@ class DrafterEvalCallback(ReportSource):
                 self._baseline_settled = True  # no baseline comes after this
                 self._publish_recovered(trainer)
             else:  # the fit is failing: keep every outcome on disk, log nothing
+                left = []
                 for outcome in runner.poll():
-                    self._keep(trainer, outcome)
+                    if getattr(outcome, "on_disk", False):  # no error line: a resume scores it, as after a kill
+                        left.append(outcome.step)
+                    else:
+                        self._keep(trainer, outcome)
+                if left:
+                    rank_zero_warn(f"{self.name}: {reason}: the snapshots of steps {left} are in {self.run.snapshots_dir}, "
+                                   "not scored; a resume from a checkpoint scores them")
             self._publisher.record(trainer, None)
         finally:
             self.run.unlock()

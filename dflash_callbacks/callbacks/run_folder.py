@@ -121,6 +121,14 @@ class RunFolder:
             return {}
         return raw if isinstance(raw, dict) else {}
 
+    def update_about(self, about: dict) -> None:
+        """A resume: run.json with `about` (the runner, basis and baseline it runs with now) and
+        this process as the writer; its run id and creation time are kept."""
+        current = self.about()
+        updated = {**current, "host": socket.gethostname(), "pid": os.getpid(), **about}
+        if updated != current:
+            atomic_write_json(self.path / RUN_FILE, updated)
+
     @classmethod
     def reopen(cls, root: str | os.PathLike, run_id: str, about: dict | None = None) -> RunFolder:
         """The folder of run `run_id` (a resume), locked; recreated (with `about`) if it vanished."""

@@ -7,8 +7,8 @@ failure, never a number.
 
 Scorers (one interface: `baseline()`, `late_baseline()`, `score(job)`, `close()`):
 - "thread": the ScoringService in this process, on the runner's thread.
-- "process": a spawned worker process (its own CUDA context, e.g. on a spare GPU) scores
-  the written snapshot. A worker that dies fails that job and is replaced for the next;
+- "process": a worker process (a fresh Python that never imports the training script;
+  its own CUDA context, e.g. on a spare GPU) scores the written snapshot. A worker that dies fails that job and is replaced for the next;
   a worker whose training process dies exits too (never an orphan).
 - "external": `dflash-callbacks watch`, in another process or on another host sharing
   the folder, writes reports/step-XXXXXXXX.json; the scorer waits for the one whose
@@ -23,10 +23,13 @@ it has been scored.
 from __future__ import annotations
 
 import ctypes
-import multiprocessing as mp
+import json
 import os
 import queue
+import select
 import signal
+import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -46,6 +49,9 @@ RUNNERS = ("thread", "process", "external")
 WATCHER_TIMEOUT = 120.0
 """External runner: seconds without a watcher heartbeat after which a wait is said to have no watcher."""
 POLL_SECONDS = 0.2
+CANCEL_GRACE = 30.0
+"""Seconds `close` waits, after cancelling, for the runner's thread to stop (a thread scorer
+stops between tasks); what it still holds then is recorded as not scored."""
 ANY_SNAPSHOT = object()
 """What `ExternalScorer._wait` takes for the baseline: a report of any snapshot id (a
 baseline drafter folder may be a snapshot, whose report names its id)."""
@@ -73,6 +79,7 @@ class Outcome:
 class SnapshotOutcome(Outcome):
     step: int
     snapshot_id: str
+    on_disk: bool = False  # cancelled with its snapshot written: a resume can still score it
 
 
 @dataclass(kw_only=True)
@@ -148,56 +155,91 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _worker_main(spec: dict, parent_pid: int, jobs, results) -> None:
-    """Body of the spawned worker: "baseline" or a folder in, (report dict | None, error) out."""
+WORKER_CODE = ("import sys; sys.path.insert(0, sys.argv[1]); "
+               "from dflash_callbacks.callbacks.runners import worker_main; worker_main()")
+"""What the worker runs: a fresh Python that imports only this package. (A multiprocessing
+spawn would import the training script again, and run all of it where it lacks an
+`if __name__ == "__main__":` guard: a second training run in the worker.)"""
+
+
+def worker_main() -> None:
+    """Body of the worker (`python -c WORKER_CODE PACKAGE_ROOT SPEC_JSON PARENT_PID`): one job
+    per stdin line ("baseline" or a snapshot folder, JSON), one `[report dict | null, error |
+    null]` line per job on the stdout it was started with; whatever else prints goes to stderr."""
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    spec, parent_pid = json.loads(sys.argv[2]), int(sys.argv[3])
     _die_with_parent(parent_pid)
     service = None
-    while True:
-        job = jobs.get()
-        if job is None:
-            return
+    for line in sys.stdin:  # EOF: the training process closed it, or died
+        job = json.loads(line)
         try:
             service = service or ScoringService(ServiceSpec(**spec))
             report = service.baseline() if job == "baseline" else service.score_folder(job)
             if service.config.release_memory:
                 service.release()
-            results.put((None if report is None else report.to_dict(), None))
+            answer = [None if report is None else report.to_dict(), None]
         except Exception as e:  # reported to the training process, which decides
-            results.put((None, describe(e) + "\n" + traceback.format_exc(limit=3)))
+            answer = [None, describe(e) + "\n" + traceback.format_exc(limit=3)]
+        answers.write(json.dumps(answer) + "\n")
+        answers.flush()
 
 
 class ProcessScorer:
-    """A spawned worker process, replaced when it dies."""
+    """A worker process (`worker_main`), replaced when it dies."""
 
     def __init__(self, spec: ServiceSpec, run: RunFolder, cancel: threading.Event, closing: threading.Event):
         self.spec, self.cancel = spec, cancel
-        self.ctx = mp.get_context("spawn")
-        self.process = None
+        self.process: subprocess.Popen | None = None
         self.restarts = -1
+        self._unread = b""  # the worker's answer line read so far
 
     def _ensure_worker(self) -> None:
-        if self.process is not None and self.process.is_alive():
+        if self.process is not None and self.process.poll() is None:
             return
-        self.jobs, self.results = self.ctx.Queue(), self.ctx.Queue()
-        self.process = self.ctx.Process(target=_worker_main, args=(self.spec.to_dict(), os.getpid(), self.jobs,
-                                                                   self.results), daemon=True, name="dflash-worker")
-        self.process.start()
+        package_root = str(Path(__file__).resolve().parents[2])
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", WORKER_CODE, package_root, json.dumps(self.spec.to_dict()), str(os.getpid())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self._unread = b""
         self.restarts += 1
+
+    def _answer(self) -> bytes | None:
+        """The worker's next answer line, None when none came within POLL_SECONDS."""
+        out = self.process.stdout.fileno()
+        while b"\n" not in self._unread:
+            if not select.select([out], [], [], POLL_SECONDS)[0]:
+                return None
+            chunk = os.read(out, 1 << 20)
+            if not chunk:  # the worker is gone (or going): its exit code tells
+                try:
+                    self.process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+                return None
+            self._unread += chunk
+        line, _, self._unread = self._unread.partition(b"\n")
+        return line
 
     def _run(self, job: str) -> EvalReport | None:
         self._ensure_worker()
-        self.jobs.put(job)
+        try:
+            self.process.stdin.write((json.dumps(job) + "\n").encode())
+            self.process.stdin.flush()
+        except OSError:  # a worker that died since it was started: its exit code is read below
+            pass
         while True:
-            try:
-                raw, error = self.results.get(timeout=POLL_SECONDS)
-            except queue.Empty:
-                if not self.process.is_alive():
-                    code, self.process = self.process.exitcode, None
+            line = self._answer()
+            if line is None:
+                if self.process.poll() is not None:
+                    code = self.process.returncode
+                    self._stop_worker()
                     raise RuntimeError(f"the scoring worker died (exit code {code})") from None
                 if self.cancel.is_set():
                     self._stop_worker()
                     raise Cancelled("scoring was cancelled") from None
                 continue
+            raw, error = json.loads(line)
             if error is not None:
                 raise ScorerError(error)
             return None if raw is None else EvalReport.from_dict(raw)
@@ -209,18 +251,26 @@ class ProcessScorer:
         return self._run(str(job.folder))
 
     def _stop_worker(self) -> None:
-        if self.process is not None and self.process.is_alive():
-            self.process.kill()
-            self.process.join(timeout=10)
+        if self.process is not None:
+            self.process.kill()  # no-op once it exited
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass  # unkillable for now (a device in a bad state): not waited on again
+            self.process.stdin.close()
+            self.process.stdout.close()
         self.process = None
 
     def late_baseline(self) -> EvalReport | None:
         return None  # its baseline failed in the worker: trying again fails again
 
     def close(self) -> None:
-        if self.process is not None and self.process.is_alive():
-            self.jobs.put(None)
-            self.process.join(timeout=10)
+        if self.process is not None and self.process.poll() is None:
+            try:
+                self.process.stdin.close()  # end of jobs: the worker exits
+                self.process.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
         self._stop_worker()
 
 
@@ -315,6 +365,7 @@ class BackgroundRunner:
         self._outbox: queue.Queue = queue.Queue()
         self._pending: dict[int, str] = {}  # step -> snapshot_id: submitted, not yet handed back by poll
         self._lock = threading.Lock()
+        self._abandoned = False  # closed while its thread was still busy: nothing more goes out
         self._thread = threading.Thread(target=self._loop, name="dflash-eval", daemon=True)
         self._thread.start()
 
@@ -355,8 +406,27 @@ class BackgroundRunner:
             self._closing.set()
             self._thread.join(timeout)
         self._cancel.set()
-        self._thread.join(30)
+        self._thread.join(CANCEL_GRACE)
+        if self._thread.is_alive():  # stuck inside one task: its jobs end here, and it hands back nothing more
+            self._abandon(f"{reason}; the scorer did not stop within {CANCEL_GRACE:g} s")
         self.scorer.close()
+
+    def _abandon(self, reason: str) -> None:
+        with self._lock:
+            self._abandoned = True
+            ready = []
+            while not self._outbox.empty():
+                ready.append(self._outbox.get_nowait())
+            handed = {o.step for o in ready if isinstance(o, SnapshotOutcome)}
+            ready += [SnapshotOutcome(step=step, snapshot_id=snapshot_id, error=f"not scored: {reason}")
+                      for step, snapshot_id in sorted(self._pending.items()) if step not in handed]
+            for outcome in ready:
+                self._outbox.put(outcome)
+
+    def _put(self, outcome: Outcome) -> None:
+        with self._lock:
+            if not self._abandoned:
+                self._outbox.put(outcome)
 
     # ---- background thread
     def _loop(self) -> None:
@@ -365,14 +435,14 @@ class BackgroundRunner:
         while (job := self._inbox.get()) is not None:
             if self._baseline_failed:
                 self._baseline(late=True)
-            self._outbox.put(self._run(job))
+            self._put(self._run(job))
         while True:  # after close: a job still queued gets its outcome too
             try:
                 job = self._inbox.get_nowait()
             except queue.Empty:
                 return
             if job is not None:
-                self._outbox.put(self._run(job))
+                self._put(self._run(job))
 
     def _baseline(self, late: bool) -> None:
         """One BaselineOutcome (a report on this run's basis, or an error); `late`: after a
@@ -385,10 +455,10 @@ class BackgroundRunner:
             problems = [] if report is None else self.basis.mismatches(report, "the baseline")
             if problems:
                 raise RuntimeError("; ".join(problems))
-            self._outbox.put(BaselineOutcome(report=report, seconds=time.monotonic() - started))
+            self._put(BaselineOutcome(report=report, seconds=time.monotonic() - started))
             self._baseline_failed = False
         except Exception as e:
-            self._outbox.put(BaselineOutcome(error=describe(e), seconds=time.monotonic() - started))
+            self._put(BaselineOutcome(error=describe(e), seconds=time.monotonic() - started))
             self._baseline_failed = True
 
     def _run(self, job: Job) -> SnapshotOutcome:
@@ -413,7 +483,8 @@ class BackgroundRunner:
                 raise RuntimeError("; ".join(problems) + "; not recorded")
             outcome = SnapshotOutcome(step=job.step, snapshot_id=job.snapshot_id, report=report)
         except Cancelled:
-            outcome = SnapshotOutcome(step=job.step, snapshot_id=job.snapshot_id, error=f"not scored: {self._cancel_reason}")
+            outcome = SnapshotOutcome(step=job.step, snapshot_id=job.snapshot_id, error=f"not scored: {self._cancel_reason}",
+                                      on_disk=job.folder is not None and job.folder.is_dir())
         except Exception as e:
             outcome = SnapshotOutcome(step=job.step, snapshot_id=job.snapshot_id, error=describe(e))
         finally:

@@ -50,7 +50,7 @@ class PreflightError(ValueError):
 
 @dataclass(frozen=True)
 class ServiceSpec:
-    """Plain arguments a ScoringService is built from (picklable, for a spawned worker)."""
+    """Plain arguments a ScoringService is built from (JSON, for the `process` runner's worker)."""
 
     cache: str
     target: str
