@@ -7,7 +7,9 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
+from dflash_callbacks import DFlashDrafter
 from dflash_callbacks.callbacks import DrafterEvalCallback
+from dflash_callbacks.callbacks.snapshot import StagingPool, capture
 from dflash_callbacks.cli import main as cli_main
 from dflash_callbacks.scoring.service import ScoringService, ServiceSpec
 from dflash_callbacks.training import CacheSequences, DFlashTrainingModule, collate_sequences
@@ -173,6 +175,19 @@ def test_snapshot_buffers_are_allocated_once_reused_and_hold_their_steps_weights
     for report in during:
         assert report.tasks == service.score(world.config, seen.weights[report.step], step=report.step).tasks
     assert_clean(tmp_path / "d", cb.reports)
+
+
+def test_a_capture_that_fails_gives_its_buffers_back_to_the_pool(world):
+    """A copy that fails partway (here: a pool set of another shape) must not cost the pool its
+    set: later snapshots would allocate fresh (on CUDA pinned, seconds) buffers instead."""
+    drafter = DFlashDrafter(world.config)
+    state = drafter.state_dict()
+    first = next(iter(state))
+    pool = StagingPool(1)
+    pool.allocate({**state, first: state[first][:1]}, pin=False)
+    with pytest.raises(RuntimeError):
+        capture(drafter, world.config, 1, 0, pool)
+    assert pool.acquire() is not None and pool.allocations == 1
 
 
 class ReadsResultsWhenLogged(CSVLogger):

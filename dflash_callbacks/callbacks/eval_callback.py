@@ -355,6 +355,14 @@ class DrafterEvalCallback(ReportSource):
             self._snapshot(trainer, pl_module, step)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self._copy_landed()
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._copy_landed()  # before any callback's on_validation_epoch_start (an EMA swap writes the weights)
+
+    def _copy_landed(self) -> None:
+        """Wait for the snapshot's device-to-host copy (CUDA: a side stream) before the weights
+        can be written in place: by the optimizer step, or by another callback."""
         if self._staging is not None:
             self._staging.wait()
             self._staging = None
@@ -363,6 +371,7 @@ class DrafterEvalCallback(ReportSource):
         step = trainer.global_step
         if self.wait_on_end and step > 0 and step != self._last_taken_step:  # also when skipped while busy
             self._snapshot(trainer, pl_module, step, force=True)  # every rank: a sharded gather is collective
+            self._copy_landed()  # before a later callback's on_train_end writes the weights (WeightAveraging)
         if self._runner is None:
             return
         if self.wait_on_end:

@@ -120,16 +120,23 @@ def capture(
     owner = pool if state is not None else None
     if state is None:
         state = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=on_cuda) for k, v in source.items()}
-    if not on_cuda:
-        for k, v in source.items():
-            state[k].copy_(v)
-        return Snapshot(step, epoch, config, state, pool=owner)
-    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
-    side.wait_stream(main)  # the weights as of now, after every queued kernel
-    with torch.cuda.stream(side):
-        for k, v in source.items():
-            state[k].copy_(v, non_blocking=True)
-            v.record_stream(side)
-        event = torch.cuda.Event()
-        event.record(side)
-    return Snapshot(step, epoch, config, state, event=event, pool=owner)
+    side = torch.cuda.Stream() if on_cuda else None
+    try:
+        if not on_cuda:
+            for k, v in source.items():
+                state[k].copy_(v)
+            return Snapshot(step, epoch, config, state, pool=owner)
+        side.wait_stream(torch.cuda.current_stream())  # the weights as of now, after every queued kernel
+        with torch.cuda.stream(side):
+            for k, v in source.items():
+                state[k].copy_(v, non_blocking=True)
+                v.record_stream(side)
+            event = torch.cuda.Event()
+            event.record(side)
+        return Snapshot(step, epoch, config, state, event=event, pool=owner)
+    except BaseException:  # the set goes back to its pool (once the copies queued so far are done)
+        if owner is not None:
+            if side is not None:
+                side.synchronize()
+            owner.release(state)
+        raise
