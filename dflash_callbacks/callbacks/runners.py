@@ -155,7 +155,7 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-WORKER_CODE = ("import sys; sys.path.insert(0, sys.argv[1]); "
+WORKER_CODE = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
                "from dflash_callbacks.callbacks.runners import worker_main; worker_main()")
 """What the worker runs: a fresh Python that imports only this package. (A multiprocessing
 spawn would import the training script again, and run all of it where it lacks an
@@ -163,7 +163,8 @@ spawn would import the training script again, and run all of it where it lacks a
 
 
 def worker_main() -> None:
-    """Body of the worker (`python -c WORKER_CODE PACKAGE_ROOT SPEC_JSON PARENT_PID`): one job
+    """Body of the worker (`python -c WORKER_CODE SYS_PATH SPEC_JSON PARENT_PID`, the training
+    process's import path, as a multiprocessing spawn would pass it): one job
     per stdin line ("baseline" or a snapshot folder, JSON), one `[report dict | null, error |
     null]` line per job on the stdout it was started with; whatever else prints goes to stderr."""
     answers = os.fdopen(os.dup(1), "w")
@@ -197,9 +198,8 @@ class ProcessScorer:
     def _ensure_worker(self) -> None:
         if self.process is not None and self.process.poll() is None:
             return
-        package_root = str(Path(__file__).resolve().parents[2])
         self.process = subprocess.Popen(
-            [sys.executable, "-c", WORKER_CODE, package_root, json.dumps(self.spec.to_dict()), str(os.getpid())],
+            [sys.executable, "-c", WORKER_CODE, json.dumps(sys.path), json.dumps(self.spec.to_dict()), str(os.getpid())],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self._unread = b""
         self.restarts += 1
