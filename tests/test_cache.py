@@ -312,6 +312,9 @@ def test_coding10():
     "text, message",
     [
         ("tasks:\n  - {name: a, prompt: x}\n  - {name: a, prompt: y}\n", r"tasks\[1\]: duplicate task name 'a'"),
+        ("tasks:\n  - {name: a, prompt: x}\ntasks:\n  - {name: b, prompt: y}\n", "found the key 'tasks' twice"),
+        ("tasks:\n  - {name: a, prompt: x, prompt: y}\n", "found the key 'prompt' twice"),
+        ("tasks:\n  - {name: a, prompt: x}\n  - {[1]: x}\n", "(?s)not valid YAML: .*found unhashable key"),
         ("tasks:\n  - {name: a, prompt: '   '}\n", r"tasks\[0\] \(a\) has an empty prompt"),
         ("tasks:\n  - {name: a, prompt: 5}\n", r"tasks\[0\].prompt must be a string, got int"),
         ("tasks:\n  - {name: a}\n", r"tasks\[0\] has no 'prompt'"),
