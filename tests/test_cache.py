@@ -229,6 +229,29 @@ def test_not_a_cache(tmp_path):
     (tmp_path / "manifest.json").write_text("{not json")
     with pytest.raises(CacheError, match="manifest.json is not valid JSON"):
         HiddenStateCache(tmp_path)
+    (tmp_path / "manifest.json").write_bytes(b"\xff\xfe{}")  # not UTF-8: was a bare UnicodeDecodeError
+    with pytest.raises(CacheError, match="manifest.json is not valid JSON: 'utf-8' codec"):
+        HiddenStateCache(tmp_path)
+
+
+def test_a_hand_edited_manifest_that_mixes_tasks_up_is_refused(tmp_path):
+    """Two entries whose files (with their sizes, sha256s and lengths) were swapped, or a key given twice
+    (json keeps the last): each task's numbers would be another's, or tasks would vanish without a word."""
+    folder = make_cache(tmp_path / "c")
+
+    def swap(m):
+        a, b = m["tasks"]
+        for key in ("file", "num_bytes", "sha256", "num_tokens"):
+            a[key], b[key] = b[key], a[key]
+
+    edit_manifest(folder, swap)
+    cache = HiddenStateCache(folder)
+    with pytest.raises(CacheError, match=r"task 'alpha': file .*beta.safetensors was written for task 'beta'"):
+        cache.verify()
+    text = (folder / "manifest.json").read_text()
+    (folder / "manifest.json").write_text(text[:-1] + ', "tasks": []}')
+    with pytest.raises(CacheError, match=r"manifest.json is not valid JSON: the key\(s\) \['tasks'\] appear twice"):
+        HiddenStateCache(folder)
 
 
 # ---------------------------------------------------------------- compatibility and fingerprint
@@ -289,6 +312,9 @@ def test_coding10():
     "text, message",
     [
         ("tasks:\n  - {name: a, prompt: x}\n  - {name: a, prompt: y}\n", r"tasks\[1\]: duplicate task name 'a'"),
+        ("tasks:\n  - {name: a, prompt: x}\ntasks:\n  - {name: b, prompt: y}\n", "found the key 'tasks' twice"),
+        ("tasks:\n  - {name: a, prompt: x, prompt: y}\n", "found the key 'prompt' twice"),
+        ("tasks:\n  - {name: a, prompt: x}\n  - {[1]: x}\n", "(?s)not valid YAML: .*found unhashable key"),
         ("tasks:\n  - {name: a, prompt: '   '}\n", r"tasks\[0\] \(a\) has an empty prompt"),
         ("tasks:\n  - {name: a, prompt: 5}\n", r"tasks\[0\].prompt must be a string, got int"),
         ("tasks:\n  - {name: a}\n", r"tasks\[0\] has no 'prompt'"),

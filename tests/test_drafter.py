@@ -190,3 +190,53 @@ def test_save_then_load_round_trip_and_state_dict_source(zlab_tiny, tmp_path):
             torch.testing.assert_close(again(*args), io["expected"], atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="needs its DrafterConfig"):
         load_drafter(drafter.state_dict())
+
+
+@pytest.mark.parametrize("where, key, value, match", [
+    ("dflash_config", "input_embedding_scale", 8.0, "'input_embedding_scale' is 8.0: it scales the block's embeddings"),
+    ("dflash_config", "output_multiplier", 0.2, "'output_multiplier' is 0.2: it scales the draft logits"),
+    ("dflash_config", "final_logit_softcapping", 20.0, "'final_logit_softcapping' is 20.0: it soft-caps"),
+    ("top", "is_causal", True, "'is_causal' is True: it makes attention within the block causal"),
+])
+def test_a_setting_of_the_published_code_this_drafter_lacks_is_refused(zlab_tiny, tmp_path, where, key, value, match):
+    """Newer published configs may set these; scored without them, the numbers would be another model's."""
+    folder = copy_fixture(zlab_tiny, tmp_path)
+    raw = json.loads((folder / "config.json").read_text())
+    (raw["dflash_config"] if where == "dflash_config" else raw)[key] = value
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=f"{folder / 'config.json'}: field {match}"):
+        load_drafter(folder)
+    neutral = {"input_embedding_scale": 1.0, "output_multiplier": 1, "final_logit_softcapping": None, "is_causal": False}
+    (raw["dflash_config"] if where == "dflash_config" else raw)[key] = neutral[key]
+    assert DrafterConfig.from_dict(raw).to_dict()["layer_types"] == ["full_attention"] * 3  # neutral: loads
+
+
+def test_sliding_layers_follow_use_sliding_window_as_transformers_does(zlab_tiny):
+    raw = json.loads((zlab_tiny / "config.json").read_text())
+    raw.update(use_sliding_window=False, sliding_window=4, layer_types=["sliding_attention"] * 3)
+    with pytest.raises(ValueError, match="use_sliding_window is false but layer_types lists sliding_attention"):
+        DrafterConfig.from_dict(raw)
+    raw["layer_types"] = ["full_attention"] * 3  # a window with use_sliding_window false is no window
+    assert DrafterConfig.from_dict(raw).sliding_window is None
+    del raw["layer_types"]  # derived from max_window_layers, as transformers' Qwen3Config does
+    raw.update(use_sliding_window=True, max_window_layers=1)
+    config = DrafterConfig.from_dict(raw)
+    assert config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+    assert config.sliding_window == 4 and DrafterConfig.from_dict(config.to_dict()) == config
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("rms_norm_eps", None, "'rms_norm_eps' must be a number between 0 and 1; got None"),
+    ("hidden_act", None, "'hidden_act' must be an activation name"),
+    ("attention_bias", "false", "'attention_bias' must be true or false; got 'false'"),
+    ("rope_parameters", {"rope_type": "default", "rope_theta": "1e4"}, "'rope_theta' .* must be a positive number; got '1e4'"),
+    ("num_target_layers", "6", "'num_target_layers' must be a positive integer or null; got '6'"),
+    ("num_target_layers", 4, r"target_layer_ids \[1, 2, 4\] names a layer the target lacks: num_target_layers is 4"),
+])
+def test_a_config_field_of_the_wrong_type_is_refused_naming_file_and_field(zlab_tiny, tmp_path, key, value, match):
+    folder = copy_fixture(zlab_tiny, tmp_path)
+    raw = json.loads((folder / "config.json").read_text())
+    raw[key] = value
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=f"drafter config {folder / 'config.json'}: .*{match}"):
+        load_drafter(folder)

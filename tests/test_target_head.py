@@ -127,3 +127,41 @@ def test_missing_folder_and_missing_weights(tmp_path):
         TargetHead.from_pretrained(tmp_path / "nope")
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors weights"):
         TargetHead.from_pretrained(tmp_path)
+
+
+def test_a_damaged_target_folder_is_an_error_naming_the_file(tmp_path):
+    """A config.json that is not JSON or holds text_config: null, an index that names the wrong shard,
+    a head that is not a matrix or is quantized: one ValueError naming the file, for the preflight to list."""
+    embed, lm_head = torch.randn(16, 8), torch.randn(16, 8)
+
+    def target(name, tensors, config=None, index=None):
+        folder = tmp_path / name
+        folder.mkdir()
+        for file, state in tensors.items():
+            save_file(state, str(folder / file))
+        if config is not None:
+            (folder / "config.json").write_text(config)
+        if index is not None:
+            (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+        return folder
+
+    one = {"model.safetensors": {"model.embed_tokens.weight": embed, "lm_head.weight": lm_head}}
+    cases = [
+        (target("not_json", one, config="{oops"), "config.json is not valid JSON"),
+        (target("wrong_shard", {"a.safetensors": {"model.embed_tokens.weight": embed},
+                                "b.safetensors": {"lm_head.weight": lm_head}},
+                index={"model.embed_tokens.weight": "a.safetensors", "lm_head.weight": "a.safetensors"}),
+         "model.safetensors.index.json says a.safetensors holds 'lm_head.weight', but that file does not"),
+        (target("vector", {"model.safetensors": {"model.embed_tokens.weight": embed[0], "lm_head.weight": lm_head}}),
+         r"'model.embed_tokens.weight' in .*model.safetensors has shape \[8\]; a matrix"),
+        (target("int8", {"model.safetensors": {"model.embed_tokens.weight": embed, "lm_head.weight": lm_head.to(torch.int8)}}),
+         "'lm_head.weight' in .*model.safetensors is I8; the embedding and LM head must be one of"),
+    ]
+    for folder, match in cases:
+        for read in (TargetHead.from_pretrained, head_shapes, head_fingerprint):
+            with pytest.raises(ValueError, match=match):
+                read(folder)
+    tied = target("null_text_config", {"model.safetensors": {"model.embed_tokens.weight": embed}},
+                  config=json.dumps({"text_config": None}))
+    with pytest.raises(ValueError, match="no LM head"):  # was an AttributeError, past the preflight
+        head_shapes(tied)

@@ -182,10 +182,19 @@ def read_manifest(folder: str | os.PathLike) -> dict:
             f"{folder} has no {MANIFEST}, so it is not a hidden-state cache (make one with `dflash-callbacks extract`)"
         )
     try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        raw = json.loads(path.read_text(), object_pairs_hook=_unique_keys)
+    except ValueError as e:  # not JSON, not UTF-8, or a key given twice
         raise CacheError(f"{path} is not valid JSON: {e}") from e
     return validate_manifest(raw, str(path))
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """A JSON object whose keys are distinct (json.loads otherwise keeps the last of a key given twice)."""
+    keys = [key for key, _ in pairs]
+    twice = sorted({key for key in keys if keys.count(key) > 1})
+    if twice:
+        raise ValueError(f"the key(s) {twice} appear twice in one object")
+    return dict(pairs)
 
 
 def fingerprint(manifest: dict) -> str:
@@ -402,6 +411,10 @@ class HiddenStateCache:
                 missing = {"input_ids", "hidden"} - set(f.keys())
                 if missing:
                     raise CacheError(f"task {name!r}: file {path} has no tensor(s) {sorted(missing)}")
+                written_for = (f.metadata() or {}).get("task", name)  # write_task records it
+                if written_for != name:
+                    raise CacheError(f"task {name!r}: file {path} was written for task {written_for!r}: the manifest "
+                                     "was edited or files were swapped; re-extract these tasks")
                 input_ids, hidden = f.get_tensor("input_ids"), f.get_tensor("hidden")
         except SafetensorError as e:
             raise CacheError(f"task {name!r}: file {path} is not a readable safetensors file (truncated or corrupt?): {e}") from e

@@ -16,6 +16,7 @@ Built-in sets live in `conf/tasks/` and are loaded by name.
 from __future__ import annotations
 
 import re
+from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,17 +65,35 @@ def resolve_task_file(spec: str | Path) -> Path:
     )
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load, except that a key given twice in one mapping is an error (safe_load keeps the
+    last: a second `tasks:` list would silently drop the first one's tasks)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                continue  # SafeLoader's own error names it
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"found the key {key!r} twice in one mapping",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_tasks(spec: str | Path) -> list[Task]:
     """The tasks of a built-in set ("coding10") or of a YAML file, in file order.
 
-    Raises ValueError naming the file and the offending entry for: invalid YAML, no
+    Raises ValueError naming the file and the offending entry for: invalid YAML (a key given
+    twice in one mapping included), no
     `tasks` list, an entry that is not a mapping, a missing/unknown key, a name or
     prompt that is not a string, an empty prompt, a name unfit for a file name or reserved
     (`mean`), or a duplicate name.
     """
     path = resolve_task_file(spec)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=UniqueKeyLoader)
     except yaml.YAMLError as e:
         raise ValueError(f"{path} is not valid YAML: {e}") from e
     if not isinstance(raw, dict) or not isinstance(raw.get("tasks"), list):

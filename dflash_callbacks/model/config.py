@@ -15,6 +15,19 @@ from pathlib import Path
 from typing import Any
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+UNIMPLEMENTED = {
+    "input_embedding_scale": "scales the block's embeddings",
+    "output_multiplier": "scales the draft logits",
+    "final_logit_softcapping": "soft-caps the draft logits",
+    "is_causal": "makes attention within the block causal",
+}
+"""Settings newer published DFlash code reads (from dflash_config or the top level) that this
+drafter does not implement: a config giving one a value that changes the computation is
+refused, since its numbers would be another model's."""
+NEUTRAL = {"input_embedding_scale": (None, 1), "output_multiplier": (None, 1), "final_logit_softcapping": (None, 0),
+           "is_causal": (None, False)}
+QWEN3_MAX_WINDOW_LAYERS = 28
+"""transformers' Qwen3Config default: without layer_types, layers from this index on slide."""
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -63,6 +76,20 @@ class DrafterConfig:
         if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
                                                 or not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise ValueError(f"field 'sliding_window' must be a positive integer or null; got {self.sliding_window!r}")
+        eps = self.rms_norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+            raise ValueError(f"field 'rms_norm_eps' must be a number between 0 and 1; got {eps!r}")
+        if not isinstance(self.attention_bias, bool):
+            raise ValueError(f"field 'attention_bias' must be true or false; got {self.attention_bias!r}")
+        if not isinstance(self.hidden_act, str):
+            raise ValueError(f"field 'hidden_act' must be an activation name such as 'silu'; got {self.hidden_act!r}")
+        if self.num_target_layers is not None and (isinstance(self.num_target_layers, bool)
+                                                   or not isinstance(self.num_target_layers, int)
+                                                   or self.num_target_layers < 1):
+            raise ValueError(f"field 'num_target_layers' must be a positive integer or null; got {self.num_target_layers!r}")
+        theta = self.rope_parameters.get("rope_theta") if isinstance(self.rope_parameters, dict) else None
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+            raise ValueError(f"field 'rope_theta' (or rope_parameters.rope_theta) must be a positive number; got {theta!r}")
         if not isinstance(self.layer_types, list):
             raise ValueError(f"field 'layer_types' must be a list; got {self.layer_types!r}")
         if not self.layer_types:
@@ -85,6 +112,9 @@ class DrafterConfig:
             raise ValueError(f"block_size must be at least 2, got {self.block_size}")
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids is empty")
+        if self.num_target_layers is not None and max(self.target_layer_ids) >= self.num_target_layers:
+            raise ValueError(f"target_layer_ids {self.target_layer_ids} names a layer the target lacks: "
+                             f"num_target_layers is {self.num_target_layers} (ids 0 to {self.num_target_layers - 1})")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
 
@@ -114,12 +144,21 @@ class DrafterConfig:
                                  "DFlash drafter config?")
             return default
 
+        for name, effect in UNIMPLEMENTED.items():
+            value = dflash.get(name, d.get(name))
+            if value not in NEUTRAL[name]:
+                raise ValueError(f"field {name!r} is {value!r}: it {effect} in the published DFlash code, which this "
+                                 f"drafter does not implement (it scores as if {name} were {NEUTRAL[name][-1]!r}); its "
+                                 f"numbers would be another model's")
         num_layers = take("num_hidden_layers")
         num_target_layers = take("num_target_layers", None)
         layer_ids = take("target_layer_ids", None)
         if layer_ids is None:
             if num_target_layers is None:
                 raise ValueError("drafter config has neither target_layer_ids nor num_target_layers")
+            for name, value in (("num_target_layers", num_target_layers), ("num_hidden_layers", num_layers)):
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(f"field {name!r} must be a positive integer; got {value!r}")
             layer_ids = build_target_layer_ids(num_target_layers, num_layers)
         mask_token_id = take("mask_token_id")
         block_size = take("block_size")
@@ -132,6 +171,21 @@ class DrafterConfig:
             rope.setdefault("rope_theta", d.pop("rope_theta"))
         rope.setdefault("rope_theta", 1e6)
         rope.setdefault("rope_type", rope.pop("type", "default"))
+
+        sliding_window = d.pop("sliding_window", None)
+        layer_types = d.pop("layer_types", None)
+        use_sliding_window = d.pop("use_sliding_window", None)
+        if use_sliding_window is False:  # transformers' Qwen3Config then has no window on any layer
+            if isinstance(layer_types, list) and "sliding_attention" in layer_types:
+                raise ValueError("use_sliding_window is false but layer_types lists sliding_attention layers: "
+                                 "set use_sliding_window true (sliding_window applies) or make them full_attention")
+            sliding_window = None
+        if not layer_types and use_sliding_window and sliding_window is not None and isinstance(num_layers, int):
+            first = d.get("max_window_layers")  # derived as transformers' Qwen3Config does
+            first = QWEN3_MAX_WINDOW_LAYERS if first is None else first
+            if isinstance(first, bool) or not isinstance(first, int):
+                raise ValueError(f"field 'max_window_layers' must be an integer; got {first!r}")
+            layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
 
         hidden = take("hidden_size")
         heads = take("num_attention_heads")
@@ -153,13 +207,12 @@ class DrafterConfig:
             rms_norm_eps=d.pop("rms_norm_eps", 1e-6),
             attention_bias=d.pop("attention_bias", False),
             hidden_act=d.pop("hidden_act", "silu"),
-            layer_types=list(d.pop("layer_types", None) or []),
-            sliding_window=d.pop("sliding_window", None),
+            layer_types=[] if layer_types is None else layer_types,
+            sliding_window=sliding_window,
             max_position_embeddings=d.pop("max_position_embeddings", 40960),
             rope_parameters=rope,
             num_target_layers=num_target_layers,
         )
-        d.pop("use_sliding_window", None)
         if dflash:
             d["dflash_config"] = dflash  # unknown dflash_config keys survive a round trip
         cfg.extra = d

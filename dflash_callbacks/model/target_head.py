@@ -24,6 +24,8 @@ EMBED_KEYS = (
     "embed_tokens.weight",
 )
 LM_HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight")
+HEAD_DTYPES = ("F32", "BF16", "F16")
+"""safetensors dtypes of an embedding or LM head that can be read as they are."""
 FINGERPRINT_ROWS = 64
 """Rows of each head tensor `head_fingerprint` reads, evenly spaced from the first to the last."""
 
@@ -32,7 +34,22 @@ def tie_word_embeddings(config: dict) -> bool:
     """Multimodal wrappers keep the text model's settings in text_config."""
     if "tie_word_embeddings" in config:
         return bool(config["tie_word_embeddings"])
-    return bool(config.get("text_config", {}).get("tie_word_embeddings", False))
+    text = config.get("text_config")
+    return isinstance(text, dict) and bool(text.get("tie_word_embeddings", False))
+
+
+def read_target_config(folder: Path) -> dict:
+    """The target's config.json ({} without one); ValueError naming the file when it is not a JSON object."""
+    file = folder / "config.json"
+    if not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text())
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise ValueError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} is not a JSON object (found {type(config).__name__})")
+    return config
 
 
 def locate_keys(folder: Path) -> dict[str, Path]:
@@ -98,8 +115,7 @@ def _locate_head(target_path: str | os.PathLike) -> tuple[Path, dict[str, Path],
     folder = Path(target_path)
     if not folder.is_dir():
         raise FileNotFoundError(f"target folder {folder} does not exist")
-    config_file = folder / "config.json"
-    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    config = read_target_config(folder)
     where = locate_keys(folder)
     embed_key = next((k for k in EMBED_KEYS if k in where), None)
     if embed_key is None:
@@ -110,6 +126,17 @@ def _locate_head(target_path: str | os.PathLike) -> tuple[Path, dict[str, Path],
             f"no LM head in {folder}: none of {list(LM_HEAD_KEYS)} is stored and config.json "
             f"does not set tie_word_embeddings: true"
         )
+    for key in {embed_key, head_key} - {None}:
+        with open_safetensors(where[key]) as f:
+            if key not in f.keys():
+                raise ValueError(f"{folder / INDEX_FILE} says {where[key].name} holds {key!r}, but that file does not")
+            tensor = f.get_slice(key)
+            if len(tensor.get_shape()) != 2:
+                raise ValueError(f"{key!r} in {where[key]} has shape {tensor.get_shape()}; a matrix "
+                                 f"[vocabulary, hidden size] was expected")
+            if tensor.get_dtype() not in HEAD_DTYPES:  # a quantized head: its values mean nothing without scales
+                raise ValueError(f"{key!r} in {where[key]} is {tensor.get_dtype()}; the embedding and LM head must be "
+                                 f"one of {list(HEAD_DTYPES)} (a quantized head can not be read as it is)")
     return folder, where, embed_key, head_key
 
 
