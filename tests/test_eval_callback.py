@@ -61,6 +61,7 @@ def test_scores_in_background_logs_and_matches_the_cli(world, tmp_path, capsys):
 
     lines = records(tmp_path / "dflash")
     assert [r["step"] for r in lines] == [5, 10, 15, 20, 25, 30]
+    assert all(r["score_seconds"] >= 0 and r["extra"] == {} for r in lines)  # once, not also in extra
     assert_clean(tmp_path / "dflash", cb.reports)
     # training went on while snapshots were being scored: reports reached the
     # training thread steps after their snapshot was taken

@@ -543,6 +543,30 @@ def test_external_runner_without_a_watcher_says_so_and_does_not_wait_an_hour(wor
     assert line["step"] == 2 and "no `dflash-callbacks watch`" in line["error"]
 
 
+def test_without_a_watcher_the_end_of_fit_does_not_wait_again_for_each_snapshot(world, tmp_path, monkeypatch):
+    """Four snapshots pending at the end of a run no watcher ever served: `fit` ends at once, not
+    after WATCHER_TIMEOUT per snapshot (each wait used to start its own clock)."""
+    monkeypatch.setattr(runners, "WATCHER_TIMEOUT", 3.0)
+    cb = eval_cb(world, tmp_path, runner="external", keep_last=4, busy="queue", max_pending=4)
+
+    class Timing(pl.Callback):  # the run outlives WATCHER_TIMEOUT; then the time fit spends at its end
+        ended = None
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 1:
+                time.sleep(3.5)
+
+        def on_train_end(self, trainer, pl_module):
+            self.ended = time.monotonic()
+
+    timing = Timing()
+    with pytest.warns(UserWarning, match=r"no `dflash-callbacks watch` has written to .* for 3 s"):
+        fit(world, tmp_path, [timing, cb], max_steps=8)
+    assert time.monotonic() - timing.ended < 3.0  # it took 9 s and more: 3 s for each snapshot after the first
+    assert [(r["step"], "no `dflash-callbacks watch`" in r["error"]) for r in records(tmp_path / "d")] == \
+        [(2, True), (4, True), (6, True), (8, True)]
+
+
 # ---------------------------------------------------------------- a wrong number is never logged
 
 

@@ -112,7 +112,7 @@ class DrafterEvalCallback(ReportSource):
         dirpath: the folder that holds this callback's runs, one subfolder per run
             (default: <default_root_dir>/<name>).
         baseline_cache_dir: where baseline reports are cached across runs
-            (default: ~/.cache/dflash_callbacks/baselines).
+            (default: $XDG_CACHE_HOME/dflash_callbacks/baselines, ~/.cache/... without it).
         wait_timeout: seconds `fit` waits at the end for pending reports (> 0); what is
             still pending then is recorded as an error.
         name: the metric prefix, the default folder name, and what TrailingBaselineStop(eval_callback=...) names.

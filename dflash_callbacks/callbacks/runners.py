@@ -281,6 +281,7 @@ class ExternalScorer:
         self.spec, self.run, self.cancel, self.closing = spec, run, cancel, closing
         self._weights: str | None = None  # the fingerprint of this run's baseline weights
         self._baseline_seen: tuple | None = None
+        self._since = time.time()  # the run's start: a watcher had until WATCHER_TIMEOUT after it to show up
 
     def _wait(self, path: Path, snapshot_id: str | None, what: str) -> EvalReport:
         """The watcher's report at `path` naming `snapshot_id` (ANY_SNAPSHOT: whatever it
@@ -296,11 +297,12 @@ class ExternalScorer:
                     return found
             if self.cancel.is_set():
                 raise Cancelled("scoring was cancelled")
-            seen = max(self.run.last_heartbeat() or 0.0, started)
-            if time.time() - seen > WATCHER_TIMEOUT:
-                if self.closing.is_set():
-                    raise RuntimeError(f"no `dflash-callbacks watch` has written to {self.run.path} for "
-                                       f"{WATCHER_TIMEOUT:.0f} s; {what} was not scored")
+            heartbeat = self.run.last_heartbeat() or 0.0
+            if self.closing.is_set() and time.time() - max(heartbeat, self._since) > WATCHER_TIMEOUT:
+                # the run's, not this wait's, start: each snapshot left would wait WATCHER_TIMEOUT again
+                raise RuntimeError(f"no `dflash-callbacks watch` has written to {self.run.path} for "
+                                   f"{WATCHER_TIMEOUT:.0f} s; {what} was not scored")
+            if time.time() - max(heartbeat, started) > WATCHER_TIMEOUT:
                 if not warned:
                     warnings.warn(f"dflash: waiting for a watcher to score {what}: start `dflash-callbacks watch "
                                   f"--dir {self.run.path.parent} --cache ... --target ...`", stacklevel=1)

@@ -99,7 +99,7 @@ class EvalReport:
         _check_shape(raw)
         extra = {k: raw.pop(k) for k in list(raw) if k not in cls.__dataclass_fields__}
         report = cls(**raw)
-        report.extra.update(extra)
+        report.extra = {**report.extra, **extra}  # a new dict: the caller's `extra` is left as it was
         return report
 
     @classmethod
