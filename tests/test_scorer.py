@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from dflash_callbacks import DFlashDrafter
+from dflash_callbacks import DFlashDrafter, TargetHead
 from dflash_callbacks.cache.format import CacheTask, HiddenStateCache
 from dflash_callbacks.scoring.config import ScoringConfig
 from naive_scorer import score_task_naive
@@ -52,6 +52,26 @@ def test_batched_equals_naive_anchor_by_anchor(world, anchors_per_forward, windo
             if fast.streaks[method].any():
                 seen_nonzero.add(method)
     assert {"vanilla", "ddtree@4", "ddtree@32", "top@5"} <= seen_nonzero  # the comparison is not vacuous
+
+
+def test_confident_drafter_ddtree_ties_resolve_as_algorithm_1(world):
+    """A head scaled 300x makes the drafter sure of itself: most of its fp32 log-probs are
+    0.0, so a prefix ties with its child of rank 0. DDTree pops n prefixes, so ddtree@n
+    never exceeds n; the closed form used to count every tied depth as accepted."""
+    drafter, head, cache = world
+    sure = TargetHead(head.embed_tokens.weight.clone(), head.lm_head.weight * 300)
+    config = ScoringConfig(ddtree_budgets=[1, 2, 4], device="cpu")
+    tied = 0
+    for name in cache.task_names:
+        task = cache.task(name)
+        fast = score_task(drafter, sure, task, config, block_size=6)
+        slow = score_task_naive(drafter, sure, task, config, block_size=6)
+        for budget in config.ddtree_budgets:
+            method = f"ddtree@{budget}"
+            assert torch.equal(fast.streaks[method], slow.streaks[method]), (name, method)
+            assert int(fast.streaks[method].max()) <= budget
+        tied += int((fast.streaks["vanilla"] > 1).sum())
+    assert tied > 0  # some anchors have two sure and correct depths: the case is exercised
 
 
 @pytest.mark.parametrize("anchors_per_forward", [1, 5])

@@ -65,7 +65,8 @@ def streaks_from_stats(stats, valid: torch.Tensor, config: ScoringConfig) -> dic
     ddtree = {}
     if config.ddtree_budgets:
         top = stats.top_logprobs.view(n, depth, -1)
-        ddtree = ddtree_streaks_from_top(top, stats.label_logprob.view(n, depth), valid, config.ddtree_budgets)
+        ddtree = ddtree_streaks_from_top(top, stats.label_logprob.view(n, depth), stats.label_order.view(n, depth), valid,
+                                         config.ddtree_budgets)
     out = {}
     for method in scored_methods(config.ddtree_budgets, config.topk):
         if method.kind == "vanilla":
