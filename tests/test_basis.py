@@ -171,6 +171,27 @@ def test_a_baseline_report_scored_with_another_config_is_refused_everywhere(worl
     assert cli_main(["compare", str(tmp_path / "ours.json"), str(tmp_path / "windowed.json"), "--force"]) == 0
 
 
+def test_a_report_of_another_scorer_version_is_refused_and_its_cached_baseline_scored_again(world, tmp_path):
+    """A report computed by an older library (before a fix of the definitions: it records no
+    scorer_version, or another) stands on another basis: a saved baseline of it is refused
+    before training, and the baseline cache never hands it out (its key holds the version)."""
+    from dflash_callbacks.scoring.report import SCORER_VERSION, EvalReport
+
+    run = service(world).basis(6)
+    report = ScoringService(ServiceSpec(str(world / "cache"), str(world / "target"), str(world / "baseline"), SCORING,
+                                        baseline_cache_dir=str(tmp_path / "bc"))).baseline()
+    assert report.scorer_version == SCORER_VERSION and run.mismatches(report, "it") == []
+    older = EvalReport.from_dict({k: v for k, v in report.to_dict().items() if k != "scorer_version"})
+    assert run.mismatches(older, "the baseline") == [
+        f"the baseline was scored with scorer version None (this run: {SCORER_VERSION})"]
+    older.to_json(tmp_path / "older.json")
+    cb = eval_cb(world, tmp_path, baseline=tmp_path / "older.json")
+    with pytest.raises(PreflightError, match=r"older.json was scored with scorer version None"):
+        fit(world, tmp_path, [cb], max_steps=2)
+    (cached,) = (tmp_path / "bc").glob("baseline-*.json")
+    assert EvalReport.load(cached).extra["baseline_key"]["scorer"] == SCORER_VERSION
+
+
 def test_a_resume_with_another_scoring_config_goes_on_in_a_new_run_folder(world, tmp_path):
     """Resumed with ddtree_budgets [4] -> [4, 8] and a stop on ddtree@8: the first run's
     numbers (without ddtree@8) are not taken; the resume writes a new run folder, and the

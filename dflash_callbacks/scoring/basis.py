@@ -3,8 +3,9 @@ a report stands where a run stands.
 
 A run's reports, its baseline and every report taken for it (from a watcher, from a
 killed run's folder, from a saved JSON) share one basis: the cache (its fingerprint),
-the target's head (its fingerprint, when both name one), the block size, the tasks, and
-the scoring fields that change numbers (window, max_rounds, dtype); and each carries
+the target's head (its fingerprint, when both name one), the block size, the tasks, the
+scoring fields that change numbers (window, max_rounds, dtype), and the library's
+definitions (`SCORER_VERSION`); and each carries
 every method the run scores. A report on another basis is an error for that report,
 never a number; a resume on another basis starts a new run folder.
 """
@@ -14,10 +15,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from .config import ScoringConfig
-from .report import EvalReport
+from .report import SCORER_VERSION, EvalReport
 
 LABELS = {"cache": "cache", "target": "target head", "block_size": "block size", "tasks": "tasks",
-          "window": "window", "max_rounds": "max_rounds", "dtype": "dtype"}
+          "window": "window", "max_rounds": "max_rounds", "dtype": "dtype", "scorer": "scorer version"}
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class Basis:
     max_rounds: int | None
     dtype: str | None
     methods: tuple[str, ...]
+    scorer: int | None = SCORER_VERSION  # the library's definitions (None: a report from before it was recorded)
 
     @classmethod
     def of_run(cls, config: ScoringConfig, cache, block_size: int | None, target: str | None = None) -> Basis:
@@ -42,14 +44,15 @@ class Basis:
         s = report.scoring
         return cls(report.cache.get("fingerprint"), report.cache.get("target"), report.block_size,
                    tuple(sorted(report.tasks)), s.get("window"), s.get("max_rounds"), s.get("dtype"),
-                   tuple(report.methods))
+                   tuple(report.methods), report.scorer_version)
 
     def to_dict(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
     @classmethod
     def from_dict(cls, raw: dict) -> Basis:
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items() if k in cls.__dataclass_fields__})
+        fields = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items() if k in cls.__dataclass_fields__}
+        return cls(**{"scorer": None, **fields})  # a basis recorded before the version was: unknown
 
     def differences(self, other: Basis) -> list[str]:
         """Each field where `other` differs, as "name: other's value (this: ours)"; a target

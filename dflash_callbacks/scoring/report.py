@@ -23,6 +23,14 @@ from .methods import AGGREGATES, Method, Monitor
 TASK_FIELDS = ("dense", "live", "curve", "live_rounds", "anchors")
 
 
+SCORER_VERSION = 2
+"""The version of the numbers' definitions as this library computes them, bumped when a fix
+changes a report's numbers for the same inputs (2: a DDTree prefix whose score ties the
+budget's threshold is resolved as Algorithm 1 does; before, a confident drafter's
+`ddtree@N` streak could exceed N). A report of another version stands on another basis,
+and a cached baseline report of another version is scored again."""
+
+
 @dataclass
 class EvalReport:
     """Per task and method: {"dense", "live", "curve", "live_rounds", "anchors"}; tau units.
@@ -33,7 +41,9 @@ class EvalReport:
     absent in reports written before it was recorded).
     `step` and `snapshot_id` name the snapshot scored (None for a drafter folder);
     `seconds` is the scorer's own time; `peak_memory` its peak accelerator memory in bytes
-    (None on the CPU); `created` the Unix time scoring started; `extra` anything else.
+    (None on the CPU); `created` the Unix time scoring started; `scorer_version` the
+    SCORER_VERSION that computed the numbers (None in reports written before it was
+    recorded); `extra` anything else.
     """
 
     drafter: str
@@ -47,6 +57,7 @@ class EvalReport:
     seconds: float | None = None
     peak_memory: int | None = None
     created: float | None = None
+    scorer_version: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -175,6 +186,7 @@ def _check_shape(raw: dict) -> None:
     _check_number(raw.get("peak_memory"), "'peak_memory'", 0, integer=True, optional=True)
     _check_number(raw.get("seconds"), "'seconds'", 0, optional=True)
     _check_number(raw.get("created"), "'created'", 0, optional=True)
+    _check_number(raw.get("scorer_version"), "'scorer_version'", 1, integer=True, optional=True)
     tasks = raw["tasks"]
     if not isinstance(tasks, dict) or not tasks:
         raise _bad("'tasks' is not a non-empty object of task -> method -> numbers")

@@ -35,7 +35,7 @@ from ..model.geometry import anchor_range, block_inputs
 from .aggregates import acceptance_curve, dense_tau, live_rounds
 from .config import ScoringConfig
 from .methods import scored_methods
-from .report import EvalReport
+from .report import SCORER_VERSION, EvalReport
 
 
 class NonFiniteError(ValueError):
@@ -270,4 +270,5 @@ def score_drafter(
         seconds=time.perf_counter() - clock,
         peak_memory=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         created=started,
+        scorer_version=SCORER_VERSION,
     )

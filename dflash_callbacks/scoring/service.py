@@ -36,7 +36,7 @@ from ..model.io import read_config, read_snapshot_meta, read_state_shapes, safet
 from ..model.target_head import head_fingerprint, head_shapes
 from .basis import Basis
 from .config import ScoringConfig
-from .report import EvalReport
+from .report import SCORER_VERSION, EvalReport
 from .scorer import NonFiniteError, memory_plan, score_drafter
 
 VERIFY_BYTES = 4 << 30
@@ -300,7 +300,7 @@ class ScoringService:
     def baseline(self, *, cancel: threading.Event | None = None, progress: bool = False) -> EvalReport | None:
         """The baseline's report: from a saved report JSON, from the on-disk cache of
         earlier runs (keyed by the baseline's weights, the cache, the target head's
-        fingerprint and the scoring config), or scored now (and cached)."""
+        fingerprint, the scoring config and SCORER_VERSION), or scored now (and cached)."""
         if self._baseline is not None or self.spec.baseline is None:
             return self._baseline
         source = Path(self.spec.baseline)
@@ -308,7 +308,8 @@ class ScoringService:
             report = EvalReport.load(source)
         else:
             key = {"weights": weights_fingerprint(source), "cache": self.cache.fingerprint,
-                   "target": self.head.fingerprint, "scoring": self.config.fingerprint_fields()}
+                   "target": self.head.fingerprint, "scoring": self.config.fingerprint_fields(),
+                   "scorer": SCORER_VERSION}  # a fix to the definitions scores the baseline again
             digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
             cache_dir = Path(self.spec.baseline_cache_dir or default_baseline_cache_dir())
             cached = cache_dir / f"baseline-{digest}.json"
