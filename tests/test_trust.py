@@ -5,8 +5,10 @@ processes and real signals, and every run folder goes through the audit (runs.py
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -343,6 +345,48 @@ def test_sigkilled_training_takes_its_scoring_worker_with_it(world, tmp_path):
     while time.time() < deadline and any(alive(pid) for pid in workers):
         time.sleep(0.1)
     assert not any(alive(pid) for pid in workers), "the scoring worker outlived the SIGKILLed training process"
+
+
+def test_the_process_workers_answers_survive_a_ctrl_c_a_sigterm_and_text_printed_as_it_starts(world, tmp_path, monkeypatch):
+    """Ctrl-C in a terminal reaches the whole process group, a preemption's SIGTERM every
+    process of the job: the worker leaves them to the training process (it died of them, and
+    the fit that was stopping wrote 'the scoring worker died' for the step a resume was to
+    score). Text printed to stdout as the worker starts (a sitecustomize, a library's banner)
+    is never taken for an answer (it was, and every later answer came one job late)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text('print("hello from sitecustomize")\n')
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]))
+    paths = world_paths(world)
+    spec = ServiceSpec(str(paths["cache"]), str(paths["target"]), str(paths["baseline"]), SCORING, str(tmp_path / "bc"))
+    scorer = runners.ProcessScorer(spec, None, threading.Event(), threading.Event())
+
+    def interrupt():  # as soon as the worker ignores them (before the fix: after 20 s, scoring)
+        deadline = time.time() + 20
+        while time.time() < deadline and not (scorer.process and ignores(scorer.process.pid, signal.SIGINT, signal.SIGTERM)):
+            time.sleep(0.01)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            os.kill(scorer.process.pid, sig)
+
+    thread = threading.Thread(target=interrupt)  # the worker is the scoring thread's: it dies with that thread
+    thread.start()
+    try:
+        baseline = scorer.baseline()
+        thread.join()
+        again = scorer.score(runners.Job(0, "x", folder=paths["baseline"]))
+    finally:
+        scorer.close()
+    assert baseline.tasks == again.tasks and scorer.restarts == 0
+
+
+def ignores(pid: int, *signals) -> bool:
+    """Whether process `pid` ignores every one of `signals` (its SigIgn mask in /proc)."""
+    try:
+        status = (Path("/proc") / str(pid) / "status").read_text()
+    except OSError:
+        return False
+    mask = int(re.search(r"^SigIgn:\s*([0-9a-f]+)", status, re.M).group(1), 16)
+    return all(mask >> (s - 1) & 1 for s in signals)
 
 
 def test_external_runner_killed_and_resumed_adopts_the_watchers_report_and_the_stop_sees_it(world, tmp_path):
