@@ -546,11 +546,15 @@ def test_a_report_the_scorer_can_not_stop_in_time_is_recorded_not_dropped(world,
     assert records(tmp_path / "d") == [line]
 
 
-def test_a_snapshot_cancelled_when_the_fit_fails_is_scored_by_the_resume(world, tmp_path):
+@pytest.mark.parametrize("tasks, grace", [([("slow", 300, 4), ("slow2", 300, 4)], runners.CANCEL_GRACE),
+                                          ([("slow", 900, 4)], 0.1)], ids=["cancelled", "abandoned"])
+def test_a_snapshot_cancelled_when_the_fit_fails_is_scored_by_the_resume(world, tmp_path, monkeypatch, tasks, grace):
     """A fit that fails (Ctrl-C, a preemption's SIGTERM, an OOM) while step 2's written snapshot
     is being scored leaves it on disk unscored, with no error line: the resume scores it, as
-    it would after a SIGKILL."""
-    slow = write_cache(world, tmp_path / "slow-cache", [("slow", 300, 4), ("slow2", 300, 4)])  # cancelled between
+    it would after a SIGKILL. Cancelled between two tasks, or abandoned inside one task that
+    outlives the grace (it was an error line, so the resume never scored it)."""
+    monkeypatch.setattr(runners, "CANCEL_GRACE", grace)
+    slow = write_cache(world, tmp_path / "slow-cache", tasks)
 
     class Preempted(pl.Callback):
         def on_train_batch_end(self, trainer, *args):

@@ -79,7 +79,7 @@ class Outcome:
 class SnapshotOutcome(Outcome):
     step: int
     snapshot_id: str
-    on_disk: bool = False  # cancelled with its snapshot written: a resume can still score it
+    on_disk: bool = False  # cancelled or abandoned with its snapshot written: a resume can still score it
 
 
 @dataclass(kw_only=True)
@@ -433,7 +433,8 @@ class BackgroundRunner:
             while not self._outbox.empty():
                 ready.append(self._outbox.get_nowait())
             handed = {o.step for o in ready if isinstance(o, SnapshotOutcome)}
-            ready += [SnapshotOutcome(step=step, snapshot_id=snapshot_id, error=f"not scored: {reason}")
+            ready += [SnapshotOutcome(step=step, snapshot_id=snapshot_id, error=f"not scored: {reason}",
+                                      on_disk=self.run.snapshot_id(self.run.snapshot_path(step)) == snapshot_id)
                       for step, snapshot_id in sorted(self._pending.items()) if step not in handed]
             for outcome in ready:
                 self._outbox.put(outcome)
