@@ -292,6 +292,23 @@ def test_the_runner_scores_a_snapshot_only_after_its_copy_lands(world, tmp_path)
     run.unlock()
 
 
+@pytest.mark.parametrize("wait_on_end", [True, False])
+def test_the_last_snapshots_copy_has_landed_before_a_later_callback_ends_training(world, tmp_path, wait_on_end):
+    """max_steps a multiple of every_n_train_steps: the last snapshot is taken in the last step's
+    on_train_batch_end and no optimizer step follows to wait for its copy (on CUDA, beside
+    training). on_train_end waits for it, before a later callback's on_train_end writes the
+    weights in place (WeightAveraging); it did only for a snapshot it took itself."""
+    cb = eval_cb(world, tmp_path, wait_on_end=wait_on_end)
+    in_flight = []
+
+    class WritesTheWeightsAtEnd(pl.Callback):
+        def on_train_end(self, trainer, pl_module):
+            in_flight.append(cb._staging)
+
+    fit(world, tmp_path, [cb, WritesTheWeightsAtEnd()], max_steps=2)
+    assert in_flight == [None]
+
+
 def test_a_target_other_than_the_caches_is_refused_before_any_work(random_target_dir, tmp_path):
     """The cache records its target's head fingerprint at extraction: scoring it with
     another target of the same shapes (a re-trained one) is refused up front by the

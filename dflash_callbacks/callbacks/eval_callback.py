@@ -371,7 +371,8 @@ class DrafterEvalCallback(ReportSource):
         step = trainer.global_step
         if self.wait_on_end and step > 0 and step != self._last_taken_step:  # also when skipped while busy
             self._snapshot(trainer, pl_module, step, force=True)  # every rank: a sharded gather is collective
-            self._copy_landed()  # before a later callback's on_train_end writes the weights (WeightAveraging)
+        self._copy_landed()  # the last snapshot's (here, or in the last step's on_train_batch_end: no optimizer
+        # step follows), before a later callback's on_train_end writes the weights (WeightAveraging)
         if self._runner is None:
             return
         if self.wait_on_end:
