@@ -190,6 +190,12 @@ def worker_main() -> None:
         answers.flush()
 
 
+def import_path() -> list[str]:
+    """The training process's sys.path as the worker takes it: its strings (imports skip
+    anything else, such as a pathlib.Path a script put there)."""
+    return [entry for entry in sys.path if isinstance(entry, str)]
+
+
 class ProcessScorer:
     """A worker process (`worker_main`), replaced when it dies."""
 
@@ -207,7 +213,7 @@ class ProcessScorer:
         read_end, write_end = os.pipe()
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-c", WORKER_CODE, json.dumps(sys.path), json.dumps(self.spec.to_dict()),
+                [sys.executable, "-c", WORKER_CODE, json.dumps(import_path()), json.dumps(self.spec.to_dict()),
                  str(os.getpid()), str(write_end)], stdin=subprocess.PIPE, pass_fds=(write_end,))
         except BaseException:
             os.close(read_end)
