@@ -367,7 +367,9 @@ def test_the_process_workers_answers_survive_a_ctrl_c_a_sigterm_and_text_printed
             time.sleep(0.01)
         for sig in (signal.SIGINT, signal.SIGTERM):
             os.kill(scorer.process.pid, sig)
+            sent.append(sig)
 
+    sent = []
     thread = threading.Thread(target=interrupt)  # the worker is the scoring thread's: it dies with that thread
     thread.start()
     try:
@@ -376,7 +378,7 @@ def test_the_process_workers_answers_survive_a_ctrl_c_a_sigterm_and_text_printed
         again = scorer.score(runners.Job(0, "x", folder=paths["baseline"]))
     finally:
         scorer.close()
-    assert baseline.tasks == again.tasks and scorer.restarts == 0
+    assert sent == [signal.SIGINT, signal.SIGTERM] and baseline.tasks == again.tasks and scorer.restarts == 0
 
 
 def ignores(pid: int, *signals) -> bool:
