@@ -313,6 +313,47 @@ def test_the_runner_scores_a_snapshot_only_after_its_copy_lands(world, tmp_path)
     run.unlock()
 
 
+@pytest.mark.parametrize("wait_on_end", [True, False])
+def test_the_last_snapshots_copy_has_landed_before_a_later_callback_ends_training(world, tmp_path, wait_on_end):
+    """max_steps a multiple of every_n_train_steps: the last snapshot is taken in the last step's
+    on_train_batch_end and no optimizer step follows to wait for its copy (on CUDA, beside
+    training). It is waited for before any callback's on_train_end writes the weights in place
+    (WeightAveraging); it was only for a snapshot on_train_end took itself."""
+    cb = eval_cb(world, tmp_path, wait_on_end=wait_on_end)
+    in_flight = []
+
+    class WritesTheWeightsAtEnd(pl.Callback):
+        def on_train_end(self, trainer, pl_module):
+            in_flight.append(cb._staging)
+
+    fit(world, tmp_path, [WritesTheWeightsAtEnd(), cb], max_steps=2)
+    assert in_flight == [None]
+
+
+def test_the_last_snapshot_holds_the_live_weights_with_weight_averaging_listed_first(world, tmp_path):
+    """WeightAveraging listed before the eval callback (as a callback that writes the weights
+    should be): its on_train_end copies the averaged weights into the drafter. The snapshot
+    of the last step (3, not a multiple of 2) holds the drafter's weights of step 3; it held
+    the averaged model's, reported as step 3."""
+    from lightning.pytorch.callbacks import WeightAveraging
+    from safetensors.torch import load_file
+
+    live = {}
+
+    class Averaging(WeightAveraging):
+        def on_train_end(self, trainer, pl_module):
+            live.update({k: v.clone() for k, v in pl_module.drafter.state_dict().items()})
+            super().on_train_end(trainer, pl_module)
+
+    cb = eval_cb(world, tmp_path, keep_last=4)
+    trainer = fit(world, tmp_path, [Averaging(), cb], max_steps=3)
+    assert [r["step"] for r in records(tmp_path / "d")] == [2, 3]
+    snapshot = load_file(str(run_dirs(tmp_path / "d")[0] / "snapshots" / "step-00000003" / "model.safetensors"))
+    averaged = trainer.lightning_module.drafter.state_dict()
+    assert all(torch.equal(snapshot[k], live[k]) for k in live) and not all(torch.equal(averaged[k], live[k]) for k in live)
+    assert_clean(tmp_path / "d", cb.reports)
+
+
 def test_a_target_other_than_the_caches_is_refused_before_any_work(random_target_dir, tmp_path):
     """The cache records its target's head fingerprint at extraction: scoring it with
     another target of the same shapes (a re-trained one) is refused up front by the

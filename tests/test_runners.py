@@ -164,12 +164,16 @@ def test_a_resume_with_another_runner_is_scored_by_it(tmp_path):
 def test_the_process_worker_never_runs_the_training_script_again(tmp_path):
     """A training script without an `if __name__ == "__main__":` guard: a multiprocessing
     spawn would run all of it again in the worker (a second training run there, and the
-    real run's reports waiting for it to end). The worker imports only the package."""
+    real run's reports waiting for it to end). The worker imports only the package, with the
+    script's import path (a pathlib.Path the script put there, which imports skip, failed every
+    job: the path was not JSON)."""
     build_world(tmp_path / "world")
     script = tmp_path / "train.py"
     script.write_text(f"""
 import os, sys
 sys.path.insert(0, {str(TESTS)!r})
+import pathlib
+sys.path.append(pathlib.Path({str(tmp_path)!r}))
 print("top level ran", flush=True)
 from test_runners import fit
 from synthetic import World

@@ -5,8 +5,10 @@ processes and real signals, and every run folder goes through the audit (runs.py
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -345,6 +347,50 @@ def test_sigkilled_training_takes_its_scoring_worker_with_it(world, tmp_path):
     assert not any(alive(pid) for pid in workers), "the scoring worker outlived the SIGKILLed training process"
 
 
+def test_the_process_workers_answers_survive_a_ctrl_c_a_sigterm_and_text_printed_as_it_starts(world, tmp_path, monkeypatch):
+    """Ctrl-C in a terminal reaches the whole process group, a preemption's SIGTERM every
+    process of the job: the worker leaves them to the training process (it died of them, and
+    the fit that was stopping wrote 'the scoring worker died' for the step a resume was to
+    score). Text printed to stdout as the worker starts (a sitecustomize, a library's banner)
+    is never taken for an answer (it was, and every later answer came one job late)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text('print("hello from sitecustomize")\n')
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]))
+    paths = world_paths(world)
+    spec = ServiceSpec(str(paths["cache"]), str(paths["target"]), str(paths["baseline"]), SCORING, str(tmp_path / "bc"))
+    scorer = runners.ProcessScorer(spec, None, threading.Event(), threading.Event())
+
+    def interrupt():  # as soon as the worker ignores them (before the fix: after 20 s, scoring)
+        deadline = time.time() + 20
+        while time.time() < deadline and not (scorer.process and ignores(scorer.process.pid, signal.SIGINT, signal.SIGTERM)):
+            time.sleep(0.01)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            os.kill(scorer.process.pid, sig)
+            sent.append(sig)
+
+    sent = []
+    thread = threading.Thread(target=interrupt)  # the worker is the scoring thread's: it dies with that thread
+    thread.start()
+    try:
+        baseline = scorer.baseline()
+        thread.join()
+        again = scorer.score(runners.Job(0, "x", folder=paths["baseline"]))
+    finally:
+        scorer.close()
+    assert sent == [signal.SIGINT, signal.SIGTERM] and baseline.tasks == again.tasks and scorer.restarts == 0
+
+
+def ignores(pid: int, *signals) -> bool:
+    """Whether process `pid` ignores every one of `signals` (its SigIgn mask in /proc)."""
+    try:
+        status = (Path("/proc") / str(pid) / "status").read_text()
+    except OSError:
+        return False
+    mask = int(re.search(r"^SigIgn:\s*([0-9a-f]+)", status, re.M).group(1), 16)
+    return all(mask >> (s - 1) & 1 for s in signals)
+
+
 def test_external_runner_killed_and_resumed_adopts_the_watchers_report_and_the_stop_sees_it(world, tmp_path):
     """train_run.py (external runner, no watcher yet, checkpoint every 2 steps) is SIGKILLed
     once it wrote the snapshot of step 2. A watcher then scores it: a report the killed run
@@ -502,11 +548,15 @@ def test_a_report_the_scorer_can_not_stop_in_time_is_recorded_not_dropped(world,
     assert records(tmp_path / "d") == [line]
 
 
-def test_a_snapshot_cancelled_when_the_fit_fails_is_scored_by_the_resume(world, tmp_path):
+@pytest.mark.parametrize("tasks, grace", [([("slow", 300, 4), ("slow2", 300, 4)], runners.CANCEL_GRACE),
+                                          ([("slow", 900, 4)], 0.1)], ids=["cancelled", "abandoned"])
+def test_a_snapshot_cancelled_when_the_fit_fails_is_scored_by_the_resume(world, tmp_path, monkeypatch, tasks, grace):
     """A fit that fails (Ctrl-C, a preemption's SIGTERM, an OOM) while step 2's written snapshot
     is being scored leaves it on disk unscored, with no error line: the resume scores it, as
-    it would after a SIGKILL."""
-    slow = write_cache(world, tmp_path / "slow-cache", [("slow", 300, 4), ("slow2", 300, 4)])  # cancelled between
+    it would after a SIGKILL. Cancelled between two tasks, or abandoned inside one task that
+    outlives the grace (it was an error line, so the resume never scored it)."""
+    monkeypatch.setattr(runners, "CANCEL_GRACE", grace)
+    slow = write_cache(world, tmp_path / "slow-cache", tasks)
 
     class Preempted(pl.Callback):
         def on_train_batch_end(self, trainer, *args):

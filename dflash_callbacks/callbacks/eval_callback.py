@@ -12,6 +12,9 @@ On the training thread it only starts weight copies and drains finished reports:
     on_before_optimizer_step:
                            wait for that copy, so the weights scored are those of the step
     on_train_batch_end:    publish every finished report (publish.Publisher)
+    on_train_epoch_end, the last (or else on_train_end):
+                           the last step's snapshot, with wait_on_end, before any callback's
+                           on_train_end can write the weights (WeightAveraging)
 
 A failure in snapshotting, scoring, writing or logging is a warning and an error count,
 unless `on_error="raise"`. Every submitted snapshot ends as a report or an error line in
@@ -367,11 +370,19 @@ class DrafterEvalCallback(ReportSource):
             self._staging.wait()
             self._staging = None
 
-    def on_train_end(self, trainer, pl_module) -> None:
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.fit_loop.done:  # the last hook before any callback's on_train_end (WeightAveraging writes the weights)
+            self._last_snapshot(trainer, pl_module)
+
+    def _last_snapshot(self, trainer, pl_module) -> None:
+        """The last step's snapshot, copy landed (no optimizer step follows to wait for it)."""
         step = trainer.global_step
         if self.wait_on_end and step > 0 and step != self._last_taken_step:  # also when skipped while busy
             self._snapshot(trainer, pl_module, step, force=True)  # every rank: a sharded gather is collective
-            self._copy_landed()  # before a later callback's on_train_end writes the weights (WeightAveraging)
+        self._copy_landed()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._last_snapshot(trainer, pl_module)  # taken already, unless a stop came after on_train_epoch_end
         if self._runner is None:
             return
         if self.wait_on_end:

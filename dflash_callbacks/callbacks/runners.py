@@ -79,7 +79,7 @@ class Outcome:
 class SnapshotOutcome(Outcome):
     step: int
     snapshot_id: str
-    on_disk: bool = False  # cancelled with its snapshot written: a resume can still score it
+    on_disk: bool = False  # cancelled or abandoned with its snapshot written: a resume can still score it
 
 
 @dataclass(kw_only=True)
@@ -155,21 +155,25 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-WORKER_CODE = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
+WORKER_CODE = ("import json, signal, sys; sys.path[:] = json.loads(sys.argv[1]); "
+               "[signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)]; "
                "from dflash_callbacks.callbacks.runners import worker_main; worker_main()")
 """What the worker runs: a fresh Python that imports only this package. (A multiprocessing
 spawn would import the training script again, and run all of it where it lacks an
-`if __name__ == "__main__":` guard: a second training run in the worker.)"""
+`if __name__ == "__main__":` guard: a second training run in the worker.) It ignores
+SIGINT and SIGTERM: a Ctrl-C in the terminal (sent to the whole process group) or a
+preemption's SIGTERM (sent to every process of the job) is the training process's to
+handle; the worker ends when the training process closes its jobs, kills it, or dies."""
 
 
 def worker_main() -> None:
-    """Body of the worker (`python -c WORKER_CODE SYS_PATH SPEC_JSON PARENT_PID`, the training
-    process's import path, as a multiprocessing spawn would pass it): one job
-    per stdin line ("baseline" or a snapshot folder, JSON), one `[report dict | null, error |
-    null]` line per job on the stdout it was started with; whatever else prints goes to stderr."""
-    answers = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
+    """Body of the worker (`python -c WORKER_CODE SYS_PATH SPEC_JSON PARENT_PID ANSWER_FD`, the
+    training process's import path, as a multiprocessing spawn would pass it): one job per
+    stdin line ("baseline" or a snapshot folder, JSON), one `[report dict | null, error |
+    null]` line per job on ANSWER_FD, a pipe nothing else writes to (what prints, at start-up
+    too, goes to the stdout and stderr the training process has)."""
     spec, parent_pid = json.loads(sys.argv[2]), int(sys.argv[3])
+    answers = os.fdopen(int(sys.argv[4]), "w")
     _die_with_parent(parent_pid)
     service = None
     for line in sys.stdin:  # EOF: the training process closed it, or died
@@ -186,31 +190,45 @@ def worker_main() -> None:
         answers.flush()
 
 
+def import_path() -> list[str]:
+    """The training process's sys.path as the worker takes it: its strings (imports skip
+    anything else, such as a pathlib.Path a script put there)."""
+    return [entry for entry in sys.path if isinstance(entry, str)]
+
+
 class ProcessScorer:
     """A worker process (`worker_main`), replaced when it dies."""
 
     def __init__(self, spec: ServiceSpec, run: RunFolder, cancel: threading.Event, closing: threading.Event):
         self.spec, self.cancel = spec, cancel
         self.process: subprocess.Popen | None = None
+        self.answers: int | None = None  # the read end of the worker's answer pipe
         self.restarts = -1
         self._unread = b""  # the worker's answer line read so far
 
     def _ensure_worker(self) -> None:
         if self.process is not None and self.process.poll() is None:
             return
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", WORKER_CODE, json.dumps(sys.path), json.dumps(self.spec.to_dict()), str(os.getpid())],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        self._unread = b""
+        self._stop_worker()  # one that died between jobs: its pipes are closed
+        read_end, write_end = os.pipe()
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", WORKER_CODE, json.dumps(import_path()), json.dumps(self.spec.to_dict()),
+                 str(os.getpid()), str(write_end)], stdin=subprocess.PIPE, pass_fds=(write_end,))
+        except BaseException:
+            os.close(read_end)
+            raise
+        finally:
+            os.close(write_end)  # the worker's alone: its exit ends the pipe
+        self.answers, self._unread = read_end, b""
         self.restarts += 1
 
     def _answer(self) -> bytes | None:
         """The worker's next answer line, None when none came within POLL_SECONDS."""
-        out = self.process.stdout.fileno()
         while b"\n" not in self._unread:
-            if not select.select([out], [], [], POLL_SECONDS)[0]:
+            if not select.select([self.answers], [], [], POLL_SECONDS)[0]:
                 return None
-            chunk = os.read(out, 1 << 20)
+            chunk = os.read(self.answers, 1 << 20)
             if not chunk:  # the worker is gone (or going): its exit code tells
                 try:
                     self.process.wait(timeout=10)
@@ -257,9 +275,12 @@ class ProcessScorer:
                 self.process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass  # unkillable for now (a device in a bad state): not waited on again
-            self.process.stdin.close()
-            self.process.stdout.close()
-        self.process = None
+            try:
+                self.process.stdin.close()
+            except OSError:  # a job still buffered for a worker that is gone
+                pass
+            os.close(self.answers)
+        self.process, self.answers = None, None
 
     def late_baseline(self) -> EvalReport | None:
         return None  # its baseline failed in the worker: trying again fails again
@@ -420,7 +441,8 @@ class BackgroundRunner:
             while not self._outbox.empty():
                 ready.append(self._outbox.get_nowait())
             handed = {o.step for o in ready if isinstance(o, SnapshotOutcome)}
-            ready += [SnapshotOutcome(step=step, snapshot_id=snapshot_id, error=f"not scored: {reason}")
+            ready += [SnapshotOutcome(step=step, snapshot_id=snapshot_id, error=f"not scored: {reason}",
+                                      on_disk=self.run.snapshot_id(self.run.snapshot_path(step)) == snapshot_id)
                       for step, snapshot_id in sorted(self._pending.items()) if step not in handed]
             for outcome in ready:
                 self._outbox.put(outcome)
