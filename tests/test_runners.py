@@ -100,6 +100,24 @@ def test_resume_restores_history_and_scores_no_step_twice(tmp_path):
     assert_clean(tmp_path / "d")
 
 
+def test_a_resume_whose_run_json_is_damaged_goes_on_in_its_folder_and_rewrites_it(tmp_path):
+    world = build_world(tmp_path / "world")
+
+    def callback():
+        return DrafterEvalCallback(cache=world.cache, target=world.target, every_n_train_steps=2, scoring=SCORING,
+                                   dirpath=tmp_path / "d", verbose=False)
+
+    first = callback()
+    fit(world, tmp_path, first, max_steps=2, extra=[ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2)])
+    (run_dir(tmp_path / "d") / "run.json").write_text('{"run_id": "2026')  # torn by a full disk
+    second = callback()
+    fit(world, tmp_path, second, max_steps=4, ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt"))
+    about = RunFolder(run_dir(tmp_path / "d")).about()
+    assert second.run_id == first.run_id == about["run_id"] and about["runner"] == "thread"
+    assert [r["step"] for r in records(tmp_path / "d")] == [2, 4] and second.errors == 0
+    assert_clean(tmp_path / "d")
+
+
 def test_a_fresh_run_gets_a_fresh_folder_and_two_writers_are_refused(tmp_path):
     """Running the same script twice (no checkpoint) must not inherit the first run's numbers."""
     world = build_world(tmp_path / "world")

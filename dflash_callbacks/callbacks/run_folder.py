@@ -125,7 +125,7 @@ class RunFolder:
         """A resume: run.json with `about` (the runner, basis and baseline it runs with now) and
         this process as the writer; its run id and creation time are kept."""
         current = self.about()
-        updated = {**current, "host": socket.gethostname(), "pid": os.getpid(), **about}
+        updated = {"run_id": self.path.name, **current, "host": socket.gethostname(), "pid": os.getpid(), **about}
         if updated != current:
             atomic_write_json(self.path / RUN_FILE, updated)
 
@@ -137,7 +137,7 @@ class RunFolder:
             if folder.path.exists() and any(folder.path.iterdir()):
                 raise RunFolderBusy(f"{folder.path} holds files but no {RUN_FILE}: it is not run {run_id}'s folder")
             return cls.create(root, run_id, about)
-        owner = json.loads((folder.path / RUN_FILE).read_text()).get("run_id")
+        owner = folder.about().get("run_id", run_id)  # a damaged run.json is this folder's: the resume rewrites it
         if owner != run_id:
             raise RunFolderBusy(f"{folder.path} belongs to run {owner}, not {run_id}")
         folder.lock()

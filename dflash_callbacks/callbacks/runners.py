@@ -118,7 +118,12 @@ class ThreadScorer:
         return self.service
 
     def baseline(self) -> EvalReport | None:
-        return self._service().baseline(cancel=self.cancel)
+        service = self._service()
+        try:
+            return service.baseline(cancel=self.cancel)
+        finally:
+            if service.config.release_memory:
+                service.release()
 
     def score(self, job: Job) -> EvalReport:
         service = self._service()
@@ -181,11 +186,12 @@ def worker_main() -> None:
         try:
             service = service or ScoringService(ServiceSpec(**spec))
             report = service.baseline() if job == "baseline" else service.score_folder(job)
-            if service.config.release_memory:
-                service.release()
             answer = [None if report is None else report.to_dict(), None]
         except Exception as e:  # reported to the training process, which decides
             answer = [None, describe(e) + "\n" + traceback.format_exc(limit=3)]
+        finally:
+            if service is not None and service.config.release_memory:  # after a failure too
+                service.release()
         answers.write(json.dumps(answer) + "\n")
         answers.flush()
 

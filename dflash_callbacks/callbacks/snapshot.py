@@ -120,12 +120,13 @@ def capture(
     owner = pool if state is not None else None
     if state is None:
         state = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=on_cuda) for k, v in source.items()}
-    side = torch.cuda.Stream() if on_cuda else None
+    side = None
     try:
         if not on_cuda:
             for k, v in source.items():
                 state[k].copy_(v)
             return Snapshot(step, epoch, config, state, pool=owner)
+        side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())  # the weights as of now, after every queued kernel
         with torch.cuda.stream(side):
             for k, v in source.items():
