@@ -17,8 +17,9 @@ For each anchor it returns the streak (accepted draft tokens; tau = streak + 1) 
   depths. The streak is the largest d whose label prefix (ranks of y_1..y_d) was
   popped, stopping at the first invalid position.
 
-Method for `ddtree@n`: one exact heap run per anchor in plain Python over lists,
-after the vectorised part (log_softmax, the top-K values, the label's rank) is done
+Method for `ddtree@n`: one exact heap run per anchor in plain Python over lists
+(`kernels.ddtree.heap_streak`, which the fast scorer runs on tied anchors;
+test_metrics.py checks it against the paper's tree and a brute force), after the vectorised part (log_softmax, the top-K values, the label's rank) is done
 in torch. Only the top-K values matter (not which tied token sits where), and the
 label's rank under the tie rule is #{v: lp_v > lp_y} + #{v < y: lp_v == lp_y}.
 A sibling's score is recomputed from its parent's score (not by swapping one term
@@ -31,10 +32,11 @@ of anchors at L = 15, n <= 8 take well under a second.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Iterable
 
 import torch
+
+from dflash_callbacks.kernels.ddtree import heap_streak  # Algorithm 1 itself; test_metrics checks it by brute force
 
 
 def _leading_true(mask: torch.Tensor) -> torch.Tensor:
@@ -82,33 +84,6 @@ def _validate(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor | 
             f"{getattr(valid, 'dtype', type(valid))} {tuple(getattr(valid, 'shape', ()))}"
         )
     return valid
-
-
-def _ddtree_streak(top: list[list[float]], label_rank: list[int], budget: int, depth_limit: int) -> int:
-    """One anchor: pop `budget` prefixes best-first, return how far the label path got.
-
-    top[d] holds the K best log-probs at depth d (descending) for the depths the
-    heap may reach, label_rank[d] the label's rank at depth d, depth_limit how many
-    depths the walk may use."""
-    k = len(top[0])
-    length = len(top)
-    # Entries: (-score, rank tuple, parent score). Rank tuples are unique, so the
-    # heap never compares the third field.
-    heap = [(-top[0][0], (0,), 0.0)]
-    popped = set()
-    while heap and len(popped) < budget:
-        neg_score, ranks, parent_score = heapq.heappop(heap)
-        popped.add(ranks)
-        depth, rank = len(ranks), ranks[-1]
-        if rank + 1 < k:
-            heapq.heappush(heap, (-(parent_score + top[depth - 1][rank + 1]), ranks[:-1] + (rank + 1,), parent_score))
-        if depth < length:
-            score = -neg_score
-            heapq.heappush(heap, (-(score + top[depth][0]), ranks + (0,), score))
-    streak = 0
-    while streak < depth_limit and tuple(label_rank[: streak + 1]) in popped:
-        streak += 1
-    return streak
 
 
 def streaks(
@@ -168,6 +143,6 @@ def _ddtree_streaks(
                 result.append(0)
                 continue
             top = [row[:k] for row in top_values[a][: min(budget, length)]]
-            result.append(_ddtree_streak(top, label_rank_list[a], budget, reach[a]))
+            result.append(heap_streak(top, label_rank_list[a], budget, reach[a]))
         out[f"ddtree@{budget}"] = torch.tensor(result, dtype=torch.int64, device=z.device)
     return out

@@ -12,7 +12,7 @@ except where some S_d == theta_n: then other prefixes tie with it and the rank t
 decide. Such ties are common, not an accident of floats: a confident drafter's
 log-prob rounds to 0.0 in fp32 (p > 1 - 6e-8), and every prefix then ties with its
 child of rank 0, so counting ties as accepted would give a budget of n a streak
-deeper than n. Those anchors run Algorithm 1's heap itself (`_heap_streak`, n pops on
+deeper than n. Those anchors run Algorithm 1's heap itself (`heap_streak`, n pops on
 the same float64 scores), which is what `tests/oracles.py` computes for every anchor.
 theta for every budget comes from the top M = max(budgets) prefix scores of each depth:
 
@@ -120,13 +120,13 @@ def ddtree_streaks_from_top(
             tops = top[tied, :depths, :budget].tolist()
             orders = label_order[tied].tolist()
             reach = reached[tied].sum(dim=-1).tolist()
-            exact = [_heap_streak(t, o, budget, r) for t, o, r in zip(tops, orders, reach)]
+            exact = [heap_streak(t, o, budget, r) for t, o, r in zip(tops, orders, reach)]
             streak[tied] = torch.tensor(exact, dtype=torch.int64, device=streak.device)
         out[budget] = streak
     return out
 
 
-def _heap_streak(top: list[list[float]], label_order: list[int], budget: int, reach: int) -> int:
+def heap_streak(top: list[list[float]], label_order: list[int], budget: int, reach: int) -> int:
     """One anchor, Algorithm 1 itself: pop `budget` prefixes best-first (score descending,
     rank tuple ascending), then walk the label's rank tuple down the popped set, at most
     `reach` deep. top[d]: the best log-probs at depth d, descending (float64 values)."""
