@@ -354,6 +354,29 @@ def test_the_last_snapshot_holds_the_live_weights_with_weight_averaging_listed_f
     assert_clean(tmp_path / "d", cb.reports)
 
 
+def test_the_last_snapshot_at_max_epochs_leaves_lightnings_epoch_counter_alone(world, tmp_path):
+    """The last snapshot is taken in the last on_train_epoch_end, found by Lightning's
+    fit_loop.done, which at max_epochs also moved the epoch counter on: the hooks after ours
+    (ModelCheckpoint's included) saw the last epoch of 2 as epoch 2, its checkpoint was named
+    epoch=2-step=6.ckpt and recorded epoch 2. The snapshot of step 6 is still taken there."""
+
+    class Seen(pl.Callback):
+        def __init__(self):
+            self.seen = []
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            self.seen.append((trainer.current_epoch, cb._last_taken_step))
+
+    cb, seen = eval_cb(world, tmp_path, every_n_train_steps=4), Seen()
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{epoch}-{step}", save_top_k=-1, every_n_epochs=1)
+    fit(world, tmp_path, [cb, seen, ckpt], max_steps=-1, max_epochs=2, limit_train_batches=3, enable_checkpointing=True)
+    assert seen.seen == [(0, None), (1, 6)]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt"]
+    assert torch.load(tmp_path / "ckpt" / "epoch=1-step=6.ckpt", weights_only=False)["epoch"] == 1
+    assert [r["step"] for r in records(tmp_path / "d")] == [4, 6]
+    assert_clean(tmp_path / "d", cb.reports)
+
+
 def test_a_target_other_than_the_caches_is_refused_before_any_work(random_target_dir, tmp_path):
     """The cache records its target's head fingerprint at extraction: scoring it with
     another target of the same shapes (a re-trained one) is refused up front by the

@@ -86,6 +86,18 @@ def should_snapshot(step: int, every_n_train_steps: int) -> bool:
     return step > 0 and step % every_n_train_steps == 0
 
 
+def fit_ends(trainer: pl.Trainer) -> bool:
+    """Whether the fit loop ends after this epoch: Lightning's `FitLoop.done` without its side
+    effects (at max_epochs it moves the epoch counter on before the epoch has completed, so
+    ModelCheckpoint and the hooks after ours saw the last epoch as the next one, and it logs)."""
+    def reached(current: int, limit: int | None) -> bool:
+        return limit is not None and limit != -1 and current >= limit
+
+    epochs, step = trainer.fit_loop.epoch_progress.current.processed, trainer.global_step
+    return (reached(step, trainer.max_steps) or reached(epochs, trainer.max_epochs)
+            or (trainer.should_stop and epochs >= (trainer.min_epochs or 0) and step >= (trainer.min_steps or 0)))
+
+
 def _path(name: str, value: Any, optional: bool = False) -> Path | None:
     if optional and value is None:
         return None
@@ -371,7 +383,7 @@ class DrafterEvalCallback(ReportSource):
             self._staging = None
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
-        if trainer.fit_loop.done:  # the last hook before any callback's on_train_end (WeightAveraging writes the weights)
+        if fit_ends(trainer):  # the last hook before any callback's on_train_end (WeightAveraging writes the weights)
             self._last_snapshot(trainer, pl_module)
 
     def _last_snapshot(self, trainer, pl_module) -> None:
