@@ -142,6 +142,8 @@ def test_bad_arguments_fail_before_training(world, tmp_path):
         DrafterEvalCallback(cache=world.cache, target=world.target, runner="gpu")
     with pytest.raises(ValueError, match=r"ddtree_budgets must be a list of integers >= 1; got 0 in \[0\]"):
         DrafterEvalCallback(cache=world.cache, target=world.target, scoring={"ddtree_budgets": [0]})
+    with pytest.raises(ValueError, match=r"name must be letters, .*; got 'dflash\\n'"):  # '$' let a trailing newline in
+        DrafterEvalCallback(cache=world.cache, target=world.target, name="dflash\n")
     module = DFlashTrainingModule(world.config, world.target)
     cb = DrafterEvalCallback(cache=world.cache, target=world.target, drafter="nope", dirpath=tmp_path)
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):

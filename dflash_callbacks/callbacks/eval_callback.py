@@ -49,7 +49,7 @@ from .snapshot import StagingPool, capture, is_sharded
 
 BUSY_POLICIES = ("skip", "queue")
 ON_ERROR = ("warn", "raise")
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
 
 
 def resolve_drafter(pl_module: nn.Module, drafter: str | Callable) -> nn.Module:
