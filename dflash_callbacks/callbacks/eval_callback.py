@@ -28,12 +28,13 @@ import dataclasses
 import os
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ..checks import check_bool, check_choice, check_int, check_number
@@ -104,7 +105,7 @@ class DrafterEvalCallback(ReportSource):
         every_n_train_steps: snapshot cadence in optimizer steps (>= 1).
         drafter: attribute path on the LightningModule, or a function module -> drafter.
         drafter_config: a DrafterConfig or config.json path, when the drafter has none at `.config`.
-        scoring: a ScoringConfig or a dict of its fields (copied, never changed).
+        scoring: a ScoringConfig or a dict (or OmegaConf DictConfig) of its fields (copied, never changed).
         runner: "thread" | "process" | "external".
         device: where scoring runs ("auto": cuda when available); overrides scoring.device.
         busy: "skip" (no new snapshot while one is pending) or "queue" (up to `max_pending`).
@@ -130,7 +131,7 @@ class DrafterEvalCallback(ReportSource):
         every_n_train_steps: int = 500,
         drafter: str | Callable[[pl.LightningModule], nn.Module] = "drafter",
         drafter_config: DrafterConfig | str | os.PathLike | None = None,
-        scoring: ScoringConfig | dict | None = None,
+        scoring: ScoringConfig | Mapping | None = None,
         runner: str = "thread",
         device: str | None = None,
         busy: str = "skip",
@@ -542,18 +543,22 @@ class DrafterEvalCallback(ReportSource):
         }
 
 
-def _scoring_copy(scoring: ScoringConfig | dict | None, device: str | None) -> ScoringConfig:
-    """The caller's scoring config, copied (never changed), with `device` applied."""
+def _scoring_copy(scoring: ScoringConfig | Mapping | None, device: str | None) -> ScoringConfig:
+    """The caller's scoring config, copied (never changed), with `device` applied. A mapping
+    may be an OmegaConf DictConfig (what Hydra's `instantiate` passes for a nested section)."""
+    if isinstance(scoring, DictConfig):
+        scoring = OmegaConf.to_container(scoring, resolve=True)
     if isinstance(scoring, ScoringConfig):
         fields = dataclasses.asdict(scoring)
-    elif isinstance(scoring, dict) or scoring is None:
+    elif isinstance(scoring, Mapping) or scoring is None:
         fields = dict(scoring or {})
         unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(ScoringConfig)})
         if unknown:
             legal = [f.name for f in dataclasses.fields(ScoringConfig)]
             raise ValueError(f"scoring has unknown field(s) {unknown}; the fields are {legal}")
     else:
-        raise TypeError(f"scoring must be a ScoringConfig, a dict of its fields or None; got {type(scoring).__name__}")
+        raise TypeError(f"scoring must be a ScoringConfig, a dict (or DictConfig) of its fields or None; "
+                        f"got {type(scoring).__name__}")
     if device is not None:
         fields["device"] = device
     return ScoringConfig(**fields)
