@@ -146,7 +146,12 @@ def test_bad_arguments_fail_before_training(world, tmp_path):
         DrafterEvalCallback(cache=world.cache, target=world.target, name="dflash\n")
     module = DFlashTrainingModule(world.config, world.target)
     cb = DrafterEvalCallback(cache=world.cache, target=world.target, drafter="nope", dirpath=tmp_path)
-    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+    with pytest.raises(AttributeError, match=r"has no attribute 'nope'; .*drafter-like submodules of .*: \['drafter'\]"):
+        trainer(tmp_path, [cb], max_steps=2).fit(module, loader(world))
+    # drafter= names a module that is not the drafter: say so, not only "pass drafter_config="
+    cb = DrafterEvalCallback(cache=world.cache, target=world.target, drafter="head", dirpath=tmp_path)
+    with pytest.raises(ValueError, match=r"drafter='head'\) gives a TargetHead .* point drafter= at the drafter "
+                                         r"\(drafter-like submodules: \['drafter'\]\)"):
         trainer(tmp_path, [cb], max_steps=2).fit(module, loader(world))
 
 

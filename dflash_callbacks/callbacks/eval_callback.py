@@ -53,6 +53,14 @@ ON_ERROR = ("warn", "raise")
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
 
 
+def drafters_in(pl_module: nn.Module) -> list[str]:
+    """The attribute paths of the submodules that look like a DFlash drafter (a DrafterConfig at
+    `.config`, or the published `fc` and `hidden_norm`): what `drafter=` may name."""
+    return [name for name, m in pl_module.named_modules() if name and (
+        isinstance(getattr(m, "config", None), DrafterConfig)
+        or (isinstance(getattr(m, "fc", None), nn.Module) and isinstance(getattr(m, "hidden_norm", None), nn.Module)))]
+
+
 def resolve_drafter(pl_module: nn.Module, drafter: str | Callable) -> nn.Module:
     if callable(drafter):
         module = drafter(pl_module)
@@ -62,15 +70,18 @@ def resolve_drafter(pl_module: nn.Module, drafter: str | Callable) -> nn.Module:
             if not hasattr(module, part):
                 raise AttributeError(
                     f"DrafterEvalCallback(drafter={drafter!r}): {type(module).__name__} has no attribute {part!r}; "
-                    "pass the attribute path of the drafter or a function module -> drafter"
+                    f"pass the attribute path of the drafter (drafter-like submodules of {type(pl_module).__name__}: "
+                    f"{drafters_in(pl_module)}) or a function module -> drafter"
                 )
             module = getattr(module, part)
     if not isinstance(module, nn.Module):
-        raise TypeError(f"the drafter must be an nn.Module; got {type(module).__name__}")
+        raise TypeError(f"DrafterEvalCallback(drafter={drafter!r}): the drafter must be an nn.Module; "
+                        f"got {type(module).__name__}")
     return module
 
 
-def drafter_config_of(module: nn.Module, given: DrafterConfig | str | os.PathLike | None) -> DrafterConfig:
+def drafter_config_of(module: nn.Module, given: DrafterConfig | str | os.PathLike | None,
+                      pl_module: nn.Module | None = None, drafter: str | Callable = "drafter") -> DrafterConfig:
     if isinstance(given, DrafterConfig):
         return given
     if given is not None:
@@ -80,7 +91,10 @@ def drafter_config_of(module: nn.Module, given: DrafterConfig | str | os.PathLik
         return config
     if hasattr(config, "to_dict"):  # a transformers config of the published model class
         return DrafterConfig.from_dict(config.to_dict())
-    raise ValueError("the drafter has no DrafterConfig at .config; pass drafter_config=DrafterConfig or a config.json path")
+    found = drafters_in(pl_module) if pl_module is not None else []
+    raise ValueError(f"DrafterEvalCallback(drafter={drafter!r}) gives a {type(module).__name__} with no DrafterConfig at "
+                     ".config: if it is the drafter, pass drafter_config=DrafterConfig or a config.json path; if not, "
+                     f"point drafter= at the drafter (drafter-like submodules: {found})")
 
 
 def should_snapshot(step: int, every_n_train_steps: int) -> bool:
@@ -218,7 +232,7 @@ class DrafterEvalCallback(ReportSource):
             return
         report_sources(trainer.callbacks)  # no other one of this name
         module = resolve_drafter(pl_module, self.drafter)
-        self._config = drafter_config_of(module, self.drafter_config)
+        self._config = drafter_config_of(module, self.drafter_config, pl_module, self.drafter)
         self._spec = ServiceSpec(
             cache=str(self.cache), target=str(self.target),
             baseline=None if self.baseline_source is None else str(self.baseline_source),
