@@ -241,6 +241,11 @@ class DrafterEvalCallback(ReportSource):
         )
         preflight(self._spec, self._config, {k: tuple(v.shape) for k, v in module.state_dict().items()})
         self._basis = run_basis(self._spec, self._config.block_size)
+        if 0 < trainer.max_steps < self.every_n_train_steps:
+            rank_zero_warn(f"{self.name}: every_n_train_steps={self.every_n_train_steps} is more than max_steps="
+                           f"{trainer.max_steps}: no snapshot is taken while training"
+                           + (", only the last step's at the end" if self.wait_on_end else "")
+                           + "; set every_n_train_steps= to a cadence that fits the run")
         self._restored, self._opened = None, False
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
