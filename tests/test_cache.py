@@ -320,6 +320,7 @@ def test_coding10():
         ("tasks:\n  - {name: a}\n", r"tasks\[0\] has no 'prompt'"),
         ("tasks:\n  - {name: a, promt: x}\n", r"unknown keys \['promt'\]"),
         ("tasks:\n  - {name: 'a b', prompt: x}\n", "not usable as a file name"),
+        ("tasks:\n  - name: |\n      a\n    prompt: x\n", r"task name 'a\\n' is not usable"),  # a block scalar ends in \n
         ("tasks:\n  - {name: mean, prompt: x}\n", r"tasks\[0\].name: task name 'mean' is reserved"),
         ("tasks:\n  - just a string\n", r"tasks\[0\] must be a mapping"),
         ("tasks: []\n", "the 'tasks' list is empty"),

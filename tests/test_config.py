@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from omegaconf import OmegaConf
 
 from dflash_callbacks import DrafterEvalCallback, ScoringConfig, TrailingBaselineStop
 from dflash_callbacks.config import CONF_DIR, CallbacksConfig, EvalConfig, StopConfig, build_callbacks, load_config
@@ -142,6 +143,12 @@ def test_a_users_config_object_is_copied_never_changed():
     assert a.scoring is not shared and b.scoring is not shared
     with pytest.raises(ValueError, match=r"scoring has unknown field\(s\) \['budgets'\]"):
         DrafterEvalCallback(cache="c", target="t", scoring={"budgets": [4]})
+    # Hydra's instantiate passes a nested section as a DictConfig
+    from_yaml = OmegaConf.create("ddtree_budgets: [4]\ndevice: cpu\nwindow: ${max_rounds}\nmax_rounds: 7")
+    c = DrafterEvalCallback(cache="c", target="t", scoring=from_yaml)
+    assert (c.scoring.ddtree_budgets, c.scoring.device, c.scoring.window) == ([4], "cpu", 7)
+    with pytest.raises(ValueError, match=r"scoring has unknown field\(s\) \['budgets'\]"):
+        DrafterEvalCallback(cache="c", target="t", scoring=OmegaConf.create({"budgets": [4]}))
 
 
 @pytest.mark.parametrize("kwargs,message", [

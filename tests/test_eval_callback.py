@@ -142,9 +142,23 @@ def test_bad_arguments_fail_before_training(world, tmp_path):
         DrafterEvalCallback(cache=world.cache, target=world.target, runner="gpu")
     with pytest.raises(ValueError, match=r"ddtree_budgets must be a list of integers >= 1; got 0 in \[0\]"):
         DrafterEvalCallback(cache=world.cache, target=world.target, scoring={"ddtree_budgets": [0]})
+    with pytest.raises(ValueError, match=r"name must be letters, .*; got 'dflash\\n'"):  # '$' let a trailing newline in
+        DrafterEvalCallback(cache=world.cache, target=world.target, name="dflash\n")
     module = DFlashTrainingModule(world.config, world.target)
     cb = DrafterEvalCallback(cache=world.cache, target=world.target, drafter="nope", dirpath=tmp_path)
-    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+    with pytest.raises(AttributeError, match=r"has no attribute 'nope'; .*drafter-like submodules of .*: \['drafter'\]"):
+        trainer(tmp_path, [cb], max_steps=2).fit(module, loader(world))
+    # the default cadence (500) on a short run: say that nothing is scored while training
+    cb = DrafterEvalCallback(cache=world.cache, target=world.target, scoring=SCORING, dirpath=tmp_path / "d",
+                             verbose=False)
+    with pytest.warns(UserWarning, match=r"every_n_train_steps=500 is more than max_steps=2: no snapshot is taken "
+                                         r"while training, only the last step's at the end"):
+        trainer(tmp_path, [cb], max_steps=2).fit(module, loader(world))
+    assert [r.step for r in cb.reports] == [2]
+    # drafter= names a module that is not the drafter: say so, not only "pass drafter_config="
+    cb = DrafterEvalCallback(cache=world.cache, target=world.target, drafter="head", dirpath=tmp_path)
+    with pytest.raises(ValueError, match=r"drafter='head'\) gives a TargetHead .* point drafter= at the drafter "
+                                         r"\(drafter-like submodules: \['drafter'\]\)"):
         trainer(tmp_path, [cb], max_steps=2).fit(module, loader(world))
 
 

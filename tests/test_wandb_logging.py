@@ -106,3 +106,35 @@ def test_keys_first_seen_after_the_first_report_are_defined_with_their_summary(t
         assert run["metrics"][key].step_metric == "dflash/step" and run["metrics"][key].summary.max, key
         if best is not None:
             assert run["summary"][key] == {"max": pytest.approx(best)}, key
+
+
+def test_keys_with_a_dot_keep_their_axis_and_best_value(tmp_path, monkeypatch):
+    """A task name may hold '.' (`py3.11`), and so may the callback's name: W&B reads an
+    unescaped '.' in define_metric as a nested path, and such keys got no max summary (the
+    run table showed the last value as if it were the best)."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    world = build_world(tmp_path / "world")
+    service = ScoringService(ServiceSpec(str(world.cache), str(world.target), str(world.baseline),
+                                         {"ddtree_budgets": [4], "device": "cpu"}, str(tmp_path / "bc")))
+    reports = [service.score_folder(world.baseline) for _ in range(3)]
+    for step, report in zip((4, 8, 12), reports):
+        report.step, report.snapshot_id = step, f"{step:016d}"
+        report.tasks = {("py3.11" if task == "long" else task): v for task, v in report.tasks.items()}
+    reports[1].tasks["py3.11"]["vanilla"]["live"] += 0.5  # the best value is not the last one
+    logger = WandbLogger(project="dflash-test", save_dir=str(tmp_path), offline=True)
+    trainer = pl.Trainer(logger=logger, accelerator="cpu", enable_progress_bar=False, enable_model_summary=False)
+    failures = []
+    publisher = Publisher("eval.v2", RunFolder.create(tmp_path / "d", "r"), lambda t, m: failures.append(m), False, [])
+    for report in reports:
+        assert publisher.publish(trainer, report, None, 1.0, 0)
+    import wandb
+    wandb.finish()
+
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    run = read_run(run_dir)
+    assert failures == []
+    best = reports[1].value("vanilla/live", "py3.11")
+    assert best > reports[2].value("vanilla/live", "py3.11")
+    assert run["summary"]["eval.v2/vanilla/live/py3.11"] == {"max": pytest.approx(best)}
+    assert run["summary"]["eval.v2/vanilla/live/short"] == {"max": pytest.approx(reports[0].value("vanilla/live", "short"))}
+    assert run["metrics"]["eval\\.v2/vanilla/live/py3\\.11"].step_metric == "eval\\.v2/step"

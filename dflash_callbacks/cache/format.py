@@ -40,7 +40,7 @@ from .tasks import task_name_problem
 FORMAT_NAME = "dflash-hidden-cache"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-SHA256 = re.compile(r"^[0-9a-f]{64}$")
+SHA256 = re.compile(r"^[0-9a-f]{64}\Z")
 
 
 class CacheError(ValueError):

@@ -25,7 +25,7 @@ import yaml
 from ..paths import TASKS_DIR
 
 BUILTIN_DIR = TASKS_DIR
-TASK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+TASK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
 RESERVED_TASK_NAMES = ("mean",)  # the run-level mean over tasks: PREFIX/METHOD/AGG/mean, the table's last row
 TASK_KEYS = ("name", "prompt")
 

@@ -28,12 +28,13 @@ import dataclasses
 import os
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ..checks import check_bool, check_choice, check_int, check_number
@@ -49,7 +50,15 @@ from .snapshot import StagingPool, capture, is_sharded
 
 BUSY_POLICIES = ("skip", "queue")
 ON_ERROR = ("warn", "raise")
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
+
+
+def drafters_in(pl_module: nn.Module) -> list[str]:
+    """The attribute paths of the submodules that look like a DFlash drafter (a DrafterConfig at
+    `.config`, or the published `fc` and `hidden_norm`): what `drafter=` may name."""
+    return [name for name, m in pl_module.named_modules() if name and (
+        isinstance(getattr(m, "config", None), DrafterConfig)
+        or (isinstance(getattr(m, "fc", None), nn.Module) and isinstance(getattr(m, "hidden_norm", None), nn.Module)))]
 
 
 def resolve_drafter(pl_module: nn.Module, drafter: str | Callable) -> nn.Module:
@@ -61,15 +70,18 @@ def resolve_drafter(pl_module: nn.Module, drafter: str | Callable) -> nn.Module:
             if not hasattr(module, part):
                 raise AttributeError(
                     f"DrafterEvalCallback(drafter={drafter!r}): {type(module).__name__} has no attribute {part!r}; "
-                    "pass the attribute path of the drafter or a function module -> drafter"
+                    f"pass the attribute path of the drafter (drafter-like submodules of {type(pl_module).__name__}: "
+                    f"{drafters_in(pl_module)}) or a function module -> drafter"
                 )
             module = getattr(module, part)
     if not isinstance(module, nn.Module):
-        raise TypeError(f"the drafter must be an nn.Module; got {type(module).__name__}")
+        raise TypeError(f"DrafterEvalCallback(drafter={drafter!r}): the drafter must be an nn.Module; "
+                        f"got {type(module).__name__}")
     return module
 
 
-def drafter_config_of(module: nn.Module, given: DrafterConfig | str | os.PathLike | None) -> DrafterConfig:
+def drafter_config_of(module: nn.Module, given: DrafterConfig | str | os.PathLike | None,
+                      pl_module: nn.Module | None = None, drafter: str | Callable = "drafter") -> DrafterConfig:
     if isinstance(given, DrafterConfig):
         return given
     if given is not None:
@@ -79,7 +91,10 @@ def drafter_config_of(module: nn.Module, given: DrafterConfig | str | os.PathLik
         return config
     if hasattr(config, "to_dict"):  # a transformers config of the published model class
         return DrafterConfig.from_dict(config.to_dict())
-    raise ValueError("the drafter has no DrafterConfig at .config; pass drafter_config=DrafterConfig or a config.json path")
+    found = drafters_in(pl_module) if pl_module is not None else []
+    raise ValueError(f"DrafterEvalCallback(drafter={drafter!r}) gives a {type(module).__name__} with no DrafterConfig at "
+                     ".config: if it is the drafter, pass drafter_config=DrafterConfig or a config.json path; if not, "
+                     f"point drafter= at the drafter (drafter-like submodules: {found})")
 
 
 def should_snapshot(step: int, every_n_train_steps: int) -> bool:
@@ -116,7 +131,7 @@ class DrafterEvalCallback(ReportSource):
         every_n_train_steps: snapshot cadence in optimizer steps (>= 1).
         drafter: attribute path on the LightningModule, or a function module -> drafter.
         drafter_config: a DrafterConfig or config.json path, when the drafter has none at `.config`.
-        scoring: a ScoringConfig or a dict of its fields (copied, never changed).
+        scoring: a ScoringConfig or a dict (or OmegaConf DictConfig) of its fields (copied, never changed).
         runner: "thread" | "process" | "external".
         device: where scoring runs ("auto": cuda when available); overrides scoring.device.
         busy: "skip" (no new snapshot while one is pending) or "queue" (up to `max_pending`).
@@ -142,7 +157,7 @@ class DrafterEvalCallback(ReportSource):
         every_n_train_steps: int = 500,
         drafter: str | Callable[[pl.LightningModule], nn.Module] = "drafter",
         drafter_config: DrafterConfig | str | os.PathLike | None = None,
-        scoring: ScoringConfig | dict | None = None,
+        scoring: ScoringConfig | Mapping | None = None,
         runner: str = "thread",
         device: str | None = None,
         busy: str = "skip",
@@ -229,7 +244,7 @@ class DrafterEvalCallback(ReportSource):
             return
         report_sources(trainer.callbacks)  # no other one of this name
         module = resolve_drafter(pl_module, self.drafter)
-        self._config = drafter_config_of(module, self.drafter_config)
+        self._config = drafter_config_of(module, self.drafter_config, pl_module, self.drafter)
         self._spec = ServiceSpec(
             cache=str(self.cache), target=str(self.target),
             baseline=None if self.baseline_source is None else str(self.baseline_source),
@@ -238,6 +253,11 @@ class DrafterEvalCallback(ReportSource):
         )
         preflight(self._spec, self._config, {k: tuple(v.shape) for k, v in module.state_dict().items()})
         self._basis = run_basis(self._spec, self._config.block_size)
+        if 0 < trainer.max_steps < self.every_n_train_steps:
+            rank_zero_warn(f"{self.name}: every_n_train_steps={self.every_n_train_steps} is more than max_steps="
+                           f"{trainer.max_steps}: no snapshot is taken while training"
+                           + (", only the last step's at the end" if self.wait_on_end else "")
+                           + "; set every_n_train_steps= to a cadence that fits the run")
         self._restored, self._opened = None, False
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -554,18 +574,22 @@ class DrafterEvalCallback(ReportSource):
         }
 
 
-def _scoring_copy(scoring: ScoringConfig | dict | None, device: str | None) -> ScoringConfig:
-    """The caller's scoring config, copied (never changed), with `device` applied."""
+def _scoring_copy(scoring: ScoringConfig | Mapping | None, device: str | None) -> ScoringConfig:
+    """The caller's scoring config, copied (never changed), with `device` applied. A mapping
+    may be an OmegaConf DictConfig (what Hydra's `instantiate` passes for a nested section)."""
+    if isinstance(scoring, DictConfig):
+        scoring = OmegaConf.to_container(scoring, resolve=True)
     if isinstance(scoring, ScoringConfig):
         fields = dataclasses.asdict(scoring)
-    elif isinstance(scoring, dict) or scoring is None:
+    elif isinstance(scoring, Mapping) or scoring is None:
         fields = dict(scoring or {})
         unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(ScoringConfig)})
         if unknown:
             legal = [f.name for f in dataclasses.fields(ScoringConfig)]
             raise ValueError(f"scoring has unknown field(s) {unknown}; the fields are {legal}")
     else:
-        raise TypeError(f"scoring must be a ScoringConfig, a dict of its fields or None; got {type(scoring).__name__}")
+        raise TypeError(f"scoring must be a ScoringConfig, a dict (or DictConfig) of its fields or None; "
+                        f"got {type(scoring).__name__}")
     if device is not None:
         fields["device"] = device
     return ScoringConfig(**fields)

@@ -101,6 +101,12 @@ def report_metrics(prefix: str, report: EvalReport, baseline: EvalReport | None)
     return {k: v for k, v in out.items() if not math.isnan(v)}
 
 
+def wandb_name(key: str) -> str:
+    """A logged key as `define_metric` takes it: W&B reads an unescaped '.' as a nested summary
+    path, so a task or prefix with a dot (`py3.11`) would lose its axis and max summary."""
+    return key.replace(".", "\\.")
+
+
 def mean_curve(report: EvalReport, method: str) -> list[float]:
     """The acceptance curve averaged over tasks (each task weighs the same)."""
     curves = [t[method]["curve"] for t in report.tasks.values()]
@@ -210,7 +216,7 @@ class Publisher:
         run = logger.experiment
         p = self.prefix
         if id(run) not in self._wandb_defined:
-            run.define_metric(f"{p}/step")
+            run.define_metric(wandb_name(f"{p}/step"))
             run.config.update({p: {"cache": report.cache.get("path"), "cache_fingerprint": report.cache["fingerprint"],
                                    "target_fingerprint": report.cache.get("target"),
                                    "block_size": report.block_size, "drafter_block_size": report.drafter_block_size,
@@ -219,7 +225,7 @@ class Publisher:
         defined = self._wandb_defined[id(run)]
         for key in [k for k in metrics if k not in defined]:  # each key the first time it is seen (the baseline's may come late)
             summary = "max" if key not in (f"{p}/step", f"{p}/score_seconds", f"{p}/errors") else None
-            run.define_metric(key, step_metric=f"{p}/step", **({"summary": summary} if summary else {}))
+            run.define_metric(wandb_name(key), step_metric=wandb_name(f"{p}/step"), **({"summary": summary} if summary else {}))
             defined.add(key)
         columns, rows = comparison(report, baseline)
         extras = {f"{p}/live_table": wandb.Table(columns=columns, data=[[row[0], *(round(x, 4) for x in row[1:])]

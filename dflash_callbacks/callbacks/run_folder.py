@@ -40,8 +40,8 @@ RUN_FILE = "run.json"
 LOCK_FILE = ".lock"
 RESULTS_FILE = "results.jsonl"
 HEARTBEAT_FILE = "watcher.json"
-SNAPSHOT_NAME = re.compile(r"^step-(\d{8})$")
-REPORT_NAME = re.compile(r"^step-(\d{8})\.json$")
+SNAPSHOT_NAME = re.compile(r"^step-([0-9]{8})\Z")
+REPORT_NAME = re.compile(r"^step-([0-9]{8})\.json\Z")
 
 
 class RunFolderBusy(RuntimeError):
