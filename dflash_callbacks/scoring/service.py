@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import threading
+import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -292,10 +293,14 @@ class ScoringService:
 
     def release(self) -> None:
         """Give the accelerator memory back (scoring.release_memory): the head returns to the
-        CPU until the next report moves it again."""
-        if self.head.lm_head.weight.is_cuda:
-            self.head.to("cpu")
-            torch.cuda.empty_cache()
+        CPU until the next report moves it again. A failure here (a device in a bad state) is a
+        warning: it never costs a finished report, or a job's own error, its answer."""
+        try:
+            if self.head.lm_head.weight.is_cuda:
+                self.head.to("cpu")
+                torch.cuda.empty_cache()
+        except Exception as e:
+            warnings.warn(f"giving the scorer's accelerator memory back failed: {type(e).__name__}: {e}", stacklevel=2)
 
     def baseline(self, *, cancel: threading.Event | None = None, progress: bool = False) -> EvalReport | None:
         """The baseline's report: from a saved report JSON, from the on-disk cache of
