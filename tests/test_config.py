@@ -149,6 +149,8 @@ def test_a_users_config_object_is_copied_never_changed():
     assert (c.scoring.ddtree_budgets, c.scoring.device, c.scoring.window) == ([4], "cpu", 7)
     with pytest.raises(ValueError, match=r"scoring has unknown field\(s\) \['budgets'\]"):
         DrafterEvalCallback(cache="c", target="t", scoring=OmegaConf.create({"budgets": [4]}))
+    with pytest.raises(ValueError, match=r"scoring leaves required keys unset \(\?\?\?\): \['device', 'topk'\]"):
+        DrafterEvalCallback(cache="c", target="t", scoring=OmegaConf.create("device: ???\ntopk: ???"))
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -158,6 +160,7 @@ def test_a_users_config_object_is_copied_never_changed():
     ({"window": 2.5}, r"window must be None or an integer >= 1; got 2.5"),
     ({"tasks": "long"}, r"tasks must be a list of names, e.g. \['fizzbuzz'\]; got 'long'"),
     ({"device": "gpu"}, r"device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got 'gpu'"),
+    ({"device": "cuda:\u0661"}, r"device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got 'cuda:\u0661'"),
     ({"backend": "cuda"}, r"backend must be one of \['auto', 'torch', 'triton', 'reference'\]"),
 ])
 def test_scoring_config_refuses_values_of_the_wrong_kind(kwargs, message):

@@ -578,6 +578,9 @@ def _scoring_copy(scoring: ScoringConfig | Mapping | None, device: str | None) -
     """The caller's scoring config, copied (never changed), with `device` applied. A mapping
     may be an OmegaConf DictConfig (what Hydra's `instantiate` passes for a nested section)."""
     if isinstance(scoring, DictConfig):
+        missing = sorted(OmegaConf.missing_keys(scoring))  # '???': named as unset, not checked as a value
+        if missing:
+            raise ValueError(f"scoring leaves required keys unset (???): {missing}")
         scoring = OmegaConf.to_container(scoring, resolve=True)
     if isinstance(scoring, ScoringConfig):
         fields = dataclasses.asdict(scoring)

@@ -49,7 +49,7 @@ class ScoringConfig:
         check_choice("dtype", self.dtype, DTYPES)
         check_number("max_memory_gib", self.max_memory_gib, above=0, optional=True)
         check_bool("release_memory", self.release_memory)
-        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {self.device!r} "
                              "(whether it exists here is checked before scoring starts)")
 
