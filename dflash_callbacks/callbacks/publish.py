@@ -221,10 +221,10 @@ class Publisher:
                                    "target_fingerprint": report.cache.get("target"),
                                    "block_size": report.block_size, "drafter_block_size": report.drafter_block_size,
                                    "methods": report.methods, "scoring": report.scoring}}, allow_val_change=True)
-            self._wandb_defined[id(run)] = set()
+            self._wandb_defined[id(run)] = {f"{p}/step"}  # the x axis itself: not plotted against itself
         defined = self._wandb_defined[id(run)]
         for key in [k for k in metrics if k not in defined]:  # each key the first time it is seen (the baseline's may come late)
-            summary = "max" if key not in (f"{p}/step", f"{p}/score_seconds", f"{p}/errors") else None
+            summary = "max" if key not in (f"{p}/score_seconds", f"{p}/errors") else None
             run.define_metric(wandb_name(key), step_metric=wandb_name(f"{p}/step"), **({"summary": summary} if summary else {}))
             defined.add(key)
         columns, rows = comparison(report, baseline)
