@@ -108,12 +108,12 @@ def test_fsdp2_capture_gathers_the_full_state_on_rank0_and_the_callback_keeps_ra
     tensors equal, bit for bit, to the published folder the drafter started from and, after
     5 optimizer steps, to the full tensors gathered parameter by parameter; rank 1 gets None.
 
-    The eval callback runs in the same job, on a cache that takes about a second to score
+    The eval callback runs in the same job, on a cache that takes a few seconds to score
     (one anchor per forward), so rank 0 skips snapshots while it is busy; the last step
-    (11, odd) is captured in on_train_end. Only rank 0 knows when it skips: every rank
+    (11, odd) is captured at the end of training. Only rank 0 knows when it skips: every rank
     must follow its decision, or the gathers would pair up wrongly or hang."""
     root = tmp_path / "run"
-    slow = write_cache(world, tmp_path / "slow-cache", [("slow", 300, 4)])
+    slow = write_cache(world, tmp_path / "slow-cache", [("slow", 900, 4)])  # ~3 s a report: skips under any load
     run_script(["--world", world, "--root", root, "--devices", 2, "--strategy", "fsdp2", "--max-steps", 11,
                 "--every", 2, "--no-baseline", "--init-from-baseline", "--capture-check", 5, "--record",
                 "--eval-cache", slow, "--anchors-per-forward", 1, "--busy", "skip"])
