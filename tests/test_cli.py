@@ -155,8 +155,12 @@ def test_extract_refuses_a_missing_target_without_asking_the_hub(tmp_path, capsy
 
 def test_watch_refuses_what_can_not_work_and_logs_what_it_scores(world, tmp_path, capsys):
     base = ["watch", "--cache", str(world.cache), "--target", str(world.target), "--budgets", "4", "--device", "cpu"]
-    fails([*base, "--dir", str(tmp_path / "runs-typo")], capsys, "--dir", "is not a folder")
-    assert not (tmp_path / "runs-typo").exists()
+    fails([*base, "--dir", str(tmp_path / "runs-typo"), "--once"], capsys, "--dir", "is not a folder")
+    fails([*base, "--dir", str(world.cache / "manifest.json")], capsys, "--dir", "is not a folder")
+    # started before the training run creates its dirpath: it waits, and creates nothing
+    assert cli_main([*base, "--dir", str(tmp_path / "runs-later"), "--idle-exit", "0"]) == 0
+    assert "runs-later does not exist yet, waiting" in capsys.readouterr().out
+    assert not (tmp_path / "runs-typo").exists() and not (tmp_path / "runs-later").exists()
     for bad in (["--poll-seconds", "-1"], ["--poll-seconds", "inf"], ["--poll-seconds", "nan"], ["--idle-exit", "nan"]):
         fails([*base, "--dir", str(tmp_path), *bad], capsys, "--poll-seconds and --idle-exit must be finite numbers >= 0")
     fails([*base, "--dir", str(tmp_path), "--baseline", str(tmp_path / "nope")], capsys, "baseline")
@@ -180,6 +184,11 @@ def test_watch_refuses_what_can_not_work_and_logs_what_it_scores(world, tmp_path
     from dflash_callbacks.scoring.service import ScoringService, ServiceSpec
 
     spec = ServiceSpec(str(world.cache), str(world.target), None, {"ddtree_budgets": [4], "device": "cpu"})
+    later = Watcher(ScoringService(spec), tmp_path / "runs-later", log=lambda line: None)
+    assert later.scan_once() == 0 and not (tmp_path / "runs-later").exists()
+    shutil.copytree(tmp_path / "runs", tmp_path / "runs-later")  # the training run made it meanwhile
+    (tmp_path / "runs-later" / "run-a" / "reports" / "step-00000003.json").unlink()
+    assert later.scan_once() == 1
     watcher = Watcher(ScoringService(spec), tmp_path / "runs", log=lambda line: None)
     assert watcher.scan_once() == 0 and watcher.scan_once() == 0
     stale = {**json.loads(run.report_path(3).read_text()), "snapshot_id": "0" * 16}

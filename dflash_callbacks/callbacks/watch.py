@@ -110,6 +110,8 @@ class Watcher:
         """Score every snapshot without its report; returns how many were scored. A run folder
         that can not be read or written (a full disk, a folder where a file goes, a run removed
         meanwhile) is logged and tried again on the next poll; the other runs go on."""
+        if not self.root.is_dir():  # not created yet by the training run: nothing to score, no heartbeat
+            return 0
         done = 0
         try:
             write_heartbeat(self.root)
@@ -205,7 +207,7 @@ def add_watch_arguments(p: argparse.ArgumentParser) -> None:
 def run_watch(args: argparse.Namespace) -> int:
     from ..scoring.cli import UsageError, scoring_config
 
-    if not args.dir.is_dir():
+    if args.dir.exists() and not args.dir.is_dir() or args.once and not args.dir.is_dir():
         raise UsageError(f"--dir {args.dir} is not a folder: give the callback's dirpath (or a run folder in it)")
     if not all(math.isfinite(x) and x >= 0 for x in (args.poll_seconds, args.idle_exit) if x is not None):
         raise UsageError(f"--poll-seconds and --idle-exit must be finite numbers >= 0; got {args.poll_seconds:g} "
@@ -216,14 +218,17 @@ def run_watch(args: argparse.Namespace) -> int:
         scoring=scoring_config(args).to_dict(),
         baseline_cache_dir=None if args.baseline_cache_dir is None else str(args.baseline_cache_dir),
     )
-    no_runs = not run_folders(args.dir)
+    no_runs = not args.dir.is_dir() or not run_folders(args.dir)
     if no_runs and args.once:
         raise UsageError(f"--dir {args.dir} holds no run folder{runs_hint(args.dir)}")
     preflight(spec, None)
     watcher = Watcher(ScoringService(spec), args.dir, log=lambda line: print(line, flush=True))
     print(f"watch: scoring the snapshots of the runs in {args.dir} (every {args.poll_seconds:g} s; Ctrl-C stops)",
           flush=True)
-    if no_runs:
+    if not args.dir.is_dir():  # a watcher started before the training run that makes it
+        print(f"watch: {args.dir} does not exist yet, waiting for a training run to create it (the callback's "
+              "dirpath; if none will, check the path)", flush=True)
+    elif no_runs:
         print(f"watch: {args.dir} holds no run folder yet, waiting for one{runs_hint(args.dir)}", flush=True)
     last_work = time.time()
     while True:
