@@ -183,10 +183,10 @@ def test_a_report_of_another_scorer_version_is_refused_and_its_cached_baseline_s
     assert report.scorer_version == SCORER_VERSION and run.mismatches(report, "it") == []
     older = EvalReport.from_dict({k: v for k, v in report.to_dict().items() if k != "scorer_version"})
     assert run.mismatches(older, "the baseline") == [
-        f"the baseline was scored with scorer version None (this run: {SCORER_VERSION})"]
+        f"the baseline was scored with scorer version unrecorded (a report from before versions were recorded) (this run: {SCORER_VERSION})"]
     older.to_json(tmp_path / "older.json")
     cb = eval_cb(world, tmp_path, baseline=tmp_path / "older.json")
-    with pytest.raises(PreflightError, match=r"older.json was scored with scorer version None"):
+    with pytest.raises(PreflightError, match=r"older.json was scored with scorer version unrecorded"):
         fit(world, tmp_path, [cb], max_steps=2)
     (cached,) = (tmp_path / "bc").glob("baseline-*.json")
     assert EvalReport.load(cached).extra["baseline_key"]["scorer"] == SCORER_VERSION

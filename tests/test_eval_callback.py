@@ -144,6 +144,8 @@ def test_bad_arguments_fail_before_training(world, tmp_path):
         DrafterEvalCallback(cache=world.cache, target=world.target, scoring={"ddtree_budgets": [0]})
     with pytest.raises(ValueError, match=r"name must be letters, .*; got 'dflash\\n'"):  # '$' let a trailing newline in
         DrafterEvalCallback(cache=world.cache, target=world.target, name="dflash\n")
+    with pytest.raises(ValueError, match=r"dirpath .*manifest.json is a file: give the folder"):
+        DrafterEvalCallback(cache=world.cache, target=world.target, dirpath=world.cache / "manifest.json")
     module = DFlashTrainingModule(world.config, world.target)
     cb = DrafterEvalCallback(cache=world.cache, target=world.target, drafter="nope", dirpath=tmp_path)
     with pytest.raises(AttributeError, match=r"has no attribute 'nope'; .*drafter-like submodules of .*: \['drafter'\]"):

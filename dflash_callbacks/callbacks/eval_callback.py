@@ -190,6 +190,9 @@ class DrafterEvalCallback(ReportSource):
         self.on_error = check_choice("on_error", on_error, ON_ERROR)
         self.wait_on_end = check_bool("wait_on_end", wait_on_end)
         self.dirpath = _path("dirpath", dirpath, optional=True)
+        if self.dirpath is not None and self.dirpath.exists() and not self.dirpath.is_dir():
+            raise ValueError(f"dirpath {self.dirpath} is a file: give the folder that holds this callback's runs "
+                             "(it is made if it does not exist)")
         self.baseline_cache_dir = _path("baseline_cache_dir", baseline_cache_dir, optional=True)
         self.wait_timeout = check_number("wait_timeout", wait_timeout, above=0)
         if not isinstance(name, str) or not NAME.match(name):

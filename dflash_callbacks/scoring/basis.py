@@ -64,7 +64,7 @@ class Basis:
             if (name == "target" and (ours is None or theirs is None)) or (name == "block_size" and ours is None):
                 continue
             if ours != theirs:
-                out.append(f"{label} {_show(theirs)} (this run: {_show(ours)})")
+                out.append(f"{label} {_show(name, theirs)} (this run: {_show(name, ours)})")
         missing = [m for m in self.methods if m not in other.methods]
         if missing:
             out.append(f"no {', '.join(missing)} (this run scores {', '.join(self.methods)})")
@@ -75,5 +75,7 @@ class Basis:
         return [f"{what} was scored with {d}" for d in self.differences(Basis.of_report(report))]
 
 
-def _show(value) -> str:
+def _show(name: str, value) -> str:
+    if name == "scorer" and value is None:
+        return "unrecorded (a report from before versions were recorded)"
     return ", ".join(value) if isinstance(value, tuple) else str(value)
