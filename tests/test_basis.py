@@ -89,13 +89,10 @@ def test_a_watcher_report_on_another_basis_is_an_error_never_a_number(world, tmp
     watcher = HostileWatcher(tmp_path / "d", [
         lambda step, i: windowed.score_folder(RunFolder(run_dirs(tmp_path / "d")[0]).snapshot_path(step)).to_dict()
     ] * 2)
-    watcher.start()
     cb = eval_cb(world, tmp_path, runner="external", keep_last=4, wait_timeout=60, busy="queue", max_pending=4)
-    try:
+    with watcher:
         with pytest.warns(UserWarning, match=r"step 2 failed: .*scored with window 2 \(this run: None\); not recorded"):
             trainer = fit(world, tmp_path, [cb], max_steps=4)
-    finally:
-        watcher.stop.set()
     assert [("error" in r, r["step"]) for r in records(tmp_path / "d")] == [(True, 2), (True, 4)]
     assert cb.reports == [] and cb.errors == 2
     assert not [k for k in trainer.callback_metrics if k.endswith("/mean")]
@@ -129,12 +126,9 @@ def test_the_watchers_baseline_must_be_this_runs_and_a_late_one_is_taken(world, 
 
     cb = eval_cb(world, tmp_path, runner="external", keep_last=4, wait_timeout=60, baseline=world / "baseline",
                  busy="queue", max_pending=4)
-    watcher.start()
-    try:
+    with watcher:
         with pytest.warns(UserWarning, match="the watcher.s baseline report is of weights") as caught:
             fit(world, tmp_path, [cb, Baselines()], max_steps=6)
-    finally:
-        watcher.stop.set()
     assert [r.step for r in cb.reports] == [2, 4, 6] and cb.baseline_report.to_dict() == right.to_dict()
     assert cb.errors == 1, [str(w.message) for w in caught]  # the wrong baseline
     assert_clean(tmp_path / "d", cb.reports)

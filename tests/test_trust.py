@@ -156,6 +156,14 @@ class HostileWatcher(threading.Thread):
                         atomic_write_json(run.report_path(step), payload)
             time.sleep(0.05)
 
+    def __enter__(self):  # with HostileWatcher(...): the fit; it stops (and is joined) however the fit ends
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.join()
+
 
 def test_malformed_watcher_reports_are_errors_not_crashes(world, tmp_path):
     """External runner: a report file that is JSON but not a report (a list, tasks as a list,
@@ -174,13 +182,10 @@ def test_malformed_watcher_reports_are_errors_not_crashes(world, tmp_path):
         return {**good(step, snapshot_id), "tasks": [1, 2]}
 
     watcher = HostileWatcher(tmp_path / "d", [lambda s, i: [1, 2, 3], tasks_as_list, no_step, good])
-    watcher.start()
     cb = eval_cb(world, tmp_path, runner="external", keep_last=4, wait_timeout=60, busy="queue", max_pending=8)
-    try:
+    with watcher:
         with pytest.warns(UserWarning, match=r"step 2 failed: .*not a report"):
             trainer = fit(world, tmp_path, [cb], max_steps=8)
-    finally:
-        watcher.stop.set()
     lines = records(tmp_path / "d")
     assert trainer.global_step == 8 and [r["step"] for r in lines] == [2, 4, 6, 8]
     assert "not a report: a JSON object was expected, found list" in lines[0]["error"]
@@ -209,13 +214,10 @@ def test_a_watcher_report_with_a_nan_or_out_of_range_number_is_an_error_not_a_cr
         return payload
 
     watcher = HostileWatcher(tmp_path / "d", [nan_seconds, tau_above_block, good])
-    watcher.start()
     cb = eval_cb(world, tmp_path, runner="external", keep_last=4, wait_timeout=60, busy="queue", max_pending=8)
-    try:
+    with watcher:
         with pytest.warns(UserWarning, match=r"step 2 failed: .*not a report: seconds is nan"):
             trainer = fit(world, tmp_path, [cb], max_steps=6)
-    finally:
-        watcher.stop.set()
     lines = records(tmp_path / "d")
     assert trainer.global_step == 6 and [r["step"] for r in lines] == [2, 4, 6]
     assert "seconds is nan, not a finite number" in lines[0]["error"]
@@ -265,7 +267,6 @@ def test_a_stale_report_of_another_snapshot_is_never_taken_for_this_one(world, t
         return report.to_dict()
 
     watcher = HostileWatcher(tmp_path / "d", [lambda s, i: scored(s, i, "0" * 16)])
-    watcher.start()
     cb = eval_cb(world, tmp_path, runner="external", keep_last=2, wait_timeout=60, every_n_train_steps=4)
 
     class RightOneLater(pl.Callback):
@@ -274,10 +275,8 @@ def test_a_stale_report_of_another_snapshot_is_never_taken_for_this_one(world, t
             time.sleep(0.5)
             service.score_folder(run.snapshot_path(4)).to_json(run.report_path(4))
 
-    try:
+    with watcher:
         fit(world, tmp_path, [RightOneLater(), cb], max_steps=4, enable_checkpointing=False)
-    finally:
-        watcher.stop.set()
     (line,) = records(tmp_path / "d")
     assert line["step"] == 4 and line["snapshot_id"] == folder[4] != "0" * 16
     assert cb.errors == 0
