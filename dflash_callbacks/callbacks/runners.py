@@ -118,23 +118,14 @@ class ThreadScorer:
         return self.service
 
     def baseline(self) -> EvalReport | None:
-        service = self._service()
-        try:
-            return service.baseline(cancel=self.cancel)
-        finally:
-            if service.config.release_memory:
-                service.release()
+        return self._service().baseline(cancel=self.cancel)
 
     def score(self, job: Job) -> EvalReport:
         service = self._service()
-        try:
-            if job.snapshot is not None:
-                s = job.snapshot
-                return service.score(s.config, s.state, step=s.step, snapshot_id=s.snapshot_id, cancel=self.cancel)
-            return service.score_folder(job.folder, cancel=self.cancel)
-        finally:
-            if service.config.release_memory:
-                service.release()
+        if job.snapshot is not None:
+            s = job.snapshot
+            return service.score(s.config, s.state, step=s.step, snapshot_id=s.snapshot_id, cancel=self.cancel)
+        return service.score_folder(job.folder, cancel=self.cancel)
 
     def close(self) -> None:
         self.service = None
@@ -189,9 +180,6 @@ def worker_main() -> None:
             answer = [None if report is None else report.to_dict(), None]
         except Exception as e:  # reported to the training process, which decides
             answer = [None, describe(e) + "\n" + traceback.format_exc(limit=3)]
-        finally:
-            if service is not None and service.config.release_memory:  # after a failure too
-                service.release()
         answers.write(json.dumps(answer) + "\n")
         answers.flush()
 

@@ -277,8 +277,7 @@ class ScoringService:
         name = name or (f"step {step}" if step is not None else "drafter")
         check_finite_weights(state, name)
         drafter = DFlashDrafter.from_state_dict(config, dict(state))
-        return score_drafter(drafter, self.cache, self.head, self.config, step=step, snapshot_id=snapshot_id,
-                             name=name, cancel=cancel, progress=progress)
+        return self._score(drafter, step=step, snapshot_id=snapshot_id, name=name, cancel=cancel, progress=progress)
 
     def score_folder(
         self, folder: str | os.PathLike, *, cancel: threading.Event | None = None, progress: bool = False
@@ -288,8 +287,17 @@ class ScoringService:
         meta = read_snapshot_meta(folder) or {}
         drafter = load_drafter(folder)
         check_finite_weights(drafter.state_dict(), str(folder))
-        return score_drafter(drafter, self.cache, self.head, self.config, step=meta.get("step"),
-                             snapshot_id=meta.get("snapshot_id"), name=str(folder), cancel=cancel, progress=progress)
+        return self._score(drafter, step=meta.get("step"), snapshot_id=meta.get("snapshot_id"), name=str(folder),
+                           cancel=cancel, progress=progress)
+
+    def _score(self, drafter: DFlashDrafter, **kwargs) -> EvalReport:
+        """`score_drafter` with this service's cache, head and config; with scoring.release_memory
+        the accelerator memory goes back after it, scored or failed (every runner and `watch`)."""
+        try:
+            return score_drafter(drafter, self.cache, self.head, self.config, **kwargs)
+        finally:
+            if self.config.release_memory:
+                self.release()
 
     def release(self) -> None:
         """Give the accelerator memory back (scoring.release_memory): the head returns to the
