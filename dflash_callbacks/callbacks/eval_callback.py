@@ -42,7 +42,7 @@ from ..model import DrafterConfig
 from ..scoring.config import ScoringConfig
 from ..scoring.basis import Basis
 from ..scoring.report import EvalReport
-from ..scoring.service import ServiceSpec, preflight, run_basis
+from ..scoring.service import ServiceSpec, preflight
 from .publish import Publisher, ReportSource, Subscriber, metric_keys, report_sources
 from .run_folder import RunFolder, new_run_id
 from .runners import RUNNERS, BackgroundRunner, BaselineOutcome, Job, SnapshotOutcome, is_non_finite
@@ -254,8 +254,7 @@ class DrafterEvalCallback(ReportSource):
             scoring=self.scoring.to_dict(),
             baseline_cache_dir=None if self.baseline_cache_dir is None else str(self.baseline_cache_dir),
         )
-        preflight(self._spec, self._config, {k: tuple(v.shape) for k, v in module.state_dict().items()})
-        self._basis = run_basis(self._spec, self._config.block_size)
+        self._basis = preflight(self._spec, self._config, {k: tuple(v.shape) for k, v in module.state_dict().items()})
         if 0 < trainer.max_steps < self.every_n_train_steps:
             rank_zero_warn(f"{self.name}: every_n_train_steps={self.every_n_train_steps} is more than max_steps="
                            f"{trainer.max_steps}: no snapshot is taken while training"

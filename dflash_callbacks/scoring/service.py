@@ -106,12 +106,13 @@ def run_basis(spec: ServiceSpec, drafter_block_size: int | None, cache: HiddenSt
 # ---------------------------------------------------------------- preflight
 
 
-def preflight(spec: ServiceSpec, drafter: DrafterConfig | None, drafter_shapes: Mapping[str, tuple] | None = None) -> None:
+def preflight(spec: ServiceSpec, drafter: DrafterConfig | None, drafter_shapes: Mapping[str, tuple] | None = None) -> Basis:
     """Check, before any work, that the drafter (its config, and its tensor shapes when
     given), the cache, the target, the scoring config, the device and the baseline fit
     together. Without a drafter (`watch`, before it has seen a snapshot), the checks that
     need one are left out and the target is held against the cache. Raises PreflightError
-    with one line per problem."""
+    with one line per problem; else returns the run's basis (`run_basis`), from the cache and
+    the head fingerprint it has just read."""
     config = ScoringConfig(**spec.scoring)  # a bad value raises on its own, naming the field
     problems: list[str] = []
     problems += _device_problems(config)
@@ -145,6 +146,7 @@ def preflight(spec: ServiceSpec, drafter: DrafterConfig | None, drafter_shapes: 
         problems.append(f"baseline {spec.baseline} does not exist (give a drafter folder or a saved report JSON)")
     if problems:
         raise PreflightError("the scoring inputs do not fit together:\n  " + "\n  ".join(problems))
+    return Basis.of_run(config, cache, block, head)
 
 
 def _device_problems(config: ScoringConfig) -> list[str]:
