@@ -2,8 +2,8 @@
 
 Pair it with `DrafterEvalCallback(runner="external", dirpath=DIR)`. `--dir` is that
 `dirpath` (one subfolder per run; new runs are picked up as they appear) or one run
-folder; a --dir holding no run folder is an error with --once (naming the folder meant,
-when one is near), else a notice. Run folders whose run.json names another runner
+folder; a --dir holding no run folder, or not there yet, is an error with --once
+(naming the folder meant, when one is near), else a notice and a wait. Run folders whose run.json names another runner
 (thread, process) are skipped, and said so once. Every poll, for every run folder, the watcher
 - scores the baseline once into reports/baseline.json (a failure is written there as
   `{"error": ...}`, so the run goes on without one, and retried on the next poll; the
@@ -193,7 +193,8 @@ def add_watch_arguments(p: argparse.ArgumentParser) -> None:
     from ..scoring.cli import BASELINE_CACHE_HELP, add_scoring_arguments
 
     p.add_argument("--dir", required=True, type=Path,
-                   help="the callback's dirpath (one subfolder per run) or one run folder; must exist")
+                   help="the callback's dirpath (one subfolder per run) or one run folder; waited for if it does not "
+                        "exist yet (with --once it must exist)")
     p.add_argument("--cache", required=True, type=Path, help="hidden-state cache folder")
     p.add_argument("--target", required=True, type=Path, help="target folder (only embed_tokens and lm_head are read)")
     p.add_argument("--baseline", type=Path, default=None, help="the runs' baseline drafter folder or saved report JSON")
