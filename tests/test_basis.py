@@ -25,7 +25,7 @@ from dflash_callbacks.callbacks.watch import Watcher
 from dflash_callbacks.cli import main as cli_main
 from dflash_callbacks.model import DrafterConfig, load_drafter
 from dflash_callbacks.scoring.basis import Basis
-from dflash_callbacks.scoring.service import PreflightError, ScoringService, ServiceSpec, run_basis
+from dflash_callbacks.scoring.service import PreflightError, ScoringService, ServiceSpec, preflight
 
 from runs import assert_clean, records, run_dirs
 
@@ -293,7 +293,7 @@ def test_the_runner_scores_a_snapshot_only_after_its_copy_lands(world, tmp_path)
     snapshot.event = CopyLandsOnWait(snapshot, weights)
     spec = ServiceSpec(str(world / "cache"), str(world / "target"), None, SCORING)
     run = RunFolder.create(tmp_path / "d", "run")
-    runner = BackgroundRunner("thread", spec, run, keep_last=0, basis=run_basis(spec, config.block_size))
+    runner = BackgroundRunner("thread", spec, run, keep_last=0, basis=preflight(spec, config))
     runner.submit(Job(2, snapshot.snapshot_id, snapshot=snapshot))
     deadline, outcomes = time.time() + 60, []
     while not outcomes and time.time() < deadline:

@@ -95,14 +95,6 @@ def check_finite_weights(state: Mapping[str, torch.Tensor], what: str) -> None:
         raise NonFiniteError(f"{what} holds NaN or Inf weights in {shown}; not scored")
 
 
-def run_basis(spec: ServiceSpec, drafter_block_size: int | None, cache: HiddenStateCache | None = None) -> Basis:
-    """What every report of a run scored by `spec` stands on, for a drafter of
-    `drafter_block_size` (None: not known yet); see `scoring.basis`."""
-    config = ScoringConfig(**spec.scoring)
-    return Basis.of_run(config, cache or HiddenStateCache(spec.cache), config.block_size or drafter_block_size,
-                        head_fingerprint(spec.target))
-
-
 # ---------------------------------------------------------------- preflight
 
 
@@ -111,8 +103,8 @@ def preflight(spec: ServiceSpec, drafter: DrafterConfig | None, drafter_shapes: 
     given), the cache, the target, the scoring config, the device and the baseline fit
     together. Without a drafter (`watch`, before it has seen a snapshot), the checks that
     need one are left out and the target is held against the cache. Raises PreflightError
-    with one line per problem; else returns the run's basis (`run_basis`), from the cache and
-    the head fingerprint it has just read."""
+    with one line per problem; else returns the run's basis (`scoring.basis`), from the cache
+    and the head fingerprint it has just read."""
     config = ScoringConfig(**spec.scoring)  # a bad value raises on its own, naming the field
     problems: list[str] = []
     problems += _device_problems(config)
@@ -268,7 +260,7 @@ class ScoringService:
 
     def basis(self, block_size: int | None) -> Basis:
         """What this service's reports stand on, for a drafter of `block_size` (None: not known)."""
-        return run_basis(self.spec, block_size, self.cache)
+        return Basis.of_run(self.config, self.cache, self.config.block_size or block_size, self.head.fingerprint)
 
     def score(
         self, config: DrafterConfig, state: Mapping[str, torch.Tensor], *, step: int | None = None,
