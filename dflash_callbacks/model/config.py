@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..checks import is_int
+
 LAYER_TYPES = ("full_attention", "sliding_attention")
 UNIMPLEMENTED = {
     "input_embedding_scale": "scales the block's embeddings",
@@ -65,16 +67,15 @@ class DrafterConfig:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "block_size", "vocab_size", "max_position_embeddings"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"field {name!r} must be a positive integer; got {value!r}")
-        if isinstance(self.mask_token_id, bool) or not isinstance(self.mask_token_id, int):
+        if not is_int(self.mask_token_id):
             raise ValueError(f"field 'mask_token_id' must be an integer; got {self.mask_token_id!r}")
         if not isinstance(self.target_layer_ids, list) or not all(
-            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.target_layer_ids
+            is_int(i) and i >= 0 for i in self.target_layer_ids
         ):
             raise ValueError(f"field 'target_layer_ids' must be a list of integers >= 0; got {self.target_layer_ids!r}")
-        if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
-                                                or not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+        if self.sliding_window is not None and (not is_int(self.sliding_window) or self.sliding_window < 1):
             raise ValueError(f"field 'sliding_window' must be a positive integer or null; got {self.sliding_window!r}")
         eps = self.rms_norm_eps
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
@@ -83,9 +84,7 @@ class DrafterConfig:
             raise ValueError(f"field 'attention_bias' must be true or false; got {self.attention_bias!r}")
         if not isinstance(self.hidden_act, str):
             raise ValueError(f"field 'hidden_act' must be an activation name such as 'silu'; got {self.hidden_act!r}")
-        if self.num_target_layers is not None and (isinstance(self.num_target_layers, bool)
-                                                   or not isinstance(self.num_target_layers, int)
-                                                   or self.num_target_layers < 1):
+        if self.num_target_layers is not None and (not is_int(self.num_target_layers) or self.num_target_layers < 1):
             raise ValueError(f"field 'num_target_layers' must be a positive integer or null; got {self.num_target_layers!r}")
         theta = self.rope_parameters.get("rope_theta") if isinstance(self.rope_parameters, dict) else None
         if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
@@ -157,7 +156,7 @@ class DrafterConfig:
             if num_target_layers is None:
                 raise ValueError("drafter config has neither target_layer_ids nor num_target_layers")
             for name, value in (("num_target_layers", num_target_layers), ("num_hidden_layers", num_layers)):
-                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                if not is_int(value) or value < 1:
                     raise ValueError(f"field {name!r} must be a positive integer; got {value!r}")
             layer_ids = build_target_layer_ids(num_target_layers, num_layers)
         mask_token_id = take("mask_token_id")
@@ -183,13 +182,13 @@ class DrafterConfig:
         if not layer_types and use_sliding_window and sliding_window is not None and isinstance(num_layers, int):
             first = d.get("max_window_layers")  # derived as transformers' Qwen3Config does
             first = QWEN3_MAX_WINDOW_LAYERS if first is None else first
-            if isinstance(first, bool) or not isinstance(first, int):
+            if not is_int(first):
                 raise ValueError(f"field 'max_window_layers' must be an integer; got {first!r}")
             layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
 
         hidden = take("hidden_size")
         heads = take("num_attention_heads")
-        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+        if not is_int(heads) or heads < 1:
             raise ValueError(f"field 'num_attention_heads' must be a positive integer; got {heads!r}")
         if not isinstance(hidden, int):
             raise ValueError(f"field 'hidden_size' must be a positive integer; got {hidden!r}")
