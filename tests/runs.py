@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dflash_callbacks.callbacks.run_folder import RunFolder, is_run_folder
+from dflash_callbacks.engine.run_folder import RunFolder, is_run_folder
 from dflash_callbacks.scoring.report import EvalReport
 
 AUDIT = {"runs": 0, "reports": 0, "lost": 0, "duplicated": 0, "mismatched": 0}

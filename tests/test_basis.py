@@ -18,10 +18,10 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from dflash_callbacks import TrailingBaselineStop
-from dflash_callbacks.callbacks.run_folder import RunFolder
-from dflash_callbacks.callbacks.runners import BackgroundRunner, Job, SnapshotOutcome
-from dflash_callbacks.callbacks.snapshot import Snapshot
-from dflash_callbacks.callbacks.watch import Watcher
+from dflash_callbacks.engine.run_folder import RunFolder
+from dflash_callbacks.engine.runners import BackgroundRunner, Job, SnapshotOutcome
+from dflash_callbacks.engine.snapshot import Snapshot
+from dflash_callbacks.watch.runs import Watcher
 from dflash_callbacks.cli import main as cli_main
 from dflash_callbacks.model import DrafterConfig, load_drafter
 from dflash_callbacks.scoring.basis import Basis
@@ -95,7 +95,9 @@ def test_a_watcher_report_on_another_basis_is_an_error_never_a_number(world, tmp
             trainer = fit(world, tmp_path, [cb], max_steps=4)
     assert [("error" in r, r["step"]) for r in records(tmp_path / "d")] == [(True, 2), (True, 4)]
     assert cb.reports == [] and cb.errors == 2
-    assert not [k for k in trainer.callback_metrics if k.endswith("/mean")]
+    means = {k: float(v) for k, v in trainer.callback_metrics.items() if k.endswith("/mean")}
+    assert means and all(math.isnan(v) for v in means.values())  # the placeholders: no number reached them
+    assert "dflash/step" not in trainer.callback_metrics
     assert_clean(tmp_path / "d", cb.reports)
 
 
@@ -259,7 +261,7 @@ def test_a_report_finished_when_the_fit_raises_is_kept_whole(world, tmp_path):
         def on_train_batch_end(self, trainer, *args):
             if trainer.global_step == 3:
                 deadline = time.time() + 60
-                while cb._runner._outbox.empty() and time.time() < deadline:
+                while cb.engine._runner._outbox.empty() and time.time() < deadline:
                     time.sleep(0.05)
                 raise RuntimeError("the training step failed")
 
@@ -318,7 +320,7 @@ def test_the_last_snapshots_copy_has_landed_before_a_later_callback_ends_trainin
 
     class WritesTheWeightsAtEnd(pl.Callback):
         def on_train_end(self, trainer, pl_module):
-            in_flight.append(cb._staging)
+            in_flight.append(cb.engine._staging)
 
     fit(world, tmp_path, [WritesTheWeightsAtEnd(), cb], max_steps=2)
     assert in_flight == [None]
@@ -359,7 +361,7 @@ def test_the_last_snapshot_at_max_epochs_leaves_lightnings_epoch_counter_alone(w
             self.seen = []
 
         def on_train_epoch_end(self, trainer, pl_module):
-            self.seen.append((trainer.current_epoch, cb._last_taken_step))
+            self.seen.append((trainer.current_epoch, cb.engine._last_taken_step))
 
     cb, seen = eval_cb(world, tmp_path, every_n_train_steps=4), Seen()
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{epoch}-{step}", save_top_k=-1, every_n_epochs=1)
@@ -453,7 +455,7 @@ def test_a_snapshot_baseline_is_taken_from_the_watcher_and_another_watchers_is_r
     in a run and replaces it with its own."""
     import threading
 
-    from dflash_callbacks.callbacks.runners import ExternalScorer
+    from dflash_callbacks.engine.runners import ExternalScorer
     from dflash_callbacks.scoring.service import weights_fingerprint
 
     other = other_baseline(world, tmp_path)
@@ -494,7 +496,7 @@ def test_a_snapshot_baseline_is_taken_from_the_watcher_and_another_watchers_is_r
 
 def test_a_non_finite_failure_reads_alike_from_every_runner():
     """A worker's or a watcher's failure keeps its own words, so a NaN there is known as one."""
-    from dflash_callbacks.callbacks.runners import ScorerError, describe, is_non_finite
+    from dflash_callbacks.engine.runners import ScorerError, describe, is_non_finite
     from dflash_callbacks.scoring.scorer import NonFiniteError
 
     here = describe(NonFiniteError("the drafter's logits are NaN"))

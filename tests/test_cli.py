@@ -166,8 +166,8 @@ def test_watch_refuses_what_can_not_work_and_logs_what_it_scores(world, tmp_path
     fails([*base, "--dir", str(tmp_path), "--baseline", str(tmp_path / "nope")], capsys, "baseline")
 
     # a run folder with one snapshot: it is scored and logged
-    from dflash_callbacks.callbacks.run_folder import RunFolder
-    from dflash_callbacks.callbacks.snapshot import Snapshot
+    from dflash_callbacks.engine.run_folder import RunFolder
+    from dflash_callbacks.engine.snapshot import Snapshot
 
     run = RunFolder.create(tmp_path / "runs", "run-a")
     run.write_snapshot(Snapshot(3, 0, world.config, {k: v.clone() for k, v in world.drafter.state_dict().items()}))
@@ -180,7 +180,7 @@ def test_watch_refuses_what_can_not_work_and_logs_what_it_scores(world, tmp_path
     assert (tmp_path / "runs" / "watcher.json").is_file()
 
     # a watcher scores each snapshot once; a report naming another snapshot is scored again
-    from dflash_callbacks.callbacks.watch import Watcher
+    from dflash_callbacks.watch.runs import Watcher
     from dflash_callbacks.scoring.service import ScoringService, ServiceSpec
 
     spec = ServiceSpec(str(world.cache), str(world.target), None, {"ddtree_budgets": [4], "device": "cpu"})
@@ -220,8 +220,8 @@ def test_watch_retries_a_failed_baseline(world, tmp_path):
     is tried again on the next poll: once it scores, its report replaces the error."""
     from safetensors.torch import load_file, save_file
 
-    from dflash_callbacks.callbacks.run_folder import RunFolder
-    from dflash_callbacks.callbacks.watch import Watcher
+    from dflash_callbacks.engine.run_folder import RunFolder
+    from dflash_callbacks.watch.runs import Watcher
     from dflash_callbacks.scoring.report import EvalReport
     from dflash_callbacks.scoring.service import ScoringService, ServiceSpec
 
@@ -260,8 +260,8 @@ def test_score_reads_a_scoring_config_file_and_flags_win(world, tmp_path, capsys
 
 
 def test_the_shipped_scoring_yaml_works_with_score_and_watch(world, tmp_path, capsys):
-    from dflash_callbacks.callbacks.run_folder import RunFolder
-    from dflash_callbacks.callbacks.snapshot import Snapshot
+    from dflash_callbacks.engine.run_folder import RunFolder
+    from dflash_callbacks.engine.snapshot import Snapshot
     from dflash_callbacks.paths import CONF_DIR
 
     assert "--config conf/scoring.yaml" in (CONF_DIR / "scoring.yaml").read_text()
@@ -277,8 +277,8 @@ def test_the_shipped_scoring_yaml_works_with_score_and_watch(world, tmp_path, ca
 
 
 def test_watch_names_a_dir_without_run_folders_and_the_one_meant(world, tmp_path, capsys):
-    from dflash_callbacks.callbacks.run_folder import RunFolder
-    from dflash_callbacks.callbacks.snapshot import Snapshot
+    from dflash_callbacks.engine.run_folder import RunFolder
+    from dflash_callbacks.engine.snapshot import Snapshot
 
     base = ["watch", "--cache", str(world.cache), "--target", str(world.target), "--budgets", "4", "--device", "cpu"]
     run = RunFolder.create(tmp_path / "runs" / "demo" / "dflash", "run-a")
@@ -297,9 +297,9 @@ def test_watch_names_a_dir_without_run_folders_and_the_one_meant(world, tmp_path
 
 
 def test_watch_skips_runs_of_another_runner_and_logs_it_once(world, tmp_path):
-    from dflash_callbacks.callbacks.run_folder import RunFolder
-    from dflash_callbacks.callbacks.snapshot import Snapshot
-    from dflash_callbacks.callbacks.watch import Watcher
+    from dflash_callbacks.engine.run_folder import RunFolder
+    from dflash_callbacks.engine.snapshot import Snapshot
+    from dflash_callbacks.watch.runs import Watcher
     from dflash_callbacks.scoring.service import ScoringService, ServiceSpec
 
     runs = {}
@@ -343,9 +343,9 @@ def test_a_report_the_watcher_can_not_write_is_retried_and_the_other_runs_go_on(
     """A folder where a report file goes (as a full disk, the write fails), a `reports` that is a
     file, a run folder removed: each is logged once and retried on the next poll, the other runs
     are scored, and a report scored once is written without scoring it again."""
-    from dflash_callbacks.callbacks.run_folder import RunFolder
-    from dflash_callbacks.callbacks.snapshot import Snapshot
-    from dflash_callbacks.callbacks.watch import Watcher
+    from dflash_callbacks.engine.run_folder import RunFolder
+    from dflash_callbacks.engine.snapshot import Snapshot
+    from dflash_callbacks.watch.runs import Watcher
     from dflash_callbacks.scoring.service import ScoringService, ServiceSpec
 
     runs = {}

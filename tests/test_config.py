@@ -21,7 +21,7 @@ def test_default_yaml_with_overrides_builds_both_callbacks():
     eval_cb, stop_cb = build_callbacks(cfg)
     assert isinstance(eval_cb, DrafterEvalCallback) and isinstance(stop_cb, TrailingBaselineStop)
     assert eval_cb.every_n_train_steps == 200 and eval_cb.scoring.ddtree_budgets == [4, 16]
-    assert eval_cb.scored_methods() == ["vanilla", "ddtree@4", "ddtree@16"]
+    assert eval_cb.scoring.methods == ["vanilla", "ddtree@4", "ddtree@16"]
     assert stop_cb.patience == 5 and stop_cb.monitor == "ddtree@8/live"
     off = load_config(CallbacksConfig, CONF_DIR / "callbacks.yaml", REQUIRED + ["stop.enabled=false"])
     assert len(build_callbacks(off)) == 1

@@ -81,8 +81,10 @@ def test_ddp_rank0_scores_alone_ranks_stop_together_and_a_failing_slow_scorer_do
 
     # only rank 0 snapshots and scores: rank 1 never held a runner, a scoring thread or a report
     assert r1["violations"] == [] and r1["steps_seen"] == r1["global_step"]
-    assert all(e == {"errors": 0, "skipped": 0, "reports": [], "baseline": False, "runner": False, "max_pending": 0}
-               for e in r1["evals"])
+    assert all({k: e[k] for k in ("reports", "baseline", "runner", "max_pending")}
+               == {"reports": [], "baseline": False, "runner": False, "max_pending": 0} for e in r1["evals"])
+    # ... yet its state is rank 0's (a checkpoint saved on either rank restores the same counts)
+    assert [(e["errors"], e["skipped"]) for e in r1["evals"]] == [(e["errors"], e["skipped"]) for e in r0["evals"]]
     good, failing = r0["evals"]
     assert good["reports"] and good["errors"] == 0 and good["baseline"]
     steps = [r["step"] for r in records(root / "dflash")]

@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader
 
 from dflash_callbacks import DFlashDrafter
 from dflash_callbacks.callbacks import DrafterEvalCallback
-from dflash_callbacks.callbacks.snapshot import StagingPool, capture
+from dflash_callbacks.engine.snapshot import StagingPool, capture
 from dflash_callbacks.cli import main as cli_main
 from dflash_callbacks.scoring.service import ScoringService, ServiceSpec
 from dflash_callbacks.training import CacheSequences, DFlashTrainingModule, collate_sequences
@@ -175,18 +175,21 @@ def test_snapshot_buffers_are_allocated_once_reused_and_hold_their_steps_weights
 
     class AtCapture(pl.Callback):  # after cb: sees each snapshot right after its copy
         def __init__(self):
-            self.buffers, self.weights = {}, {}
+            self.buffers, self.weights, self.pools = {}, {}, set()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if cb._staging is not None and cb._staging.step == trainer.global_step:
-                self.buffers[trainer.global_step] = tuple(t.data_ptr() for t in cb._staging.state.values())
+            self.pools.add(cb.engine._pool)
+            if cb.engine._staging is not None and cb.engine._staging.step == trainer.global_step:
+                self.buffers[trainer.global_step] = tuple(t.data_ptr() for t in cb.engine._staging.state.values())
                 self.weights[trainer.global_step] = {k: v.detach().clone()
                                                      for k, v in pl_module.drafter.state_dict().items()}
 
     seen = AtCapture()
     trainer(tmp_path, [cb, seen], max_steps=12).fit(module, loader(world))
     during = [r for r in cb.reports if r.step in seen.buffers]  # not the final one, taken in on_train_end
-    assert len(during) >= 3 and cb._pool.allocations == 1  # busy="skip": one set, allocated once
+    (pool,) = seen.pools  # one pool for the fit
+    assert len(during) >= 3 and pool.allocations == 1  # busy="skip": one set, allocated once
+    assert cb.engine._pool is None  # released when fit ends
     assert len({seen.buffers[r.step] for r in during}) == 1  # the same buffers for every snapshot
     service = ScoringService(ServiceSpec(str(world.cache), str(world.target), None, SCORING))
     for report in during:

@@ -92,7 +92,7 @@ def test_scorer_raising_with_on_error_raise_stops_the_fit_naming_the_step(world,
     records = results(tmp_path)  # the good report and the error are both on disk
     assert records[0]["step"] == corrupt.at and "tasks" in records[0]
     assert records[-1]["step"] == failed and "CacheError" in records[-1]["error"]
-    assert cb._runner is None  # closed by on_exception
+    assert cb.engine._runner is None  # closed by on_exception
     assert_clean(tmp_path / "d", cb.reports)
 
 
@@ -120,7 +120,7 @@ def test_killed_scoring_worker_fails_its_step_and_a_new_worker_scores_the_next(w
         loaded = False
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            runner = cb._runner
+            runner = cb.engine._runner
             if self.killed is not None or runner is None or runner.pending == 0:
                 return
             deadline = time.time() + 240
@@ -285,7 +285,7 @@ def test_sigkilled_training_resumes_from_its_checkpoint_and_loses_nothing(world,
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
 
-    from dflash_callbacks.callbacks.run_folder import RunFolder
+    from dflash_callbacks.engine.run_folder import RunFolder
 
     left = {step: RunFolder.snapshot_id(folder) for step, folder in RunFolder(results_path.parent).list_snapshots()}
     before = results_path.read_text()
@@ -444,7 +444,7 @@ def test_long_run_keeps_snapshots_and_pending_bounded(world, tmp_path):
             snapshots = cb.run.snapshots_dir
             on_disk = [p for p in snapshots.iterdir() if "step-" in p.name] if snapshots.is_dir() else []
             self.most_on_disk = max(self.most_on_disk, len(on_disk))
-            self.most_pending = max(self.most_pending, cb._runner.pending)
+            self.most_pending = max(self.most_pending, cb.engine._runner.pending)
             self.samples += 1
 
     watch = Watch()

@@ -11,8 +11,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from dflash_callbacks.callbacks import DrafterEvalCallback
-from dflash_callbacks.callbacks.run_folder import RunFolder, RunFolderBusy
-from dflash_callbacks.callbacks.watch import Watcher
+from dflash_callbacks.engine.run_folder import RunFolder, RunFolderBusy
+from dflash_callbacks.watch.runs import Watcher
 from dflash_callbacks.scoring.service import ScoringService, ServiceSpec
 from dflash_callbacks.training import CacheSequences, DFlashTrainingModule, collate_sequences
 

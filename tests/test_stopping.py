@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from dflash_callbacks.callbacks.publish import ReportSource
+from dflash_callbacks.callbacks.eval_callback import DrafterEvalCallback, LightningHost
+from dflash_callbacks.engine.stop import Moment
 from dflash_callbacks.callbacks.stopping import (
     TrailingBaselineStop,
     fit_projection,
@@ -159,7 +160,6 @@ def test_too_few_points_for_projection_does_not_stop():
         ({"grace_steps": -1}, "`grace_steps` must be an integer >= 0"),
         ({"projection": "false"}, "`projection` must be true or false; got 'false'"),
         ({"projection_window": 2}, "`projection_window` must be an integer >= 3"),
-        ({"sync_every_n_steps": 0}, "`sync_every_n_steps` must be an integer >= 1"),
         ({"action": "halt"}, "`action` must be one of ['stop', 'warn']; got 'halt'"),
     ],
 )
@@ -190,24 +190,27 @@ def test_state_dict_round_trip():
 # ----- the hook, without a Trainer run ---------------------------------------------------------------
 
 
+def say(text: str) -> None:
+    warnings.warn(text, UserWarning)
+
+
 def test_no_baseline_records_and_warns_once(tmp_path):
     cb = TrailingBaselineStop(min_ratio=0.9, patience=1)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=10, logger=False, enable_checkpointing=False)
+    now = Moment(step=1, horizon=10)
     with pytest.warns(UserWarning, match="no baseline report"):
-        cb.on_dflash_report(trainer, None, make_report(1.0, 1), None)
+        assert cb.on_report(make_report(1.0, 1), None, now, print, say) is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the second report without a baseline warns no more
-        cb.on_dflash_report(trainer, None, make_report(1.0, 2), None)
-    assert cb.history == [(1, 1.0), (2, 1.0)] and not trainer.should_stop and cb.stop_reason is None
-    cb.on_dflash_report(trainer, None, make_report(1.0, 3), make_report(BASE, None))
-    assert trainer.should_stop and cb.stop_reason.startswith("dflash: stopping at step 3:")
+        assert cb.on_report(make_report(1.0, 2), None, now, print, say) is None
+    assert cb.history == [(1, 1.0), (2, 1.0)] and cb.stop_reason is None
+    reason = cb.on_report(make_report(1.0, 3), make_report(BASE, None), now, print, say)
+    assert reason.startswith("dflash: stopping at step 3:")
 
 
 def test_missing_monitor_names_what_exists():
     cb = TrailingBaselineStop(monitor="ddtree@16/live")
-    trainer = pl.Trainer(accelerator="cpu", max_steps=10, logger=False, enable_checkpointing=False)
     with pytest.raises(RuntimeError, match=r"ddtree@16/live is not in this report; it holds the methods \['ddtree@8'\]"):
-        cb.on_dflash_report(trainer, None, make_report(1.0, 1), make_report(BASE, None))
+        cb.on_report(make_report(1.0, 1), make_report(BASE, None), Moment(step=1), print, say)
 
 
 def test_defaults_without_a_threshold_is_ninety_percent_and_delta_alone_is_accepted():
@@ -237,49 +240,57 @@ def tiny_loader(n: int = 64) -> DataLoader:
     return DataLoader(TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)), batch_size=2)
 
 
-class ScriptedReports(ReportSource):
-    """A report source with scripted values: at scripted global steps it publishes a real
-    EvalReport to its subscribers (rank 0 only, on the training thread, like DrafterEvalCallback)."""
-
-    name = "scripted"
+class ScriptedReports(DrafterEvalCallback):
+    """A DrafterEvalCallback whose reports are scripted: at scripted global steps its engine hands a real
+    EvalReport to the stops (rank 0 only, on the training thread, as after scoring) and brings their
+    stop to every rank, as it does for scored reports. Nothing is scored and no folder is written."""
 
     def __init__(self, values: dict[int, float], baseline: float | None = BASE, history: list[dict] = (),
-                 at_end: float | None = None):
-        self.values, self.history, self.at_end = values, list(history), at_end  # at_end: a report in on_train_end
-        self.baseline_report = None if baseline is None else make_report(baseline, None)
-        self.subscribers = []
+                 at_end: float | None = None, sync_every_n_steps: int = 1):
+        super().__init__(cache="scripted", target="scripted", baseline=None if baseline is None else "scripted",
+                         verbose=False, sync_every_n_steps=sync_every_n_steps)
+        self.values, self.history0, self.at_end = values, list(history), at_end  # at_end: a report in on_train_end
+        self.base = None if baseline is None else make_report(baseline, None)
 
-    def scored_methods(self):
-        return ["ddtree@8"]
+    def setup(self, trainer, pl_module, stage):
+        self.engine.host = LightningHost(trainer)
 
-    def subscribe(self, fn):
-        self.subscribers.append(fn)
-        return lambda: self.subscribers.remove(fn)
-
-    def run_history(self, trainer, pl_module):
-        return list(self.history)
+    def on_train_start(self, trainer, pl_module):  # what engine.start does, less the run folder and the runner
+        engine = self.engine
+        engine.host, engine._started = LightningHost(trainer), True
+        engine._fresh({"history": self.history0})
+        engine.baseline_report = self.base
+        for policy in engine.stops.policies:
+            policy.load_history(engine.history)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.publish(trainer, self.values.get(trainer.global_step))
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        pass
 
     def on_train_end(self, trainer, pl_module):
+        self.engine._closing = True
         self.publish(trainer, self.at_end)
+
+    def _module(self, pl_module):
+        return pl_module
 
     def publish(self, trainer, value: float | None) -> None:
         if value is None or trainer.global_rank != 0:
             return
         report = make_report(value, trainer.global_step)
-        self.history.append({"step": report.step, "mean": report.mean})
-        for fn in self.subscribers:
-            fn(report, self.baseline_report)
+        self.engine._add_history({"step": report.step, "mean": report.mean})
+        self.engine._notify(report)
 
 
 def fit(stop: TrailingBaselineStop, values: dict[int, float], max_steps: int = 20, at_end: float | None = None,
-        more: list = (), **kwargs) -> pl.Trainer:
+        more: list = (), source: ScriptedReports | None = None, **kwargs) -> pl.Trainer:
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=max_steps,
-        callbacks=[*more, ScriptedReports(values, at_end=at_end), stop],
+        callbacks=[*more, source or ScriptedReports(values, at_end=at_end), stop],
         logger=False,
         enable_progress_bar=False,
         enable_checkpointing=False,
@@ -336,10 +347,12 @@ def test_a_second_fit_with_the_same_callback_starts_fresh():
     """The stop of the first fit (and a stop still pending on rank 0 when a multi-rank fit ended, which
     the next fit's first sync broadcast) stayed: the second fit, never trailing, reported "stopping at step 2"."""
     stop = TrailingBaselineStop(min_ratio=0.9, patience=1, verbose=False)
-    assert fit(stop, {2: 1.0}).global_step == 2 and stop.stopped_step == 2
-    stop._pending = stop.stop_reason  # what rank 0 holds when training ends before the sync
-    trainer = fit(stop, {4: 5.0})
-    assert trainer.global_step == 20 and (stop.stopped_step, stop.stop_reason, stop._pending) == (0, None, None)
+    source = ScriptedReports({2: 1.0})
+    assert fit(stop, {}, source=source).global_step == 2 and stop.stopped_step == 2
+    source.engine.stops.pending = (0, stop.stop_reason)  # what rank 0 holds when training ends before the sync
+    source.values = {4: 5.0}
+    trainer = fit(stop, {}, source=source)
+    assert trainer.global_step == 20 and (stop.stopped_step, stop.stop_reason, source.engine.stops.pending) == (0, None, None)
     assert stop.history == [(4, 5.0)] and stop.wait_count == 0
 
 
@@ -385,13 +398,13 @@ def test_ddp_ranks_stop_together_at_the_next_sync(tmp_path):
     the next sync step (8) together, so neither waits forever for the other in a collective."""
     if torch.cuda.is_initialized():
         pytest.skip("Lightning refuses to fork once CUDA is initialized; CPU-only runs cover this test")
-    stop = TrailingBaselineStop(min_ratio=0.9, patience=2, sync_every_n_steps=4, verbose=False)
+    stop = TrailingBaselineStop(min_ratio=0.9, patience=2, verbose=False)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
         strategy="ddp_fork",
         max_steps=20,
-        callbacks=[ScriptedReports({2: 1.0, 5: 1.0}), stop, RecordEachRank(tmp_path, stop)],
+        callbacks=[ScriptedReports({2: 1.0, 5: 1.0}, sync_every_n_steps=4), stop, RecordEachRank(tmp_path, stop)],
         logger=False,
         enable_progress_bar=False,
         enable_checkpointing=False,

@@ -26,9 +26,11 @@ from dflash_callbacks import TrailingBaselineStop, save_drafter
 from dflash_callbacks.cache.extract import extract_cache
 from dflash_callbacks.cache.format import write_task
 from dflash_callbacks.cache.tasks import Task
-from dflash_callbacks.callbacks import runners
-from dflash_callbacks.callbacks.publish import Publisher
-from dflash_callbacks.callbacks.run_folder import RunFolder
+from dflash_callbacks.engine import runners
+from dflash_callbacks.callbacks.eval_callback import LightningHost
+from dflash_callbacks.engine.evaluator import EvalEngine
+from dflash_callbacks.engine.publish import Publisher
+from dflash_callbacks.engine.run_folder import RunFolder
 from dflash_callbacks.cli import main as cli_main
 from dflash_callbacks.files import atomic_write_json
 from dflash_callbacks.model.target_head import head_fingerprint
@@ -72,7 +74,7 @@ def test_a_failed_append_leaves_no_torn_line_and_is_written_once_the_disk_takes_
     the line is cut back whole, and appends go through again once there is room."""
     script = textwrap.dedent(f"""
         import json, resource, signal
-        from dflash_callbacks.callbacks.run_folder import RunFolder, ResultsWriteError
+        from dflash_callbacks.engine.run_folder import RunFolder, ResultsWriteError
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         run = RunFolder.create({str(tmp_path)!r}, "r")
         run.append({{"step": 1, "error": "first"}})
@@ -140,7 +142,7 @@ class HostileWatcher(threading.Thread):
         self.dirpath, self.payloads, self.done, self.stop = dirpath, list(payloads), set(), threading.Event()
 
     def run(self):
-        from dflash_callbacks.callbacks.run_folder import write_heartbeat
+        from dflash_callbacks.engine.run_folder import write_heartbeat
 
         while not self.stop.is_set():
             if self.dirpath.is_dir():
@@ -238,15 +240,18 @@ def test_a_report_or_line_that_is_not_strict_json_is_an_error_line_dropped_never
     bad.seconds = float("nan")
     later = EvalReport.from_dict({**good.to_dict(), "step": 6, "snapshot_id": "c" * 16})
     run, failures, seen = RunFolder.create(tmp_path / "d", "r"), [], []
-    publisher = Publisher("dflash", run, lambda trainer, message: failures.append(message), False,
-                          [lambda report, baseline: seen.append(report.step)])
     trainer = pl.Trainer(logger=False, accelerator="cpu", enable_progress_bar=False, enable_model_summary=False)
-    publisher.publish(trainer, bad, None, 1.0, 0)
+    engine = EvalEngine(world / "cache", world / "target", scoring=SCORING, verbose=False)
+    engine.host = LightningHost(trainer)
+    engine._fail = failures.append
+    engine._publisher = Publisher("dflash", run, failures.append, engine.host.loggers, engine.host.wandb_runs)
+    engine.subscribe(lambda report, baseline: seen.append(report.step))
+    engine._publish(bad, 1.0)
     assert not trainer.callback_metrics and seen == [] and failures == [
         "step 4: the report is refused, none of its numbers is logged: not a report: seconds is nan, not a finite number"]
-    publisher.record(trainer, {"step": 5, "snapshot_id": "d" * 16, "error": "x", "seconds": float("inf")})
-    assert "line of step 5 is not strict JSON" in failures[1] and publisher.unsaved == []
-    publisher.publish(trainer, later, None, 1.0, 2)
+    engine._publisher.record({"step": 5, "snapshot_id": "d" * 16, "error": "x", "seconds": float("inf")})
+    assert "line of step 5 is not strict JSON" in failures[1] and engine._publisher.unsaved == []
+    engine._publish(later, 1.0)
     lines = [json.loads(line) for line in run.results_path.read_text().splitlines()]
     assert [(r["step"], "error" in r) for r in lines] == [(4, True), (6, False)] and seen == [6] and len(failures) == 2
     assert lines[0]["error"] == failures[0] and lines[0]["snapshot_id"] == "b" * 16
@@ -799,12 +804,14 @@ def test_the_stop_callback_finds_its_eval_callback_or_says_why_not(world, tmp_pa
 def test_two_eval_callbacks_of_one_name_are_refused_before_training(world, tmp_path, with_stop):
     """Two eval callbacks on two caches, both left at name="dflash": their numbers were logged
     under the same keys (callback_metrics held whichever came last), and a stop told to follow
-    "dflash" was told to name the one it follows."""
+    "dflash" was told to name the one it follows. The checkpoint key is the name alone (a path
+    spelled otherwise on resume lost the state), so Lightning refuses them when the Trainer is
+    made, naming the key that must be unique."""
     other = write_cache(world, tmp_path / "other-cache", [("t", 20, 4)])
     counter = CountBatches()
     callbacks = [eval_cb(world, tmp_path), eval_cb(world, tmp_path, cache=other), counter]
     callbacks += [TrailingBaselineStop(monitor="ddtree@4/live", eval_callback="dflash")] if with_stop else []
-    with pytest.raises(ValueError, match=r"several DrafterEvalCallbacks named 'dflash' \(names: \['dflash', 'dflash'\]\): "
-                                         r"their numbers would be logged under the same keys \(dflash/...\); give each"):
+    with pytest.raises(RuntimeError, match=r"more than one stateful callback of type `DrafterEvalCallback`.*"
+                                           r"state_key` must be unique"):
         fit(world, tmp_path, callbacks, max_steps=4)
     assert counter.batches == 0

@@ -8,8 +8,9 @@ from torch.utils.data import DataLoader
 
 from dflash_callbacks import DFlashDrafter
 from dflash_callbacks.callbacks import DrafterEvalCallback
-from dflash_callbacks.callbacks.publish import Publisher
-from dflash_callbacks.callbacks.run_folder import RunFolder
+from dflash_callbacks.callbacks.eval_callback import LightningHost
+from dflash_callbacks.engine.publish import Publisher
+from dflash_callbacks.engine.run_folder import RunFolder
 from dflash_callbacks.scoring.service import ScoringService, ServiceSpec
 from dflash_callbacks.training import CacheSequences, DFlashTrainingModule, collate_sequences
 
@@ -91,9 +92,11 @@ def test_keys_first_seen_after_the_first_report_are_defined_with_their_summary(t
     logger = WandbLogger(project="dflash-test", save_dir=str(tmp_path), offline=True)
     trainer = pl.Trainer(logger=logger, accelerator="cpu", enable_progress_bar=False, enable_model_summary=False)
     failures = []
-    publisher = Publisher("dflash", RunFolder.create(tmp_path / "d", "r"), lambda t, m: failures.append(m), False, [])
+    host = LightningHost(trainer)
+    publisher = Publisher("dflash", RunFolder.create(tmp_path / "d", "r"), failures.append, host.loggers,
+                          host.wandb_runs)
     for report, base in zip(reports, [None, baseline, baseline]):
-        publisher.publish(trainer, report, base, 1.0, 0)
+        publisher.publish(report, base, 1.0, 0)
     import wandb
     wandb.finish()
 
@@ -124,9 +127,11 @@ def test_keys_with_a_dot_keep_their_axis_and_best_value(tmp_path, monkeypatch):
     logger = WandbLogger(project="dflash-test", save_dir=str(tmp_path), offline=True)
     trainer = pl.Trainer(logger=logger, accelerator="cpu", enable_progress_bar=False, enable_model_summary=False)
     failures = []
-    publisher = Publisher("eval.v2", RunFolder.create(tmp_path / "d", "r"), lambda t, m: failures.append(m), False, [])
+    host = LightningHost(trainer)
+    publisher = Publisher("eval.v2", RunFolder.create(tmp_path / "d", "r"), failures.append, host.loggers,
+                          host.wandb_runs)
     for report in reports:
-        assert publisher.publish(trainer, report, None, 1.0, 0)
+        assert publisher.publish(report, None, 1.0, 0)
     import wandb
     wandb.finish()
 

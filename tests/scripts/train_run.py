@@ -171,12 +171,12 @@ class Recorder(pl.Callback):
         threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("dflash"))
         for i, cb in enumerate(self.evals):
             if trainer.global_rank != 0:
-                if cb._runner is not None or cb._staging is not None or cb.reports:
+                if cb.engine._runner is not None or cb.engine._staging is not None or cb.reports:
                     self.violations.append(f"step {trainer.global_step}: eval callback {i} holds a runner or reports")
                 if threads:
                     self.violations.append(f"step {trainer.global_step}: scoring threads {threads} on rank 1")
-            elif cb._runner is not None:
-                self.max_pending[i] = max(self.max_pending[i], cb._runner.pending)
+            elif cb.engine._runner is not None:
+                self.max_pending[i] = max(self.max_pending[i], cb.engine._runner.pending)
 
     def summary(self, trainer) -> dict:
         return {
@@ -191,7 +191,7 @@ class Recorder(pl.Callback):
             "violations": self.violations,
             "evals": [
                 {"errors": cb.errors, "skipped": cb.skipped, "reports": [r.step for r in cb.reports],
-                 "baseline": cb.baseline_report is not None, "runner": cb._runner is not None,
+                 "baseline": cb.baseline_report is not None, "runner": cb.engine._runner is not None,
                  "max_pending": self.max_pending[i]}
                 for i, cb in enumerate(self.evals)
             ],
@@ -209,7 +209,7 @@ class CaptureCheck(pl.Callback):
         self.out: dict = {}
 
     def _capture(self, trainer, pl_module, step):
-        from dflash_callbacks.callbacks.snapshot import capture, is_sharded
+        from dflash_callbacks.engine.snapshot import capture, is_sharded
 
         drafter = pl_module.drafter
         sharded = is_sharded(drafter)

@@ -25,8 +25,8 @@ from pathlib import Path
 from ..files import file_version
 from ..scoring.report import EvalReport
 from ..scoring.service import ScoringService, ServiceSpec, preflight, recorded_weights, weights_fingerprint
-from .run_folder import RUN_FILE, RunFolder, is_run_folder, write_heartbeat
-from .runners import describe
+from ..engine.run_folder import RUN_FILE, RunFolder, is_run_folder, write_heartbeat
+from ..engine.runners import describe
 
 
 def run_folders(root: Path) -> list[RunFolder]:

@@ -2,7 +2,7 @@
 
 `StagingPool` holds the host buffers a snapshot is copied into: `capacity` sets shaped
 like the drafter's state dict, allocated once (pinned when the drafter is on CUDA) by
-`allocate`, which the callback runs on a background thread before training starts,
+`allocate`, which the engine runs on a background thread before training starts,
 and reused for every snapshot. A set is in use from `capture` until its snapshot has
 been scored (`Snapshot.release`).
 
@@ -10,7 +10,7 @@ been scored (`Snapshot.release`).
 - CUDA weights are copied into the pinned set on a side stream (after the current
   stream's work, via an event), so the copy overlaps with the next forward and
   backward. `Snapshot.wait()` blocks until the copy is complete; the callback calls it
-  in `on_before_optimizer_step`, so the optimizer never changes weights under the copy.
+  before the next optimizer step (every adapter hooks it), so the optimizer never changes weights under the copy.
 - CPU weights are copied into the set at once (there is nothing to overlap with).
 - Sharded (FSDP2 DTensor) weights are gathered first with
   `get_model_state_dict(full_state_dict=True, cpu_offload=True)`; every rank must call
@@ -19,6 +19,7 @@ been scored (`Snapshot.release`).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -72,17 +73,23 @@ class StagingPool:
         self._error: BaseException | None = None
 
     def allocate(self, state: dict[str, torch.Tensor], pin: bool) -> None:
-        """Allocate every set like `state` (shapes and dtypes; pinned when `pin`)."""
+        """Allocate every set like `state` (shapes and dtypes; pinned, for the device of `state`'s
+        CUDA tensors, when `pin`)."""
         try:
-            for _ in range(self.capacity):
-                buffers = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin) for k, v in state.items()}
-                with self._lock:
-                    self._free.append(buffers)
-                    self.allocations += 1
+            device = next((t.device for t in state.values() if t.is_cuda), None)
+            with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+                self._allocate(state, pin)
         except BaseException as e:  # reported by acquire, on the training thread
             self._error = e
         finally:
             self._ready.set()
+
+    def _allocate(self, state: dict[str, torch.Tensor], pin: bool) -> None:
+        for _ in range(self.capacity):
+            buffers = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin) for k, v in state.items()}
+            with self._lock:
+                self._free.append(buffers)
+                self.allocations += 1
 
     def acquire(self) -> dict[str, torch.Tensor] | None:
         """A free set (waiting for `allocate` to finish if it still runs), or None if all are in use."""
@@ -126,8 +133,9 @@ def capture(
             for k, v in source.items():
                 state[k].copy_(v)
             return Snapshot(step, epoch, config, state, pool=owner)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())  # the weights as of now, after every queued kernel
+        device = next(t.device for t in source.values() if t.is_cuda)  # the drafter's, not the thread's current one
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))  # the weights as of now, after every queued kernel
         with torch.cuda.stream(side):
             for k, v in source.items():
                 state[k].copy_(v, non_blocking=True)

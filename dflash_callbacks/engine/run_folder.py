@@ -27,6 +27,7 @@ import shutil
 import socket
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -187,12 +188,14 @@ class RunFolder:
         except (OSError, ValueError):
             return None
 
-    def prune(self, keep_last: int) -> list[Path]:
-        """Delete all but the newest `keep_last` snapshots, and temporaries a killed writer left.
-        Call it only when every snapshot on disk has been scored (the runner does)."""
+    def prune(self, keep_last: int, unscored: Iterable[Path] = ()) -> list[Path]:
+        """Delete the oldest snapshots until at most `keep_last` are on disk, and temporaries a killed
+        writer left. The `unscored` ones (still to be scored) are never deleted, and count."""
+        unscored = {Path(p) for p in unscored}
         snapshots = self.list_snapshots()
         stale = sorted(self.snapshots_dir.glob(".step-*.tmp-*")) + sorted(self.snapshots_dir.glob(".step-*.old-*"))
-        removed = [f for _, f in snapshots[: max(0, len(snapshots) - keep_last)]] + stale
+        scored = [f for _, f in snapshots if f not in unscored]
+        removed = scored[: max(0, len(snapshots) - keep_last)] + stale
         for folder in removed:
             shutil.rmtree(folder, ignore_errors=True)
         return removed

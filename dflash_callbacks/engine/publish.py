@@ -1,9 +1,9 @@
-"""Publishing a report, on the training thread, in this order:
+"""Publishing a report, on the training thread of rank 0, in this order:
 
 1. append it to results.jsonl (before anything else: a crash loses no finished report);
-2. log it at the snapshot's step to every logger (W&B gets extras, below);
-3. put the run-level means in `trainer.callback_metrics` (for EarlyStopping, ModelCheckpoint);
-4. hand it to the subscribers (`DrafterEvalCallback.subscribe`).
+2. log it at the snapshot's step to every logger the host names (W&B runs get extras, below);
+3. hand the run-level means to the engine (`trainer.callback_metrics` under Lightning);
+4. hand it to the subscribers (the stops, and functions given to `subscribe`).
 
 A step that fails (a full disk, a broken logger, a subscriber that raises) is reported
 through `fail` and the other steps still run; a report that could not be appended is
@@ -32,52 +32,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-import torch
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import WandbLogger
-from lightning.pytorch.utilities import rank_zero_info
-
 from ..scoring.methods import AGGREGATES
 from ..scoring.report import EvalReport, comparison, ratio
 from .run_folder import ResultsRecordError, ResultsWriteError, RunFolder
 
 Subscriber = Callable[[EvalReport, "EvalReport | None"], object]
-
-
-class ReportSource(Callback):
-    """A callback that publishes reports: what TrailingBaselineStop links to at setup.
-    DrafterEvalCallback is the one this package ships."""
-
-    name: str
-    baseline_report: EvalReport | None = None
-
-    def scored_methods(self) -> list[str]:
-        """The method names every report of this source holds."""
-        raise NotImplementedError
-
-    def has_baseline(self) -> bool:
-        """Whether reports come with a baseline to judge them against (a source without one says so)."""
-        return True
-
-    def subscribe(self, fn: Subscriber) -> Callable[[], None]:
-        """Call `fn(report, baseline)` on the training thread for every new report; returns an unsubscribe."""
-        raise NotImplementedError
-
-    def run_history(self, trainer, pl_module) -> list[dict]:
-        """This run's reports so far, by step: [{"step", "mean": {method: {aggregate: value}}}]."""
-        raise NotImplementedError
-
-
-def report_sources(callbacks) -> list[ReportSource]:
-    """The report sources among `callbacks`; two of one name are refused (their numbers would be
-    logged under the same keys and the stop could not tell them apart)."""
-    sources = [cb for cb in callbacks if isinstance(cb, ReportSource)]
-    names = [cb.name for cb in sources]
-    twice = sorted({name for name in names if names.count(name) > 1})
-    if twice:
-        raise ValueError(f"trainer.callbacks holds several DrafterEvalCallbacks named {twice[0]!r} (names: {names}): "
-                         f"their numbers would be logged under the same keys ({twice[0]}/...); give each its own name=")
-    return sources
+Logger = tuple[str, Callable[[dict, int], object]]
+"""A place metrics go: (its name, for errors; `log(metrics, step)`)."""
 
 
 def metric_keys(prefix: str, method: str, agg: str, task: str, ours: float, base: float | None) -> dict[str, float]:
@@ -126,14 +87,18 @@ def summary_line(prefix: str, report: EvalReport, baseline: EvalReport | None) -
 
 
 class Publisher:
-    def __init__(self, prefix: str, run: RunFolder, fail: Callable[[object, str], None], verbose: bool,
-                 subscribers: list[Subscriber]):
-        self.prefix, self.run, self.fail, self.verbose = prefix, run, fail, verbose
-        self.subscribers = subscribers  # the eval callback's list: subscribing later still counts
+    """Writes and logs one run's reports, on rank 0. `loggers()` and `wandb_runs()` name, at each
+    report, where its numbers go (the host's: a logger added after the run started still counts);
+    `fail(message)` reports a failure (a warning and an error count, or a raise)."""
+
+    def __init__(self, prefix: str, run: RunFolder, fail: Callable[[str], None],
+                 loggers: Callable[[], list[Logger]], wandb_runs: Callable[[], list]):
+        self.prefix, self.run, self.fail = prefix, run, fail
+        self.loggers, self.wandb_runs = loggers, wandb_runs
         self.unsaved: list[dict] = []  # records whose append failed, retried first
         self._wandb_defined: dict[int, set[str]] = {}  # per W&B run: the keys define_metric has seen
 
-    def record(self, trainer, record: dict | None) -> bool:
+    def record(self, record: dict | None) -> bool:
         """Append a results.jsonl line (earlier failed ones first; None: only retry those);
         False if something could not be written. A record that is not JSON is dropped."""
         if record is not None:
@@ -143,17 +108,17 @@ class Publisher:
             try:
                 self.run.append(self.unsaved[0])
             except ResultsWriteError as e:
-                self.fail(trainer, f"{e} ({len(self.unsaved)} line(s) held in memory, retried with the next report)")
+                self.fail(f"{e} ({len(self.unsaved)} line(s) held in memory, retried with the next report)")
                 return False
             except ResultsRecordError as e:
                 self.unsaved.pop(0)
-                self.fail(trainer, str(e))
+                self.fail(str(e))
                 written = False
                 continue
             self.unsaved.pop(0)
         return written
 
-    def record_report(self, trainer, report: EvalReport, score_seconds: float) -> bool:
+    def record_report(self, report: EvalReport, score_seconds: float) -> bool:
         """Append the report's results.jsonl line. A report the reader would refuse is an
         error line instead (and a failure): False, and none of its numbers may be logged."""
         record = {**report.to_dict(), "score_seconds": score_seconds}
@@ -161,59 +126,46 @@ class Publisher:
             EvalReport.from_dict(record)  # what the reader would refuse is never logged
         except ValueError as e:
             error = f"step {report.step}: the report is refused, none of its numbers is logged: {e}"
-            self.record(trainer, {"step": report.step, "snapshot_id": report.snapshot_id, "error": error})
-            self.fail(trainer, error)
+            self.record({"step": report.step, "snapshot_id": report.snapshot_id, "error": error})
+            self.fail(error)
             return False
-        self.record(trainer, record)
+        self.record(record)
         return True
 
-    def publish(self, trainer, report: EvalReport, baseline: EvalReport | None, score_seconds: float,
-                errors: int) -> bool:
-        """Record, log, fill callback_metrics and notify; False (nothing logged) for a refused report."""
-        if not self.record_report(trainer, report, score_seconds):
-            return False
+    def publish(self, report: EvalReport, baseline: EvalReport | None, score_seconds: float,
+                errors: int) -> dict[str, float] | None:
+        """Record, then log to every logger at the report's step; returns what was logged (None,
+        and nothing logged, for a refused report)."""
+        if not self.record_report(report, score_seconds):
+            return None
         metrics = report_metrics(self.prefix, report, baseline)
         metrics.update({f"{self.prefix}/step": float(report.step), f"{self.prefix}/score_seconds": score_seconds,
                         f"{self.prefix}/errors": float(errors)})
-        for logger in trainer.loggers:
-            try:
-                if isinstance(logger, WandbLogger):
-                    self._log_wandb(logger, report, baseline, metrics)
-                else:
-                    logger.log_metrics(metrics, step=report.step)
-            except Exception as e:  # one broken logger must not cost the others their numbers
-                self.fail(trainer, f"logging step {report.step} to {type(logger).__name__} failed: "
-                                   f"{type(e).__name__}: {e}")
-        self.set_callback_metrics(trainer, report.step, {k: v for k, v in metrics.items() if k.endswith("/mean")})
-        if self.verbose:
-            rank_zero_info(summary_line(self.prefix, report, baseline))
-        self.notify(trainer, report, baseline)
-        return True
+        for name, log in self.loggers():
+            self._guarded(name, report.step, lambda: log(metrics, report.step))
+        for run, log in self.wandb_runs():
+            self._guarded("wandb", report.step, lambda: self._log_wandb(run, log, report, baseline, metrics))
+        return metrics
 
-    def set_callback_metrics(self, trainer, step: int, means: dict[str, float]) -> None:
-        """The means, for EarlyStopping and ModelCheckpoint, with `<prefix>/step`: the step they are of."""
-        for key, value in {**means, f"{self.prefix}/step": float(step)}.items():
-            trainer.callback_metrics[key] = torch.tensor(value)
+    def _guarded(self, name: str, step: int, log: Callable[[], object]) -> None:
+        try:
+            log()
+        except Exception as e:  # one broken logger must not cost the others their numbers
+            self.fail(f"logging step {step} to {name} failed: {type(e).__name__}: {e}")
 
-    def notify(self, trainer, report: EvalReport, baseline: EvalReport | None) -> None:
-        for fn in list(self.subscribers):
+    def log_error_count(self, errors: int, step: int) -> None:
+        for _, log in self.loggers():
             try:
-                fn(report, baseline)
-            except Exception as e:
-                self.fail(trainer, f"subscriber {getattr(fn, '__qualname__', fn)!s} raised on step {report.step}: "
-                                   f"{type(e).__name__}: {e}")
-
-    def log_error_count(self, trainer, errors: int) -> None:
-        for logger in trainer.loggers:
-            try:
-                logger.log_metrics({f"{self.prefix}/errors": float(errors)}, step=trainer.global_step)
+                log({f"{self.prefix}/errors": float(errors)}, step)
             except Exception:
                 pass  # the warning already says it; a broken logger can not take the count
 
-    def _log_wandb(self, logger: WandbLogger, report: EvalReport, baseline: EvalReport | None, metrics: dict) -> None:
+    def _log_wandb(self, run, log: Callable[[dict, int], object], report: EvalReport, baseline: EvalReport | None,
+                   metrics: dict) -> None:
+        """A W&B run gets the metrics against `PREFIX/step`, the per-task table and the curves, through
+        `log` (the host's way of writing a row: see `WandbRows`)."""
         import wandb
 
-        run = logger.experiment
         p = self.prefix
         if id(run) not in self._wandb_defined:
             run.define_metric(wandb_name(f"{p}/step"))
@@ -239,4 +191,25 @@ class Publisher:
             extras[f"{p}/curve/{method}"] = wandb.plot.line_series(
                 xs=depths, ys=ys, keys=keys, xname="depth (draft tokens)",
                 title=f"{method}: share of anchors accepting at least d tokens, step {report.step}")
-        run.log({**metrics, **extras, "trainer/global_step": report.step})
+        log({**metrics, **extras}, report.step)
+
+
+class WandbRows:
+    """Writes our rows into a W&B run that the training loop may log to as well, with or without
+    `step=`: each report in a row of its own, and W&B's step counter never moved past a step the loop
+    has yet to log (W&B drops a row whose step is below its counter).
+
+    A report joins the run's current row, uncommitted (the loop's next log commits it with its own).
+    Only when our previous report still sits in that row (the loop has not logged since) is it
+    committed first, which moves the counter one past the loop's last step."""
+
+    def __init__(self, run):
+        self.run = run
+        self.row: int | None = None  # the step of the row our last report joined
+
+    def log(self, payload: dict, step: int) -> None:
+        """`payload`, of the report of training step `step` (which it holds as PREFIX/step)."""
+        if self.row is not None and self.run.step == self.row:
+            self.run.log({}, commit=True)
+        self.run.log(payload, commit=False)
+        self.row = self.run.step

@@ -153,7 +153,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 WORKER_CODE = ("import json, signal, sys; sys.path[:] = json.loads(sys.argv[1]); "
                "[signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)]; "
-               "from dflash_callbacks.callbacks.runners import worker_main; worker_main()")
+               "from dflash_callbacks.engine.runners import worker_main; worker_main()")
 """What the worker runs: a fresh Python that imports only this package. (A multiprocessing
 spawn would import the training script again, and run all of it where it lacks an
 `if __name__ == "__main__":` guard: a second training run in the worker.) It ignores
@@ -381,6 +381,7 @@ class BackgroundRunner:
         self._inbox: queue.Queue = queue.Queue()
         self._outbox: queue.Queue = queue.Queue()
         self._pending: dict[int, str] = {}  # step -> snapshot_id: submitted, not yet handed back by poll
+        self._unscored: set[Path] = set()  # snapshot folders on disk queued as jobs (a resume's), not yet scored
         self._lock = threading.Lock()
         self._abandoned = False  # closed while its thread was still busy: nothing more goes out
         self._thread = threading.Thread(target=self._loop, name="dflash-eval", daemon=True)
@@ -390,6 +391,8 @@ class BackgroundRunner:
     def submit(self, job: Job) -> None:
         with self._lock:
             self._pending[job.step] = job.snapshot_id
+            if job.folder is not None:
+                self._unscored.add(job.folder)
         self._inbox.put(job)
 
     @property
@@ -462,6 +465,18 @@ class BackgroundRunner:
             if job is not None:
                 self._put(self._run(job))
 
+    def _pruned(self, folder: Path) -> None:
+        """A snapshot found on disk is done: keep_last holds again (a resume with a smaller keep_last),
+        unless it is left for a resume to score."""
+        with self._lock:
+            self._unscored.discard(folder)
+            unscored = set(self._unscored)
+        if not self._cancel.is_set():
+            try:
+                self.run.prune(self.keep_last, unscored=unscored)
+            except OSError:
+                pass  # a folder that can not be removed now is removed by the next prune
+
     def _baseline(self, late: bool) -> None:
         """One BaselineOutcome (a report on this run's basis, or an error); `late`: after a
         failure, only when the scorer has news (a watcher scored it since)."""
@@ -513,5 +528,7 @@ class BackgroundRunner:
                     outcome = SnapshotOutcome(step=job.step, snapshot_id=job.snapshot_id,
                                               error=f"waiting for the snapshot's copy failed: {describe(e)}")
                 job.snapshot.release()
+            elif job.folder is not None and job.folder.parent == self.run.snapshots_dir:
+                self._pruned(job.folder)
         outcome.seconds = time.monotonic() - started
         return outcome

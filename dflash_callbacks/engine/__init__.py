@@ -1,0 +1,9 @@
+"""The evaluation engine: preflight, run folder, snapshots, runners, publishing, the stop decision.
+No Lightning and no transformers Trainer here: the adapters (`dflash_callbacks.callbacks`,
+`dflash_callbacks.loop`, `dflash_callbacks.hf`, `dflash_callbacks.watch`) import the frameworks
+they adapt."""
+
+from .evaluator import EvalEngine, Host
+from .stop import StopPolicy
+
+__all__ = ["EvalEngine", "Host", "StopPolicy"]

@@ -1,0 +1,85 @@
+"""Finding the drafter in what a training loop holds, and its DrafterConfig.
+
+Every adapter uses these: the Lightning callback on its LightningModule, the transformers
+callback on the Trainer's model, the plain loop on what `attach` is given. A wrapper that
+only forwards to the drafter (DDP's `.module`, `torch.compile`'s `._orig_mod`) is looked
+through; a wrapper whose `state_dict()` is a collective over unsharded parameters
+(FSDP1, DeepSpeed ZeRO-3) is refused, since rank 0 alone could not take a snapshot.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from torch import nn
+
+from ..model import DrafterConfig
+
+FORWARDING_WRAPPERS = {"DistributedDataParallel": "module", "DataParallel": "module", "OptimizedModule": "_orig_mod"}
+REFUSED_WRAPPERS = {
+    "FullyShardedDataParallel": "FSDP1 (its state_dict() is a collective): use FSDP2 (`fully_shard`), whose "
+                                "parameters the snapshot gathers on every rank",
+    "DeepSpeedEngine": "DeepSpeed (ZeRO-3 gathers its parameters collectively): evaluate saved checkpoints with "
+                       "`dflash-callbacks watch --checkpoints` instead",
+}
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """`module` without the wrappers that only forward to it; ValueError for one that can not be snapshotted."""
+    while True:
+        kind = type(module).__name__
+        if kind in REFUSED_WRAPPERS:
+            raise ValueError(f"the drafter is wrapped in {kind}, which is not supported: {REFUSED_WRAPPERS[kind]}")
+        inner = getattr(module, FORWARDING_WRAPPERS[kind], None) if kind in FORWARDING_WRAPPERS else None
+        if not isinstance(inner, nn.Module):
+            return module
+        module = inner
+
+
+def drafters_in(root: nn.Module) -> list[str]:
+    """The attribute paths of the submodules that look like a DFlash drafter (a DrafterConfig at
+    `.config`, or the published `fc` and `hidden_norm`): what `drafter=` may name."""
+    return [name for name, m in root.named_modules() if name and (
+        isinstance(getattr(m, "config", None), DrafterConfig)
+        or (isinstance(getattr(m, "fc", None), nn.Module) and isinstance(getattr(m, "hidden_norm", None), nn.Module)))]
+
+
+def resolve_drafter(root: nn.Module, drafter: str | Callable, owner: str) -> nn.Module:
+    """The drafter `drafter` names on `root`: an attribute path, or a function root -> drafter.
+    `owner` is what errors name (e.g. "DrafterEvalCallback")."""
+    if callable(drafter):
+        module = drafter(root)
+    else:
+        module = root
+        for part in drafter.split("."):
+            module = unwrap(module) if not hasattr(module, part) else module
+            if not hasattr(module, part):
+                raise AttributeError(
+                    f"{owner}(drafter={drafter!r}): {type(module).__name__} has no attribute {part!r}; "
+                    f"pass the attribute path of the drafter (drafter-like submodules of {type(root).__name__}: "
+                    f"{drafters_in(root)}) or a function module -> drafter"
+                )
+            module = getattr(module, part)
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{owner}(drafter={drafter!r}): the drafter must be an nn.Module; got {type(module).__name__}")
+    return unwrap(module)
+
+
+def drafter_config_of(module: nn.Module, given: DrafterConfig | str | os.PathLike | None, owner: str,
+                      root: nn.Module | None = None, drafter: str | Callable = "drafter") -> DrafterConfig:
+    """`given` (a DrafterConfig or a config.json path), else the drafter's own `.config` (a
+    DrafterConfig, or a transformers config of the published model class)."""
+    if isinstance(given, DrafterConfig):
+        return given
+    if given is not None:
+        return DrafterConfig.from_file(given)
+    config = getattr(module, "config", None)
+    if isinstance(config, DrafterConfig):
+        return config
+    if hasattr(config, "to_dict"):  # a transformers config of the published model class
+        return DrafterConfig.from_dict(config.to_dict())
+    found = drafters_in(root) if root is not None else []
+    raise ValueError(f"{owner}(drafter={drafter!r}) gives a {type(module).__name__} with no DrafterConfig at "
+                     ".config: if it is the drafter, pass drafter_config=DrafterConfig or a config.json path; if not, "
+                     f"point drafter= at the drafter (drafter-like submodules: {found})")
