@@ -83,8 +83,10 @@ def test_ddp_rank0_scores_alone_ranks_stop_together_and_a_failing_slow_scorer_do
     assert r1["violations"] == [] and r1["steps_seen"] == r1["global_step"]
     assert all({k: e[k] for k in ("reports", "baseline", "runner", "max_pending")}
                == {"reports": [], "baseline": False, "runner": False, "max_pending": 0} for e in r1["evals"])
-    # ... yet its state is rank 0's (a checkpoint saved on either rank restores the same counts)
-    assert [(e["errors"], e["skipped"]) for e in r1["evals"]] == [(e["errors"], e["skipped"]) for e in r0["evals"]]
+    # ... yet its state follows rank 0's at every sync (a checkpoint saved on either rank restores the same
+    # counts); errors of the reports drained after the last step (in on_train_end) stay on rank 0
+    assert [e["skipped"] for e in r1["evals"]] == [e["skipped"] for e in r0["evals"]]
+    assert all(0 < a["errors"] <= b["errors"] for a, b in zip(r1["evals"][1:], r0["evals"][1:]))
     good, failing = r0["evals"]
     assert good["reports"] and good["errors"] == 0 and good["baseline"]
     steps = [r["step"] for r in records(root / "dflash")]

@@ -58,7 +58,20 @@ from .stop import Moment, StopPolicy, Stops
 BUSY_POLICIES = ("skip", "queue")
 ON_ERROR = ("warn", "raise")
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
-log = logging.getLogger("dflash_callbacks")
+
+
+def console_log() -> logging.Logger:
+    """The "dflash_callbacks" logger; when the program has configured no logging at all, its INFO
+    lines go to stderr (as Lightning does for its own), so a plain loop sees the run folder and the
+    summaries."""
+    log = logging.getLogger("dflash_callbacks")
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    return log
 
 
 class Host:
@@ -97,7 +110,7 @@ class Host:
 
     def info(self, text: str) -> None:
         if self.rank == 0:
-            log.info(text)
+            console_log().info(text)
 
     def warn(self, text: str) -> None:
         if self.rank == 0:

@@ -1,0 +1,142 @@
+"""The same small training run in every kind of loop the evaluator attaches to, for the tests
+that hold each entry point to the same guarantees.
+
+- `plain_fit`: a plain PyTorch loop with `DrafterEvaluator` (what SpecForge- or speculators-style
+  trainers look like), checkpointing the model, the optimizer and `evaluator.state_dict()` in its
+  own file every `ckpt_every` steps, and resuming from one;
+- `hf_fit`: the transformers `Trainer` with `DrafterEvalTrainerCallback` (checkpoints are the
+  Trainer's own `checkpoint-N/` folders; a resume goes through `resume_from_checkpoint`).
+
+Both train the synthetic world's drafter (tests/synthetic.py) with the published objective
+(`dflash_callbacks.objective.sequence_loss`) on the world's cache, one sequence per step, in a
+fixed order, so two runs with the same seed compute the same weights.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from dflash_callbacks import DFlashDrafter, DrafterConfig, DrafterEvaluator, TargetHead
+from dflash_callbacks.objective import CacheSequences, default_gamma, depth_weights, sequence_loss
+
+LR = 3e-3
+SCORING = {"ddtree_budgets": [4], "device": "cpu"}
+
+
+class DrafterModel(nn.Module):
+    """A drafter with its loss, as a trainer holds it: `drafter` and the frozen target `head`;
+    forward returns the published objective's loss of one sequence (the transformers Trainer
+    passes the batch as keyword arguments and reads `loss`)."""
+
+    def __init__(self, config: DrafterConfig, target: Path, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.drafter = DFlashDrafter(config)
+        self.head = TargetHead.from_pretrained(target).requires_grad_(False)
+        self.register_buffer("weights", depth_weights(config.block_size, default_gamma(config.block_size)),
+                             persistent=False)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, prompt_len: torch.Tensor) -> dict:
+        loss = sequence_loss(self.drafter, self.head, input_ids.flatten(), hidden.flatten(0, -2), int(prompt_len),
+                             4, self.weights, self.generator)
+        return {"loss": loss}
+
+
+class Sequences(Dataset):
+    """The world's cache as training examples, `length` of them, cycling in a fixed order."""
+
+    def __init__(self, cache: Path, length: int):
+        self.sequences, self.length = CacheSequences(cache), length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> dict:
+        s = self.sequences[i % len(self.sequences)]
+        return {"input_ids": s["input_ids"], "hidden": s["hidden"], "prompt_len": torch.tensor(s["prompt_len"])}
+
+
+def one(items: list[dict]) -> dict:
+    """Batches of one sequence (sequences differ in length)."""
+    (item,) = items
+    return item
+
+
+def plain_fit(world, max_steps: int, evaluator: DrafterEvaluator | None = None, *, ckpt_dir: Path | None = None,
+              ckpt_every: int = 0, resume: Path | None = None, before_step: Callable | None = None,
+              after_step: Callable | None = None, step_sleep: float = 0.0) -> DrafterModel:
+    """Train for `max_steps` steps (from a resume's step, with `resume`), with `evaluator` attached
+    (None: no evaluation). `before_step(model, step)` runs before each optimizer step, `after_step(model,
+    step)` after the evaluator's step; a True from the evaluator ends training."""
+    model = DrafterModel(world.config, world.target)
+    optimizer = torch.optim.AdamW(model.drafter.parameters(), lr=LR)
+    data = Sequences(world.cache, 10**6)
+    start = 0
+    if resume is not None:
+        saved = torch.load(resume, weights_only=False)
+        model.drafter.load_state_dict(saved["drafter"])
+        optimizer.load_state_dict(saved["optimizer"])
+        model.generator.set_state(saved["generator"])
+        start = saved["step"]
+    if evaluator is not None:
+        evaluator.attach(model.drafter, optimizer)
+        if resume is not None:
+            evaluator.load_state_dict(saved["evaluator"])
+    with evaluator if evaluator is not None else _nothing():
+        for step in range(start + 1, max_steps + 1):
+            loss = model(**one([data[step - 1]]))["loss"]
+            optimizer.zero_grad()
+            loss.backward()
+            if before_step is not None:
+                before_step(model, step)
+            optimizer.step()
+            if step_sleep:
+                time.sleep(step_sleep)
+            stop = evaluator.step(step) if evaluator is not None else False
+            if after_step is not None:
+                after_step(model, step)
+            if ckpt_dir is not None and ckpt_every and step % ckpt_every == 0:
+                ckpt_dir.mkdir(parents=True, exist_ok=True)
+                torch.save({"drafter": model.drafter.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                            "generator": model.generator.get_state(),
+                            "evaluator": evaluator.state_dict() if evaluator is not None else None},
+                           ckpt_dir / f"step={step}.pt")
+            if stop:
+                break
+        if evaluator is not None:
+            evaluator.close()
+    return model
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def hf_fit(world, out: Path, max_steps: int, callbacks: list, *, save_steps: int = 0, resume: str | None = None,
+           report_to: str = "none", seed: int = 0):
+    """A transformers Trainer run of `max_steps` steps in `out`; returns (trainer, model)."""
+    from transformers import Trainer, TrainingArguments
+
+    model = DrafterModel(world.config, world.target, seed=seed)
+    args = TrainingArguments(
+        output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=1, learning_rate=LR,
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, logging_steps=1000, report_to=report_to,
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+        use_cpu=True, seed=seed, data_seed=seed, remove_unused_columns=False, disable_tqdm=True,
+        dataloader_num_workers=0, optim="adamw_torch",
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=Sequences(world.cache, max_steps * 4),
+                      data_collator=one, callbacks=callbacks)
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, model
