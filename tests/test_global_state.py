@@ -1,13 +1,15 @@
 """Scoring reads the process it runs in and never writes to it (issue 20, item 1).
 
 The preflight, building a ScoringService, its reports and the baseline give bit-equal
-numbers whatever the process-wide default dtype, and leave the global RNGs, the default
-dtype, grad mode, the thread count and the `torch.backends` flags as they found them;
-on CUDA also the current device and stream, torch's peak-memory counter and the
-allocator's cached blocks (the CUDA tests run only where a GPU is)."""
+numbers whatever the process-wide default dtype (and inside a caller's autocast region),
+and leave the global RNGs, the default dtype, grad mode, autocast, the thread count and
+the `torch.backends` flags as they found them; on CUDA also the current device and
+stream, torch's peak-memory counter and the allocator's cached blocks (the CUDA tests
+run only where a GPU is)."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -45,19 +47,31 @@ def score_everything(world: Path, baseline_cache: Path, scoring: dict = SCORING,
                                for name, report in (("ours", ours), ("baseline", baseline))}}
 
 
-@pytest.mark.parametrize("default", [torch.bfloat16, torch.float64])
-def test_the_numbers_do_not_depend_on_the_default_dtype(world, tmp_path, default):
-    """A training process under precision="bf16-true" or "64-true" has its default dtype set
-    while the scorer runs; the reports, the baseline and the basis are those of a float32
-    process, bit for bit."""
-    expected = score_everything(world, tmp_path / "float32")
+@contextmanager
+def default_dtype(dtype: torch.dtype):
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(default)
+    torch.set_default_dtype(dtype)
     try:
-        found = score_everything(world, tmp_path / str(default))
-        assert torch.get_default_dtype() == default
+        yield
     finally:
         torch.set_default_dtype(previous)
+
+
+AMBIENT = {  # what a training process may have set while the scorer runs
+    "default bfloat16": lambda: default_dtype(torch.bfloat16),  # precision="bf16-true", process-wide
+    "default float64": lambda: default_dtype(torch.float64),  # precision="64-true"
+    "autocast bfloat16": lambda: torch.autocast("cpu", dtype=torch.bfloat16),  # a plain loop scoring in its autocast region
+}
+
+
+@pytest.mark.parametrize("ambient", list(AMBIENT))
+def test_the_numbers_do_not_depend_on_the_default_dtype_or_autocast(world, tmp_path, ambient):
+    """A training process under precision="bf16-true" or "64-true" has its default dtype set
+    while the scorer runs, and a plain loop may call it inside its autocast region; the
+    reports, the baseline and the basis are those of a float32 process, bit for bit."""
+    expected = score_everything(world, tmp_path / "float32")
+    with AMBIENT[ambient]():
+        found = score_everything(world, tmp_path / "ambient")
     assert found == expected
 
 
@@ -70,6 +84,7 @@ def global_state() -> dict:
         "default_dtype": torch.get_default_dtype(),
         "grad": torch.is_grad_enabled(),
         "inference_mode": torch.is_inference_mode_enabled(),
+        "autocast": [(torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")],
         "threads": torch.get_num_threads(),
         "interop_threads": torch.get_num_interop_threads(),
         "matmul_precision": torch.get_float32_matmul_precision(),

@@ -136,7 +136,9 @@ class TaskStreaks:
     streaks: dict[str, torch.Tensor]  # method -> int64 [n_anchors] (cpu)
 
 
-@torch.no_grad()
+@torch.no_grad()  # grad mode and autocast are the calling thread's: set here, restored on return
+@torch.autocast("cpu", enabled=False)  # a caller's autocast region would recast the drafter's matmuls
+@torch.autocast("cuda", enabled=False)
 def score_task(
     drafter: DFlashDrafter,
     head: TargetHead,
