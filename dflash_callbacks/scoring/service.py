@@ -6,13 +6,20 @@ Every entry point uses it: the callback's thread runner, the process runner's wo
 
     spec = ServiceSpec(cache=..., target=..., baseline=..., scoring={...})
     preflight(spec, drafter_config)        # before any work: raises PreflightError listing every problem
-    service = ScoringService(spec)         # loads the target's embedding and LM head
+    service = ScoringService(spec)         # loads the target's embedding and LM head (owns_process=True: see the class)
     report = service.score(config, state, step=400, snapshot_id="...")
     report = service.score_folder("runs/x/snapshots/step-00000400")
     baseline = service.baseline()          # scored once per (weights, cache, target head, scoring config), cached on disk
 
 Nothing that is not a finite number is ever reported: NaN or Inf weights, hidden states
 or logits raise NonFiniteError for that report.
+
+Scoring reads the process it runs in and never writes to it: the numbers do not depend
+on the default dtype (every tensor that holds numbers is built with its dtype and device)
+or on a caller's autocast; nothing draws from the global RNGs; grad mode and autocast are
+set for the calling thread while it scores, and restored; no thread count, backends flag,
+current device or stream is changed; the peak-memory counter and the allocator's cache
+are touched only by a service that owns its process.
 """
 
 from __future__ import annotations
