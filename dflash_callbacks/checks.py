@@ -85,11 +85,13 @@ def check_choice(name: str, value: Any, legal: Iterable[Any]) -> Any:
 
 
 def check_device(name: str, device: str) -> torch.device:
-    """'auto' (cuda when available, else cpu), 'cpu', 'cuda' or 'cuda:N' that exists on this machine."""
+    """'auto' (cuda when available, else cpu), 'cpu', 'cuda' or 'cuda:N' that exists on this machine.
+    A CUDA device comes back with its index: 'auto' and 'cuda' mean cuda:0, never the calling
+    thread's current device (which a training process sets, and a fresh thread does not have)."""
     if not isinstance(device, str):
         raise ValueError(f"{name} must be a string such as 'auto', 'cpu', 'cuda' or 'cuda:1'; got {device!r}")
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     try:
         resolved = torch.device(device)
     except (RuntimeError, ValueError):
@@ -101,6 +103,7 @@ def check_device(name: str, device: str) -> torch.device:
                              f"{build}); use 'cpu' or 'auto'")
         if resolved.index is not None and resolved.index >= torch.cuda.device_count():
             raise ValueError(f"{name}={device!r}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
+        return torch.device("cuda", resolved.index or 0)
     elif resolved.type != "cpu":
         raise ValueError(f"{name}={device!r} is not supported; use 'auto', 'cpu', 'cuda' or 'cuda:N'")
     return resolved

@@ -183,9 +183,9 @@ def _reference(hidden: Tensor, weight: Tensor, labels: Tensor, top_n: int) -> He
     lse = torch.logsumexp(z, dim=-1)
     z_y = z.gather(1, labels[:, None])
     rank = (z > z_y).sum(-1)
-    lower = torch.arange(v, device=z.device)[None, :] < labels[:, None]
+    lower = torch.arange(v, dtype=torch.int64, device=z.device)[None, :] < labels[:, None]
     order = rank + ((z == z_y) & lower).sum(-1)
-    top = torch.full((m, top_n), float("-inf"), device=z.device)
+    top = torch.full((m, top_n), float("-inf"), dtype=torch.float32, device=z.device)
     k = min(top_n, v)
     if k > 0:
         top[:, :k] = (z - lse[:, None]).topk(k, dim=-1).values
@@ -197,18 +197,18 @@ def _chunked(
 ) -> HeadStats:
     m, _ = hidden.shape
     v = weight.shape[0]
-    dev = hidden.device
+    f32, i64 = dict(dtype=torch.float32, device=hidden.device), dict(dtype=torch.int64, device=hidden.device)
     tile = min(chunk_size or DEFAULT_CHUNK_SIZE, v)
     row_chunk = row_chunk or max(1, TILE_ELEMENTS // tile)
     out = HeadStats(
-        torch.empty(m, device=dev),
-        torch.empty(m, device=dev),
-        torch.empty(m, dtype=torch.int64, device=dev),
-        torch.empty(m, dtype=torch.int64, device=dev),
-        torch.full((m, top_n), float("-inf"), device=dev),
+        torch.empty(m, **f32),
+        torch.empty(m, **f32),
+        torch.empty(m, **i64),
+        torch.empty(m, **i64),
+        torch.full((m, top_n), float("-inf"), **f32),
     )
     k = min(top_n, v)
-    column = torch.arange(v, device=dev)
+    column = torch.arange(v, **i64)
     for r0 in range(0, m, row_chunk):
         r1 = min(m, r0 + row_chunk)
         h = _gemm_operand(hidden[r0:r1])
@@ -217,12 +217,12 @@ def _chunked(
         # holds the whole vocabulary it is taken from that tile itself (bitwise its z_y)
         pivot = None if tile == v else torch.cat(
             [_logits(h[g : g + tile], weight[y[g : g + tile]]).diagonal() for g in range(0, r1 - r0, tile)])
-        run_max = torch.full((r1 - r0,), float("-inf"), device=dev)
-        run_sum = torch.zeros(r1 - r0, device=dev)
-        z_y = torch.zeros(r1 - r0, device=dev)
-        n_gt = torch.zeros(r1 - r0, dtype=torch.int64, device=dev)
-        n_tie = torch.zeros(r1 - r0, dtype=torch.int64, device=dev)
-        top = torch.empty(r1 - r0, 0, device=dev)
+        run_max = torch.full((r1 - r0,), float("-inf"), **f32)
+        run_sum = torch.zeros(r1 - r0, **f32)
+        z_y = torch.zeros(r1 - r0, **f32)
+        n_gt = torch.zeros(r1 - r0, **i64)
+        n_tie = torch.zeros(r1 - r0, **i64)
+        top = torch.empty(r1 - r0, 0, **f32)
         for c0 in range(0, v, tile):
             c1 = min(v, c0 + tile)
             z = _logits(h, weight[c0:c1])  # [rows, tile] fp32: the only large temporary

@@ -304,14 +304,15 @@ def triton_head_partials(
         return parts, width
     labels = labels.contiguous()
     grid = (triton.cdiv(m, config.block_m), splits)
-    _split_kernel[grid](
-        hidden, weight, labels,
-        parts.max, parts.sum_exp, parts.label_logit, parts.n_greater, parts.n_tied_below, parts.top, parts.pivot,
-        m, v, h, width, top_n,
-        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-        **consts,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    with torch.cuda.device_of(hidden):  # Triton launches on the current device: make it the tensors' (restored after)
+        _split_kernel[grid](
+            hidden, weight, labels,
+            parts.max, parts.sum_exp, parts.label_logit, parts.n_greater, parts.n_tied_below, parts.top, parts.pivot,
+            m, v, h, width, top_n,
+            hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+            **consts,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
     return parts, width
 
 

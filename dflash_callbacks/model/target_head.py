@@ -66,7 +66,11 @@ def locate_keys(folder: Path) -> dict[str, Path]:
 
 
 class TargetHead(nn.Module):
-    """`embed_tokens` (nn.Embedding [V, H]) and `lm_head` (nn.Linear H -> V, no bias)."""
+    """`embed_tokens` (nn.Embedding [V, H]) and `lm_head` (nn.Linear H -> V, no bias),
+    holding the given tensors themselves. Nothing is initialised on the way (the LM head is
+    built on the meta device, then given its weight): building a head draws nothing from
+    the global RNG and allocates nothing in the default dtype, so it can run beside a
+    seeded training run."""
 
     def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
         super().__init__()
@@ -75,7 +79,8 @@ class TargetHead(nn.Module):
                 f"embedding width {embed_weight.shape[1]} != LM head width {lm_head_weight.shape[1]}"
             )
         self.embed_tokens = nn.Embedding.from_pretrained(embed_weight, freeze=True)
-        self.lm_head = nn.Linear(lm_head_weight.shape[1], lm_head_weight.shape[0], bias=False)
+        self.lm_head = nn.Linear(lm_head_weight.shape[1], lm_head_weight.shape[0], bias=False, device="meta",
+                                 dtype=lm_head_weight.dtype)
         self.lm_head.weight = nn.Parameter(lm_head_weight, requires_grad=False)
         self.source: str | None = None
         self.fingerprint: str | None = None  # head_fingerprint of the folder it was read from

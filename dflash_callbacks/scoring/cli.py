@@ -113,7 +113,7 @@ def run_score(args: argparse.Namespace) -> int:
         baseline_cache_dir=None if args.baseline_cache_dir is None else str(args.baseline_cache_dir),
     )
     preflight(spec, read_config(args.drafter), read_state_shapes(args.drafter))
-    service = ScoringService(spec)
+    service = ScoringService(spec, owns_process=True)
     ours = service.score_folder(args.drafter, progress=True)
     if args.json:
         ours.to_json(args.json)

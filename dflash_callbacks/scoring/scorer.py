@@ -136,7 +136,9 @@ class TaskStreaks:
     streaks: dict[str, torch.Tensor]  # method -> int64 [n_anchors] (cpu)
 
 
-@torch.no_grad()
+@torch.no_grad()  # grad mode and autocast are the calling thread's: set here, restored on return
+@torch.autocast("cpu", enabled=False)  # a caller's autocast region would recast the drafter's matmuls
+@torch.autocast("cuda", enabled=False)
 def score_task(
     drafter: DFlashDrafter,
     head: TargetHead,
@@ -222,11 +224,17 @@ def score_drafter(
     name: str | None = None,
     progress: bool = False,
     cancel: threading.Event | None = None,
+    owns_process: bool = False,
 ) -> EvalReport:
     """Score `drafter` on every task of `cache` (a HiddenStateCache). The drafter and the
     head are moved to the configured device and dtype (in place). NaN or Inf anywhere on
     the way raises NonFiniteError naming the task; a set `cancel` event raises Cancelled
-    before the next task."""
+    before the next task.
+
+    torch counts one peak of allocated memory per device for the whole process: only a
+    scorer that `owns_process` (nothing else uses the device here) resets it and reports
+    its peak; beside a training run the count is left alone (it is training's) and the
+    report's `peak_memory` is None."""
     config = config or ScoringConfig()
     started, clock = time.time(), time.perf_counter()  # when (created) and how long (seconds)
     drafter_block = drafter.config.block_size
@@ -247,7 +255,8 @@ def score_drafter(
         raise ValueError(f"tasks {unknown} are not in the cache; it holds {cache.task_names}")
     longest = max(cache.entry(n)["num_tokens"] for n in names) if config.max_memory_gib is not None else 0
     plan = memory_plan(config, drafter, head.vocab_size, longest, block_size)
-    if device.type == "cuda":
+    measure_peak = owns_process and device.type == "cuda"
+    if measure_peak:
         torch.cuda.reset_peak_memory_stats(device)
     tasks = {}
     for task_name in tqdm(names, desc=f"scoring {name or 'drafter'}", disable=not progress, unit="task"):
@@ -268,7 +277,7 @@ def score_drafter(
         drafter_block_size=drafter_block,
         scoring=config.to_dict(),
         seconds=time.perf_counter() - clock,
-        peak_memory=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        peak_memory=torch.cuda.max_memory_allocated(device) if measure_peak else None,
         created=started,
         scorer_version=SCORER_VERSION,
     )

@@ -6,13 +6,20 @@ Every entry point uses it: the callback's thread runner, the process runner's wo
 
     spec = ServiceSpec(cache=..., target=..., baseline=..., scoring={...})
     preflight(spec, drafter_config)        # before any work: raises PreflightError listing every problem
-    service = ScoringService(spec)         # loads the target's embedding and LM head
+    service = ScoringService(spec)         # loads the target's embedding and LM head (owns_process=True: see the class)
     report = service.score(config, state, step=400, snapshot_id="...")
     report = service.score_folder("runs/x/snapshots/step-00000400")
     baseline = service.baseline()          # scored once per (weights, cache, target head, scoring config), cached on disk
 
 Nothing that is not a finite number is ever reported: NaN or Inf weights, hidden states
 or logits raise NonFiniteError for that report.
+
+Scoring reads the process it runs in and never writes to it: the numbers do not depend
+on the default dtype (every tensor that holds numbers is built with its dtype and device)
+or on a caller's autocast; nothing draws from the global RNGs; grad mode and autocast are
+set for the calling thread while it scores, and restored; no thread count, backends flag,
+current device or stream is changed; the peak-memory counter and the allocator's cache
+are touched only by a service that owns its process.
 """
 
 from __future__ import annotations
@@ -250,8 +257,15 @@ def _baseline_problems(source: Path, cache: HiddenStateCache, config: ScoringCon
 
 
 class ScoringService:
-    def __init__(self, spec: ServiceSpec):
+    """`owns_process`: nothing else in this process uses the accelerator (the `process` runner's
+    worker, `watch`, `score`). Only such a service resets torch's process-wide peak-memory
+    counter (its reports record their peak) and empties the allocator's cache when it gives
+    memory back. In a training process (the `thread` runner, a plain loop calling it) it does
+    neither: those belong to training, and freed blocks are reused by training there anyway."""
+
+    def __init__(self, spec: ServiceSpec, *, owns_process: bool = False):
         self.spec = spec
+        self.owns_process = owns_process
         self.config = ScoringConfig(**spec.scoring)
         self.cache = HiddenStateCache(spec.cache)
         self.head = TargetHead.from_pretrained(spec.target)
@@ -288,19 +302,22 @@ class ScoringService:
         """`score_drafter` with this service's cache, head and config; with scoring.release_memory
         the accelerator memory goes back after it, scored or failed (every runner and `watch`)."""
         try:
-            return score_drafter(drafter, self.cache, self.head, self.config, **kwargs)
+            return score_drafter(drafter, self.cache, self.head, self.config, owns_process=self.owns_process, **kwargs)
         finally:
             if self.config.release_memory:
                 self.release()
 
     def release(self) -> None:
         """Give the accelerator memory back (scoring.release_memory): the head returns to the
-        CPU until the next report moves it again. A failure here (a device in a bad state) is a
+        CPU until the next report moves it again, and a service that owns its process empties
+        the allocator's cache (in a training process the cached blocks are training's too, and
+        its allocator reuses the freed ones). A failure here (a device in a bad state) is a
         warning: it never costs a finished report, or a job's own error, its answer."""
         try:
             if self.head.lm_head.weight.is_cuda:
                 self.head.to("cpu")
-                torch.cuda.empty_cache()
+                if self.owns_process:
+                    torch.cuda.empty_cache()
         except Exception as e:
             warnings.warn(f"giving the scorer's accelerator memory back failed: {type(e).__name__}: {e}", stacklevel=2)
 
