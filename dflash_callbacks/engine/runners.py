@@ -175,7 +175,7 @@ def worker_main() -> None:
     for line in sys.stdin:  # EOF: the training process closed it, or died
         job = json.loads(line)
         try:
-            service = service or ScoringService(ServiceSpec(**spec))
+            service = service or ScoringService(ServiceSpec(**spec), owns_process=True)
             report = service.baseline() if job == "baseline" else service.score_folder(job)
             answer = [None if report is None else report.to_dict(), None]
         except Exception as e:  # reported to the training process, which decides

@@ -223,7 +223,7 @@ def run_watch(args: argparse.Namespace) -> int:
     if no_runs and args.once:
         raise UsageError(f"--dir {args.dir} holds no run folder{runs_hint(args.dir)}")
     preflight(spec, None)
-    watcher = Watcher(ScoringService(spec), args.dir, log=lambda line: print(line, flush=True))
+    watcher = Watcher(ScoringService(spec, owns_process=True), args.dir, log=lambda line: print(line, flush=True))
     print(f"watch: scoring the snapshots of the runs in {args.dir} (every {args.poll_seconds:g} s; Ctrl-C stops)",
           flush=True)
     if not args.dir.is_dir():  # a watcher started before the training run that makes it
