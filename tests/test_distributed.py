@@ -139,3 +139,20 @@ def test_fsdp2_capture_gathers_the_full_state_on_rank0_and_the_callback_keeps_ra
             safe_open(str(world / "baseline" / "model.safetensors"), "pt") as g:
         assert sorted(f.keys()) == sorted(g.keys())
         assert all(f.get_slice(k).get_shape() == g.get_slice(k).get_shape() for k in g.keys())
+
+
+def test_ddp_drafter_early_stopping_and_a_monitored_checkpoint_end_together_counting_each_report_once(world, tmp_path):
+    """Two DDP ranks with DrafterEarlyStopping (patience 3, never improving) and ModelCheckpoint on a dflash key,
+    and a validation loop after every batch. The means were in callback_metrics on rank 0 only: EarlyStopping
+    (strict=False) hung rank 0 in a cross-rank reduce that rank 1 never joined, ModelCheckpoint saved on rank 0
+    alone. Now both ranks see every report at the same batch, stop together at the fourth, and the run ends."""
+    root = tmp_path / "run"
+    run_script(["--world", world, "--root", root, "--devices", 2, "--strategy", "ddp", "--max-steps", 400,
+                "--every", 2, "--no-baseline", "--early-stop-patience", 3, "--monitor-checkpoint", "--val-every", 1,
+                "--record"], timeout=300)
+    r0, r1 = ranks(root)
+    assert r0["global_step"] == r1["global_step"] < 400 and r0["should_stop"] and r1["should_stop"]
+    assert r0["report_steps_seen"] == r1["report_steps_seen"] and len(r0["report_steps_seen"]) == 4
+    assert r0["early_stop"]["wait_count"] == r1["early_stop"]["wait_count"] == 3
+    assert len(list((root / "best").glob("*.ckpt"))) == 1
+    assert_clean(root / "dflash")

@@ -125,6 +125,15 @@ def fit(world: Path, tmp_path: Path, callbacks: list, max_steps: int, logger=Fal
 # ---------------------------------------------------------------- callbacks of the script
 
 
+class ValidatedModule(DFlashTrainingModule):
+    """The training module with a validation loop (its loss on one sequence), so that callbacks that
+    check at validation (ModelCheckpoint, EarlyStopping) run."""
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", torch.stack([self.sequence_loss(s["input_ids"], s["hidden"], s["prompt_len"])
+                                          for s in batch]).mean(), sync_dist=True, batch_size=len(batch))
+
+
 class FSDP2Module(DFlashTrainingModule):
     """The training module with its drafter sharded by FSDP2 (ModelParallelStrategy):
     one FSDP unit per decoder layer, then the root, as large drafters are sharded."""
@@ -165,9 +174,14 @@ class Recorder(pl.Callback):
         self.violations: list[str] = []
         self.max_pending = [0] * len(evals)
         self.steps_seen = 0
+        self.early = None  # a DrafterEarlyStopping, when the run has one
+        self.report_steps_seen: list[float] = []  # the dflash/step values callback_metrics held, as they changed
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.steps_seen += 1
+        step = trainer.callback_metrics.get("dflash/step")
+        if step is not None and (not self.report_steps_seen or float(step) != self.report_steps_seen[-1]):
+            self.report_steps_seen.append(float(step))
         threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("dflash"))
         for i, cb in enumerate(self.evals):
             if trainer.global_rank != 0:
@@ -189,6 +203,10 @@ class Recorder(pl.Callback):
             "stop_reason": None if self.stop is None else self.stop.stop_reason,
             "stopped_step": None if self.stop is None else self.stop.stopped_step,
             "violations": self.violations,
+            "report_steps_seen": self.report_steps_seen,
+            "early_stop": None if self.early is None else {"wait_count": self.early.wait_count,
+                                                           "stopped_epoch": self.early.stopped_epoch,
+                                                           "reason": self.early.stopping_reason_message},
             "evals": [
                 {"errors": cb.errors, "skipped": cb.skipped, "reports": [r.step for r in cb.reports],
                  "baseline": cb.baseline_report is not None, "runner": cb.engine._runner is not None,
@@ -277,6 +295,11 @@ def parse(argv=None):
     p.add_argument("--capture-check", type=int, default=0, help="FSDP2: compare captures with full tensors at this step")
     p.add_argument("--record", action="store_true")
     p.add_argument("--corrupt-at-start", type=Path, default=None, help="zero this file once training starts")
+    p.add_argument("--early-stop-patience", type=int, default=0,
+                   help="DrafterEarlyStopping on dflash/ddtree@4/live/mean that never sees an improvement")
+    p.add_argument("--monitor-checkpoint", action="store_true",
+                   help="ModelCheckpoint(monitor='dflash/ddtree@4/live/mean') into ROOT/best")
+    p.add_argument("--val-every", type=int, default=0, help="a validation loop every this many batches")
     return p.parse_args(argv)
 
 
@@ -287,7 +310,8 @@ def main(argv=None) -> int:
 
         build_world(args.world)
     paths = world_paths(args.world)
-    module = make_module(args.world, FSDP2Module if args.strategy == "fsdp2" else DFlashTrainingModule)
+    cls = FSDP2Module if args.strategy == "fsdp2" else ValidatedModule if args.val_every else DFlashTrainingModule
+    module = make_module(args.world, cls)
     if args.init_from_baseline:
         from safetensors.torch import load_file
 
@@ -319,6 +343,19 @@ def main(argv=None) -> int:
         callbacks.append(StepSleep(args.step_sleep))
     if args.corrupt_at_start:
         callbacks.insert(0, CorruptAtStart(args.corrupt_at_start))
+    early = None
+    if args.early_stop_patience:
+        from dflash_callbacks import DrafterEarlyStopping
+
+        early = DrafterEarlyStopping(monitor="dflash/ddtree@4/live/mean", min_delta=100.0,
+                                     patience=args.early_stop_patience)
+        callbacks.append(early)
+    recorder.early = early
+    if args.monitor_checkpoint:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks.append(ModelCheckpoint(dirpath=args.root / "best", monitor="dflash/ddtree@4/live/mean", mode="max",
+                                         save_top_k=1, filename="{step}"))
     if args.ckpt_every:
         from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -333,9 +370,11 @@ def main(argv=None) -> int:
     trainer = pl.Trainer(
         max_steps=args.max_steps, accelerator="cpu", devices=args.devices, strategy=strategy, callbacks=callbacks,
         logger=False, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=bool(args.ckpt_every), default_root_dir=args.root, num_sanity_val_steps=0,
+        enable_checkpointing=bool(args.ckpt_every or args.monitor_checkpoint), default_root_dir=args.root,
+        num_sanity_val_steps=0, **({"val_check_interval": args.val_every, "limit_val_batches": 1} if args.val_every else {}),
     )
-    trainer.fit(module, make_loader(args.world), ckpt_path=None if args.resume is None else str(args.resume))
+    trainer.fit(module, make_loader(args.world), val_dataloaders=make_loader(args.world) if args.val_every else None,
+                ckpt_path=None if args.resume is None else str(args.resume))
     if args.record:
         out = recorder.summary(trainer)
         out["finished"] = True
