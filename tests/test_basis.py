@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,20 +20,21 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from dflash_callbacks import TrailingBaselineStop
 from dflash_callbacks.engine.run_folder import RunFolder
+from dflash_callbacks.engine import runners
 from dflash_callbacks.engine.runners import BackgroundRunner, Job, SnapshotOutcome
 from dflash_callbacks.engine.snapshot import Snapshot
-from dflash_callbacks.watch.runs import Watcher
-from dflash_callbacks.cli import main as cli_main
+from dflash_callbacks.watch.runs import Watcher, open_watcher
+from dflash_callbacks.cli import build_parser, main as cli_main
 from dflash_callbacks.model import DrafterConfig, load_drafter
 from dflash_callbacks.scoring.basis import Basis
 from dflash_callbacks.scoring.service import PreflightError, ScoringService, ServiceSpec, preflight
 
-from runs import assert_clean, records, run_dirs
+from runs import assert_clean, records, run_dir, run_dirs
 
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 from test_trust import HostileWatcher  # noqa: E402
-from train_run import SCORING, eval_cb, fit, shared_world  # noqa: E402
+from train_run import SCORING, eval_cb, fit, shared_world, write_cache  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +148,111 @@ def test_a_watcher_without_baseline_tells_a_run_that_expects_one(world, tmp_path
     found = expects.read_report(expects.report_path(None))
     assert "the watcher runs without --baseline, but this run expects the baseline" in found.message
     assert not plain.report_path(None).exists() and "expects the baseline" in lines[0]
+
+
+class Watching(threading.Thread):
+    """`dflash-callbacks watch --dir DIR --cache ... --target ... --device cpu FLAGS` in a thread:
+    the CLI's own watcher, from its parsed command line, scanning every 50 ms; its log kept."""
+
+    def __init__(self, world: Path, dirpath: Path, *flags: str, cache: Path | None = None):
+        super().__init__(daemon=True)
+        args = build_parser().parse_args(["watch", "--dir", str(dirpath), "--cache", str(cache or world / "cache"),
+                                          "--target", str(world / "target"), "--device", "cpu", *flags])
+        self.lines: list[str] = []
+        self.watcher = open_watcher(args, log=self.lines.append)
+        self.stop, self.error = threading.Event(), None
+
+    def run(self):
+        try:
+            while not self.stop.wait(0.05):
+                self.watcher.scan_once()
+        except BaseException as e:  # the test fails on it, not the thread alone
+            self.error = e
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.join()
+        assert self.error is None, self.error
+
+
+def test_a_watcher_scores_each_run_with_the_settings_its_run_json_records(world, tmp_path):
+    """A watcher started without --topk 4 beside a run that scores top@4 (and one budget, not
+    the default two) scores every snapshot, and the baseline, with the run's settings: no error
+    line; the machine settings (--anchors-per-forward) are its own. A flag that agrees with the
+    run (the drafter's block size, a budget list) refuses nothing, and runs of one setting share
+    one service."""
+    cb = eval_cb(world, tmp_path, runner="external", scoring={**SCORING, "topk": [4]}, keep_last=4, busy="queue",
+                 max_pending=4, wait_timeout=60, baseline=world / "baseline", baseline_cache_dir=tmp_path / "bc")
+    with Watching(world, tmp_path / "d", "--anchors-per-forward", "3", "--baseline", str(world / "baseline"),
+                  "--baseline-cache-dir", str(tmp_path / "bc")) as watching:
+        fit(world, tmp_path, [cb], max_steps=4)
+    lines, run = records(tmp_path / "d"), RunFolder(run_dir(tmp_path / "d"))
+    assert [(r["step"], "tasks" in r) for r in lines] == [(2, True), (4, True)] and cb.errors == 0, lines
+    assert cb.baseline_report.methods == ["vanilla", "ddtree@4", "top@4"]
+    assert all(list(r["mean"]) == ["vanilla", "ddtree@4", "top@4"] for r in lines)
+    assert all(r["scoring"]["anchors_per_forward"] == 3 for r in lines)
+    again = service(world, topk=[4], anchors_per_forward=3).score_folder(run.snapshot_path(4))
+    assert lines[1]["tasks"] == again.to_dict()["tasks"]
+    assert len(watching.watcher._services) == 2 and "scoring with its run.json's settings" in watching.lines[0]
+    assert not any("refused" in line for line in watching.lines)
+    assert_clean(tmp_path / "d", cb.reports)
+
+    twin = RunFolder.create(tmp_path / "d", "twin", run.about())  # a second run with the same settings
+    shutil.copytree(run.snapshot_path(2), twin.snapshot_path(2))
+    twin.unlock()
+    assert watching.watcher.scan_once() == 1 and len(watching.watcher._services) == 2
+    agreeing = Watching(world, tmp_path / "d", "--block-size", "6", "--budgets", "4", "--topk", "4")
+    agreeing.watcher.scan_once()
+    assert not any("refused" in line for line in agreeing.lines), agreeing.lines
+
+
+def test_a_watcher_whose_flags_or_cache_conflict_with_a_run_is_refused_and_writes_nothing_there(world, tmp_path,
+                                                                                                  monkeypatch):
+    """A watcher with --window 2 beside a run scoring window None, and one with another cache:
+    each says so in one line naming the setting, both values and the fix, however often it
+    polls, and writes nothing into the run's folder, not even a heartbeat: the run, which no
+    watcher scores, says it has none."""
+    monkeypatch.setattr(runners, "WATCHER_TIMEOUT", 1.5)
+    other = write_cache(world, tmp_path / "other-cache", [("other", 12, 3)])
+    cb = eval_cb(world, tmp_path, runner="external", keep_last=2)
+    with Watching(world, tmp_path / "d", "--window", "2") as flagged, \
+            Watching(world, tmp_path / "d", cache=other) as elsewhere:
+        with pytest.warns(UserWarning, match=r"no `dflash-callbacks watch` has written to .*; step 2 was not scored"):
+            fit(world, tmp_path, [cb], max_steps=2)
+        time.sleep(0.2)  # more polls: still one line each
+    folder = run_dir(tmp_path / "d")
+    assert [(r["step"], "no `dflash-callbacks watch`" in r["error"]) for r in records(tmp_path / "d")] == [(2, True)]
+    assert not (folder / "reports").exists() and not (folder / "watcher.json").exists()
+    assert flagged.lines == [f"watch: {folder.name}: refused, nothing is written there: window 2 from --window, but "
+                             "the run scores window None; drop --window (a watcher takes each run's scoring settings "
+                             "from its run.json), or leave the run to a watcher without it"]
+    (line,) = elsewhere.lines
+    assert line.startswith(f"watch: {folder.name}: refused, nothing is written there: this watcher would score it with "
+                           f"cache {elsewhere.watcher.service.cache.fingerprint} (this run: ")
+    assert "start a watcher with the run's --cache, --target and dflash_callbacks version" in line
+    assert_clean(tmp_path / "d", cb.reports)
+
+
+def test_of_two_watchers_on_one_folder_the_one_whose_flags_conflict_is_refused(world, tmp_path):
+    """Two watchers on one run folder, one with --window 2 (and a --topk that agrees): only
+    the other's reports land, every one of them a report; the refused one logs one line, names
+    only the setting that conflicts, and scores nothing."""
+    cb = eval_cb(world, tmp_path, runner="external", scoring={**SCORING, "topk": [4]}, keep_last=4, busy="queue",
+                 max_pending=4, wait_timeout=60)
+    with Watching(world, tmp_path / "d", "--window", "2", "--topk", "4") as wrong, \
+            Watching(world, tmp_path / "d", "--topk", "4") as right:
+        fit(world, tmp_path, [cb], max_steps=4)
+    lines = records(tmp_path / "d")
+    assert [(r["step"], "tasks" in r, r.get("scoring", {}).get("window")) for r in lines] == [(2, True, None),
+                                                                                            (4, True, None)]
+    assert cb.errors == 0 and len(wrong.lines) == 1 and "window 2 from --window" in wrong.lines[0]
+    assert "topk" not in wrong.lines[0] and len(wrong.watcher._services) == 1
+    assert sum("live tau" in line for line in right.lines) == 2
+    assert_clean(tmp_path / "d", cb.reports)
 
 
 def test_a_baseline_report_scored_with_another_config_is_refused_everywhere(world, tmp_path, capsys):

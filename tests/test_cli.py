@@ -177,7 +177,7 @@ def test_watch_refuses_what_can_not_work_and_logs_what_it_scores(world, tmp_path
     assert "watch: run-a step 3: live tau vanilla" in out
     report = run.read_report(run.report_path(3))
     assert report.step == 3 and report.snapshot_id == run.snapshot_id(run.snapshot_path(3))
-    assert (tmp_path / "runs" / "watcher.json").is_file()
+    assert (run.path / "watcher.json").is_file()  # the heartbeat of a run it scores
 
     # a watcher scores each snapshot once; a report naming another snapshot is scored again
     from dflash_callbacks.watch.runs import Watcher

@@ -82,7 +82,7 @@ def new_run_id() -> str:
 
 
 def write_heartbeat(folder: Path) -> None:
-    """`dflash-callbacks watch` says it is alive, in the folder it watches (`RunFolder.last_heartbeat`)."""
+    """`dflash-callbacks watch` says it is alive, in a run folder it scores (`RunFolder.last_heartbeat`)."""
     atomic_write_json(Path(folder) / HEARTBEAT_FILE, {"time": time.time(), "host": socket.gethostname(),
                                                       "pid": os.getpid()})
 

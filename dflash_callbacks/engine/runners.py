@@ -320,7 +320,9 @@ class ExternalScorer:
             if time.time() - max(heartbeat, started) > WATCHER_TIMEOUT:
                 if not warned:
                     warnings.warn(f"dflash: waiting for a watcher to score {what}: start `dflash-callbacks watch "
-                                  f"--dir {self.run.path.parent} --cache ... --target ...`", stacklevel=1)
+                                  f"--dir {self.run.path.parent} --cache ... --target ...` (a watcher that refuses "
+                                  "this run, for flags or a cache other than its own, says why in its log)",
+                                  stacklevel=1)
                     warned = True
             time.sleep(POLL_SECONDS)
 

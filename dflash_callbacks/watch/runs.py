@@ -4,28 +4,49 @@ Pair it with `DrafterEvalCallback(runner="external", dirpath=DIR)`. `--dir` is t
 `dirpath` (one subfolder per run; new runs are picked up as they appear) or one run
 folder; a --dir holding no run folder, or not there yet, is an error with --once
 (naming the folder meant, when one is near), else a notice and a wait. Run folders whose run.json names another runner
-(thread, process) are skipped, and said so once. Every poll, for every run folder, the watcher
+(thread, process) are skipped, and said so once.
+
+Each run is scored with its own settings: what changes the numbers (methods, budgets,
+window, block size, max rounds, tasks, dtype: `ScoringConfig.fingerprint_fields`) comes
+from its run.json's `scoring`; where and how fast (device, backend, anchors per forward,
+vocabulary tile, memory) from the watcher's flags (or --config), since they describe the
+machine it runs on. One ScoringService (one target head in memory) per distinct setting,
+made when a run first needs it and shared by the runs that have it, each with its own
+baseline report. A run that records no settings (an older run) is scored with the flags.
+A run is refused, in one log line (once while it lasts) naming the setting and the fix,
+and nothing at all is written into its folder, when a number-changing flag given on the
+watcher's command line differs from the run's setting (--config, like the defaults, only
+stands in for what a run does not record), or when its reports would stand on another basis
+than run.json's (another cache or target head, another library version): so of two watchers
+on one folder the one meant for the run scores it, and a run that only a refusing watcher
+sees gets no heartbeat: it warns that no watcher scores it, as with none at all.
+
+Every poll, for every run folder it scores, the watcher
+- writes a heartbeat (RUN/watcher.json), so the run that waits for it knows it is there;
 - scores the baseline once into reports/baseline.json (a failure is written there as
   `{"error": ...}`, so the run goes on without one, and retried on the next poll; the
   run takes the report when it appears); without --baseline, writes that error for a
   run whose run.json expects one, so the run does not wait for it;
 - scores every snapshot whose report is missing or names another snapshot id into
-  reports/step-XXXXXXXX.json (`{"error", "step", "snapshot_id"}` when scoring fails);
-and writes a heartbeat (DIR/watcher.json), so a run that waits for it knows it is there.
+  reports/step-XXXXXXXX.json (`{"error", "step", "snapshot_id"}` when scoring fails).
 Each file is written atomically; each snapshot scored is logged on one line.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from ..files import file_version
+from ..scoring.basis import Basis
+from ..scoring.config import ScoringConfig
 from ..scoring.report import EvalReport
 from ..scoring.service import ScoringService, ServiceSpec, preflight, recorded_weights, weights_fingerprint
-from ..engine.run_folder import RUN_FILE, RunFolder, is_run_folder, write_heartbeat
+from ..engine.run_folder import HEARTBEAT_FILE, RUN_FILE, RunFolder, is_run_folder, write_heartbeat
 from ..engine.runners import describe
 
 
@@ -47,16 +68,113 @@ def runs_hint(root: Path) -> str:
     return f" (a run folder holds {RUN_FILE}); give the callback's dirpath, e.g. runs/demo/dflash"
 
 
+NUMBERS = tuple(ScoringConfig().fingerprint_fields())
+"""The scoring settings that change the numbers: a run's own (its run.json), never the watcher's."""
+
+
 class Watcher:
-    def __init__(self, service: ScoringService, root: Path, log=print):
-        self.service, self.root, self.log = service, root, log
-        self._baseline: EvalReport | str | None = None  # the report, or the last error
+    def __init__(self, service: ScoringService, root: Path, log=print, given: dict[str, str] | None = None):
+        """`service`: the watcher's own (its flags), which scores the runs that record no
+        settings and lends every other its machine settings, cache, target and baseline;
+        `given`: the number-changing settings its command line set, each with where it was
+        set (`{"window": "--window"}`): a run that scores another value is refused."""
+        self.service, self.root, self.log, self.given = service, root, log, dict(given or {})
+        self._services = {self._key(service.config): service}  # scoring config -> its service
+        self._baselines: dict[ScoringService, EvalReport | str] = {}  # a service's baseline report, or its last error
         self._read: dict[Path, tuple[tuple, bool, str | None]] = {}  # report path -> (its stat, read back)
         self._own: dict[Path, tuple] = {}  # baseline report path -> its stat when it held this watcher's weights
-        self._weights: dict[str, str | None] = {}  # baseline folder a run expects -> its weights' fingerprint
+        self._weights: dict[str, str | None] = {}  # a baseline (folder or saved report) -> its weights' fingerprint
         self._skipped: set[Path] = set()  # run folders of another runner, logged once
+        self._refused: dict[Path, str] = {}  # run folder -> why it is refused, logged once while it lasts
         self._unwritten: dict[Path, dict] = {}  # report path -> the payload whose write failed
         self._failing: dict[Path, str] = {}  # run folder or report path -> its failure, logged once while it lasts
+
+    @staticmethod
+    def _key(config: ScoringConfig) -> str:
+        return json.dumps(config.to_dict(), sort_keys=True)
+
+    def settings_for(self, run: RunFolder, about: dict) -> ScoringConfig | None:
+        """The config `run` is scored with (`run_config`); None (the refusal logged once while it
+        lasts) when its settings conflict with the flags given, or its reports would stand on
+        another basis than the one its run.json records."""
+        try:
+            config = self.run_config(about)
+        except ValueError as e:
+            return self.refuse(run, f"{e}: run the dflash_callbacks version the training run runs")
+        try:
+            basis = Basis.from_dict(about["basis"])
+        except (KeyError, TypeError, ValueError, AttributeError):  # none recorded (an older run), or damaged
+            basis = None
+        conflicts = self.conflicts(config, basis)
+        if conflicts:
+            flags = sorted({self.given[name] for name, _ in conflicts})
+            return self.refuse(run, f"{'; '.join(text for _, text in conflicts)}; drop {' and '.join(flags)} (a "
+                                    "watcher takes each run's scoring settings from its run.json), or leave the run "
+                                    "to a watcher without it")
+        # the basis its service would have (ScoringService.basis), before a service, and a head, is made for it
+        differences = [] if basis is None else basis.differences(Basis.of_run(
+            config, self.service.cache, config.block_size or basis.block_size, self.service.head.fingerprint))
+        if differences:
+            settings = "" if "scoring" in about else ", scoring flags"  # an older run's come from the flags
+            return self.refuse(run, f"this watcher would score it with {'; '.join(differences)}: start a watcher with "
+                                    f"the run's --cache, --target{settings} and dflash_callbacks version")
+        if self._refused.pop(run.path, None) is not None:
+            self.log(f"watch: {run.path.name}: no longer refused, scoring it")
+        return config
+
+    def service_with(self, config: ScoringConfig, run: RunFolder) -> ScoringService:
+        """The service of `config`, made when a run first needs it (each holds a target head)."""
+        key = self._key(config)
+        if key not in self._services:
+            self._services[key] = ScoringService(replace(self.service.spec, scoring=config.to_dict()),
+                                                 owns_process=self.service.owns_process)
+            shown = ", ".join(f"{name} {value}" for name, value in config.fingerprint_fields().items())
+            self.log(f"watch: {run.path.name}: scoring with its run.json's settings ({shown}); "
+                     f"{len(self._services)} scoring services")
+        return self._services[key]
+
+    def run_config(self, about: dict) -> ScoringConfig:
+        """The config a run is scored with: this watcher's, with run.json's number-changing
+        settings when it records them (an older run does not)."""
+        recorded = about.get("scoring")
+        if recorded is None:
+            return self.service.config
+        if not isinstance(recorded, dict):
+            raise ValueError(f"its run.json's scoring is not an object but {recorded!r}")
+        unknown = sorted(set(recorded) - set(ScoringConfig.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"its run.json's scoring has settings this watcher does not know ({', '.join(unknown)})")
+        try:
+            theirs = ScoringConfig(**recorded)
+        except ValueError as e:
+            raise ValueError(f"its run.json's scoring is not a ScoringConfig ({e})") from None
+        return replace(self.service.config, **theirs.fingerprint_fields())
+
+    def conflicts(self, config: ScoringConfig, basis: Basis | None) -> list[tuple[str, str]]:
+        """(setting, "window 2 from --window, but the run scores window None") for each setting
+        given on the command line that the run (`config`, scored at basis's block size) scores
+        otherwise; the order of a list does not count, and a block size given as the drafter's
+        agrees with a run that scores the drafter's (None)."""
+        def same(name, ours, theirs):
+            if name == "block_size" and theirs is None and basis is not None:
+                theirs = basis.block_size
+            if isinstance(ours, list) and isinstance(theirs, list):
+                return sorted(ours) == sorted(theirs)
+            return ours == theirs
+
+        out = []
+        for name, source in self.given.items():
+            ours, theirs = getattr(self.service.config, name), getattr(config, name)
+            if not same(name, ours, theirs):
+                out.append((name, f"{name} {ours} from {source}, but the run scores {name} {theirs}"))
+        return out
+
+    def refuse(self, run: RunFolder, why: str) -> None:
+        message = f"watch: {run.path.name}: refused, nothing is written there: {why}"
+        if self._refused.get(run.path) != message:
+            self._refused[run.path] = message
+            self.log(message)
+        return None
 
     def reported(self, run: RunFolder, path: Path) -> tuple[bool, str | None] | None:
         """(is it a report rather than an error, the snapshot id it names) of a report file,
@@ -73,7 +191,7 @@ class Watcher:
         """Whether the run's baseline report should give way to this watcher's: the run expects
         (`expected`, its run.json's baseline) this watcher's baseline, the same weights, and the
         report there is of other weights (another watcher's). Any other run's is left alone."""
-        ours = recorded_weights(self.baseline())
+        ours = self._weights_of(self.service.spec.baseline)
         if ours is None or not isinstance(expected, str) or not expected or self._weights_of(expected) != ours:
             return False
         path = run.report_path(None)
@@ -85,38 +203,38 @@ class Watcher:
             self._own[path] = version
         return theirs != ours
 
-    def _weights_of(self, folder: str) -> str | None:
-        """weights_fingerprint of a baseline folder a run expects (None where it can not be read here)."""
-        if folder not in self._weights:
+    def _weights_of(self, baseline: str) -> str | None:
+        """The weights' fingerprint of a baseline: a folder's (weights_fingerprint), a saved report's
+        recorded one (None where it can not be read here, or records none)."""
+        if baseline not in self._weights:
             try:
-                self._weights[folder] = weights_fingerprint(folder)
+                self._weights[baseline] = (recorded_weights(EvalReport.load(baseline)) if Path(baseline).is_file()
+                                           else weights_fingerprint(baseline))
             except (OSError, ValueError):
-                self._weights[folder] = None
-        return self._weights[folder]
+                self._weights[baseline] = None
+        return self._weights[baseline]
 
-    def baseline(self) -> EvalReport | str | None:
-        """The baseline's report, scored once; after a failure, tried again on each call."""
-        if self.service.spec.baseline is None or isinstance(self._baseline, EvalReport):
-            return self._baseline
+    def baseline(self, service: ScoringService) -> EvalReport | str | None:
+        """The baseline's report with `service`'s settings, scored once; after a failure, tried
+        again on each call."""
+        found = self._baselines.get(service)
+        if service.spec.baseline is None or isinstance(found, EvalReport):
+            return found
         try:
-            self._baseline = self.service.baseline()
-            self.log(f"watch: baseline {self.service.spec.baseline} scored")
+            found = self._baselines[service] = service.baseline()
+            self.log(f"watch: baseline {service.spec.baseline} scored ({', '.join(service.config.methods)})")
         except Exception as e:
-            self._baseline = describe(e)
-            self.log(f"watch: scoring the baseline failed (retried next poll): {self._baseline}")
-        return self._baseline
+            found = self._baselines[service] = describe(e)
+            self.log(f"watch: scoring the baseline failed (retried next poll): {found}")
+        return found
 
     def scan_once(self) -> int:
         """Score every snapshot without its report; returns how many were scored. A run folder
         that can not be read or written (a full disk, a folder where a file goes, a run removed
         meanwhile) is logged and tried again on the next poll; the other runs go on."""
-        if not self.root.is_dir():  # not created yet by the training run: nothing to score, no heartbeat
+        if not self.root.is_dir():  # not created yet by the training run: nothing to score
             return 0
         done = 0
-        try:
-            write_heartbeat(self.root)
-        except OSError as e:
-            self.log(f"watch: writing the heartbeat in {self.root} failed (retried next poll): {e}")
         for run in run_folders(self.root):
             try:
                 done += self.scan_run(run)
@@ -140,12 +258,17 @@ class Watcher:
                 self.log(f"watch: skipping {run.path.name}: its runner is {runner!r}, not 'external' "
                          "(it scores its own snapshots)")
             return 0
+        config = self.settings_for(run, about)
+        if config is None:  # refused: not even a heartbeat, so a run no other watcher scores says it has none
+            return 0
+        self.beat(run)
         baseline, expected = self.reported(run, run.report_path(None)), about.get("baseline")
         if self.service.spec.baseline is not None and (baseline is None or not baseline[0]):
-            baseline = self.baseline()
+            baseline = self.baseline(self.service_with(config, run))
             self.write(run, None, baseline.to_dict() if isinstance(baseline, EvalReport) else {"error": baseline})
         elif self.service.spec.baseline is not None and self.replaces_baseline(run, expected):
-            if self.write(run, None, self._baseline.to_dict()):  # another watcher's (which the run may refuse)
+            baseline = self.baseline(self.service_with(config, run))  # another watcher's (the run may refuse it)
+            if isinstance(baseline, EvalReport) and self.write(run, None, baseline.to_dict()):
                 self.log(f"watch: {run.path.name}: replaced another watcher's baseline report with this one's")
         elif self.service.spec.baseline is None and expected and baseline is None:  # the run would wait on it
             if self.write(run, None, {"error": f"the watcher runs without --baseline, but this run expects the "
@@ -163,7 +286,7 @@ class Watcher:
             if snapshot_id is None or payload.get("snapshot_id") != snapshot_id:  # not scored yet
                 started = time.monotonic()
                 try:
-                    payload = self.service.score_folder(folder).to_dict()
+                    payload = self.service_with(config, run).score_folder(folder).to_dict()
                     summary = ", ".join(f"{m} {v['live']:.2f}" for m, v in payload["mean"].items())
                     self.log(f"watch: {run.path.name} step {step}: live tau {summary} ({time.monotonic() - started:.1f} s)")
                 except FileNotFoundError:
@@ -171,8 +294,18 @@ class Watcher:
                 except Exception as e:
                     payload = {"error": describe(e), "step": step, "snapshot_id": snapshot_id}
                     self.log(f"watch: {run.path.name} step {step} failed: {payload['error']}")
+                self.beat(run)  # a report may take minutes: the run hears from its watcher after each
             done += self.write(run, step, payload)
         return done
+
+    def beat(self, run: RunFolder) -> None:
+        """The heartbeat in a run folder this watcher scores (a failure is logged once while it lasts)."""
+        try:
+            write_heartbeat(run.path)
+            self._failing.pop(run.path / HEARTBEAT_FILE, None)
+        except OSError as e:
+            self.failing(run.path / HEARTBEAT_FILE, f"watch: {run.path.name}: writing the heartbeat failed "
+                                                    f"(retried next poll): {e}")
 
     def write(self, run: RunFolder, step: int | None, payload: dict) -> bool:
         """Write a report file; when that fails, the failure is logged (once while it lasts) and
@@ -190,7 +323,7 @@ class Watcher:
 
 
 def add_watch_arguments(p: argparse.ArgumentParser) -> None:
-    from ..scoring.cli import BASELINE_CACHE_HELP, add_scoring_arguments
+    from ..scoring.cli import BASELINE_CACHE_HELP, SCORING_FLAGS, add_scoring_arguments
 
     p.add_argument("--dir", required=True, type=Path,
                    help="the callback's dirpath (one subfolder per run) or one run folder; waited for if it does not "
@@ -203,27 +336,52 @@ def add_watch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-exit", type=float, default=None, help="exit after this many seconds without a new snapshot")
     p.add_argument("--once", action="store_true", help="score what is there now and exit")
     add_scoring_arguments(p)
+    flags = {"--" + flag.replace("_", "-"): key in NUMBERS for flag, key in SCORING_FLAGS.items()}
+    p.epilog = (f"Each run is scored with the settings that change its numbers "
+                f"({', '.join(f for f, numbers in flags.items() if numbers)}) as its run.json records them; the other "
+                f"scoring flags ({', '.join(f for f, numbers in flags.items() if not numbers)}) say how this machine "
+                "computes them. A run that records none (an older run) is scored with the flags and --config. A run "
+                "that scores otherwise than a number-changing flag given here, or on another cache or target head, is "
+                "refused in one line, and nothing is written into its folder.")
 
 
-def run_watch(args: argparse.Namespace) -> int:
-    from ..scoring.cli import UsageError, scoring_config
+def given_settings(args: argparse.Namespace) -> dict[str, str]:
+    """The number-changing scoring settings given as flags -> the flag (`{"window": "--window"}`).
+    A key of --config is not one: like a default, it only stands in for what a run does not
+    record (the shipped conf/scoring.yaml lists every key)."""
+    from ..scoring.cli import SCORING_FLAGS
 
-    if args.dir.exists() and not args.dir.is_dir() or args.once and not args.dir.is_dir():
-        raise UsageError(f"--dir {args.dir} is not a folder: give the callback's dirpath (or a run folder in it)")
-    if not all(math.isfinite(x) and x >= 0 for x in (args.poll_seconds, args.idle_exit) if x is not None):
-        raise UsageError(f"--poll-seconds and --idle-exit must be finite numbers >= 0; got {args.poll_seconds:g} "
-                         f"and {'none' if args.idle_exit is None else format(args.idle_exit, 'g')}")
+    return {key: "--" + flag.replace("_", "-") for flag, key in SCORING_FLAGS.items()
+            if key in NUMBERS and hasattr(args, flag)}
+
+
+def open_watcher(args: argparse.Namespace, log=print) -> Watcher:
+    """The watcher `watch` runs: its own ScoringService from the flags, checked before any
+    work (preflight), and the number-changing settings its flags give."""
+    from ..scoring.cli import scoring_config
+
     spec = ServiceSpec(
         cache=str(args.cache), target=str(args.target),
         baseline=None if args.baseline is None else str(args.baseline),
         scoring=scoring_config(args).to_dict(),
         baseline_cache_dir=None if args.baseline_cache_dir is None else str(args.baseline_cache_dir),
     )
+    preflight(spec, None)
+    return Watcher(ScoringService(spec, owns_process=True), args.dir, log, given_settings(args))
+
+
+def run_watch(args: argparse.Namespace) -> int:
+    from ..scoring.cli import UsageError
+
+    if args.dir.exists() and not args.dir.is_dir() or args.once and not args.dir.is_dir():
+        raise UsageError(f"--dir {args.dir} is not a folder: give the callback's dirpath (or a run folder in it)")
+    if not all(math.isfinite(x) and x >= 0 for x in (args.poll_seconds, args.idle_exit) if x is not None):
+        raise UsageError(f"--poll-seconds and --idle-exit must be finite numbers >= 0; got {args.poll_seconds:g} "
+                         f"and {'none' if args.idle_exit is None else format(args.idle_exit, 'g')}")
     no_runs = not args.dir.is_dir() or not run_folders(args.dir)
     if no_runs and args.once:
         raise UsageError(f"--dir {args.dir} holds no run folder{runs_hint(args.dir)}")
-    preflight(spec, None)
-    watcher = Watcher(ScoringService(spec, owns_process=True), args.dir, log=lambda line: print(line, flush=True))
+    watcher = open_watcher(args, log=lambda line: print(line, flush=True))
     print(f"watch: scoring the snapshots of the runs in {args.dir} (every {args.poll_seconds:g} s; Ctrl-C stops)",
           flush=True)
     if not args.dir.is_dir():  # a watcher started before the training run that makes it
