@@ -1,10 +1,10 @@
-"""What the callbacks cost the training thread: a Lightning run with and without them.
+"""What evaluation costs the training thread: a run with and without it, in a Lightning Trainer
+(`--loop lightning`, DrafterEvalCallback) or a plain PyTorch loop (`--loop plain`, DrafterEvaluator).
 
 The same training (a DFlash drafter on random target features, AdamW, one device) runs
-twice: without the callbacks, then with DrafterEvalCallback (thread runner, a snapshot
-every `--every` steps, scored on the same device against a synthetic cache) and
-TrailingBaselineStop (action "warn": it decides, never stops). Reported, as a table and
-as JSON:
+twice: without evaluation, then with it (`--runner thread` or `process`, a snapshot every
+`--every` steps, scored against a synthetic cache) and a TrailingBaselineStop (action "warn":
+it decides, never stops). Reported, as a table and as JSON:
 - step time (median, max) of both runs, and steps/s;
 - per snapshot, the time inside the callback's hooks on the training thread (the copy
   started in on_train_batch_end) plus the wait in on_before_optimizer_step: the stall;
@@ -13,6 +13,7 @@ as JSON:
 - the scorer's peak accelerator memory per report (CUDA only).
 
     python benchmarks/bench_stall.py --size toy                           # CPU, about a minute
+    python benchmarks/bench_stall.py --size toy --loop plain --runner process
     python benchmarks/bench_stall.py --size production --json stall.json  # one GPU
 
 Sizes: production is the Qwen3.6-27B DFlash shape (hidden 5120, 5 layers, 1.78 B
@@ -38,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_callbacks.cache.format import TargetInfo, new_manifest, open_for_writing, write_task  # noqa: E402
 from dflash_callbacks.callbacks.eval_callback import DrafterEvalCallback  # noqa: E402
 from dflash_callbacks.callbacks.stopping import TrailingBaselineStop  # noqa: E402
+from dflash_callbacks.loop import DrafterEvaluator  # noqa: E402
 from dflash_callbacks.model import DFlashDrafter, DrafterConfig, build_target_layer_ids  # noqa: E402
 from dflash_callbacks.model.geometry import block_attention_mask, block_positions  # noqa: E402
 
@@ -170,6 +172,46 @@ def train(size: dict, config: DrafterConfig, callbacks: list, steps: int, device
     return clock
 
 
+def train_plain(size: dict, config: DrafterConfig, evaluator: DrafterEvaluator | None, steps: int,
+                device: str) -> tuple[list[float], dict[int, float], dict[int, float]]:
+    """The same training in a plain loop: (step times, seconds in evaluator.step() per step, seconds in the
+    optimizer's pre-hook, the wait for a snapshot's copy, per step)."""
+    torch.manual_seed(0)
+    module = DrafterOnFeatures(config, size).to(device=device, dtype=size["dtype"])
+    optimizer = torch.optim.AdamW(module.drafter.parameters(), lr=1e-5)
+    in_step, in_hook = {}, {}
+    if evaluator is not None:
+        landed = evaluator.engine.copy_landed
+
+        def timed_copy_landed():
+            t0 = time.perf_counter()
+            landed()
+            in_hook[current[0]] = time.perf_counter() - t0
+
+        evaluator.engine.copy_landed = timed_copy_landed
+        evaluator.attach(module.drafter, optimizer)
+    current, times, last = [0], [], None
+    for step in range(1, steps + 1):
+        current[0] = step
+        loss = module.training_step(None, step)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if evaluator is not None:
+            t0 = time.perf_counter()
+            evaluator.step(step)
+            in_step[step] = time.perf_counter() - t0
+        if device == "cuda":
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        if last is not None:
+            times.append(now - last)
+        last = now
+    if evaluator is not None:
+        evaluator.close()
+    return times, in_step, in_hook
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", choices=list(SIZES), default="toy")
@@ -178,6 +220,8 @@ def main(argv=None) -> dict:
     p.add_argument("--every", type=int, default=None)
     p.add_argument("--work", type=Path, default=Path("runs/bench-stall"), help="where the synthetic world is written")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--loop", choices=["lightning", "plain"], default="lightning")
+    p.add_argument("--runner", choices=["thread", "process"], default="thread")
     args = p.parse_args(argv)
     size = SIZES[args.size]
     steps, every = args.steps or size["steps"], args.every or size["every"]
@@ -188,41 +232,51 @@ def main(argv=None) -> dict:
     target, cache = write_world(size, config, args.work / args.size, args.device)
     setup_s = time.perf_counter() - t0
 
-    plain = train(size, config, [], steps, args.device)
-    cb = TimedEvalCallback(cache=cache, target=target, every_n_train_steps=every, verbose=False,
-                           scoring={"ddtree_budgets": [4, 8], "topk": [4], "device": args.device,
-                                    "dtype": "bfloat16" if size["dtype"] == torch.bfloat16 else "float32"},
-                           dirpath=args.work / "runs", busy="skip")
+    scoring = {"ddtree_budgets": [4, 8], "topk": [4], "device": args.device,
+               "dtype": "bfloat16" if size["dtype"] == torch.bfloat16 else "float32"}
     stop = TrailingBaselineStop(monitor="ddtree@8/live", action="warn", verbose=False)
-    with_cb = train(size, config, [cb, stop], steps, args.device)
-
-    snapshot_steps = sorted({r.step for r in cb.reports} | {s for s in cb.batch_end_s if s % every == 0})
-    stalls = [cb.batch_end_s.get(s, 0.0) + cb.before_step_s.get(s + 1, 0.0) for s in snapshot_steps if s < steps]
-    scorer_s = sum(r.seconds or 0.0 for r in cb.reports)
-    lost_s = sum(with_cb.times) - sum(plain.times)
+    if args.loop == "lightning":
+        without = train(size, config, [], steps, args.device).times
+        cb = TimedEvalCallback(cache=cache, target=target, every_n_train_steps=every, verbose=False, scoring=scoring,
+                               dirpath=args.work / "runs", busy="skip", runner=args.runner)
+        with_times = train(size, config, [cb, stop], steps, args.device).times
+        in_step, in_hook, engine = cb.batch_end_s, {s - 1: t for s, t in cb.before_step_s.items()}, cb.engine
+    else:
+        without, _, _ = train_plain(size, config, None, steps, args.device)
+        evaluator = DrafterEvaluator(cache=cache, target=target, every_n_steps=every, stop=stop, verbose=False,
+                                     scoring=scoring, dirpath=args.work / "runs", busy="skip", runner=args.runner)
+        with_times, in_step, in_hook = train_plain(size, config, evaluator, steps, args.device)
+        engine = evaluator.engine
+    snapshot_steps = sorted({r.step for r in engine.reports} | {s for s in in_step if s % every == 0})
+    stalls = [in_step.get(s, 0.0) + in_hook.get(s, 0.0) for s in snapshot_steps if s < steps]
+    scorer_s = sum(r.seconds or 0.0 for r in engine.reports)
+    lost_s = sum(with_times) - sum(without)
     result = {
+        "loop": args.loop, "runner": args.runner,
         "size": args.size, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "steps": steps, "every_n_train_steps": every, "setup_s": setup_s, "reports": len(cb.reports),
-        "skipped_busy": cb.skipped, "errors": cb.errors,
-        "step_s_median": {"without": statistics.median(plain.times), "with": statistics.median(with_cb.times)},
-        "step_s_max": {"without": max(plain.times), "with": max(with_cb.times)},
-        "steps_per_s": {"without": len(plain.times) / sum(plain.times), "with": len(with_cb.times) / sum(with_cb.times)},
+        "steps": steps, "every_n_train_steps": every, "setup_s": setup_s, "reports": len(engine.reports),
+        "skipped_busy": engine.skipped, "errors": engine.errors,
+        "step_s_median": {"without": statistics.median(without), "with": statistics.median(with_times)},
+        "step_s_max": {"without": max(without), "with": max(with_times)},
+        "steps_per_s": {"without": len(without) / sum(without), "with": len(with_times) / sum(with_times)},
         "stall_ms_per_snapshot": {"max": 1000 * max(stalls, default=0.0), "median": 1000 * statistics.median(stalls)
                                   if stalls else 0.0, "first": 1000 * stalls[0] if stalls else None},
-        "wait_before_optimizer_ms_max": 1000 * max(cb.before_step_s.values(), default=0.0),
+        "wait_before_optimizer_ms_max": 1000 * max(in_hook.values(), default=0.0),
         "scorer_s": scorer_s, "training_s_lost": lost_s,
         "lost_over_scorer": lost_s / scorer_s if scorer_s else None,
-        "scorer_peak_memory_gib": max((r.peak_memory or 0) for r in cb.reports) / 2**30 if cb.reports else None,
-        "staging_allocations": cb._pool.allocations if cb._pool is not None else None,
+        "scorer_peak_memory_gib": max((r.peak_memory or 0) for r in engine.reports) / 2**30 if engine.reports else None,
     }
-    print(f"| {args.size} on {result['device']}, {steps} steps, a snapshot every {every} | without | with |")
+    result["steps_per_s_ratio"] = result["steps_per_s"]["with"] / result["steps_per_s"]["without"]
+    print(f"| {args.size} on {result['device']}, {args.loop} loop, runner {args.runner}, {steps} steps, a snapshot "
+          f"every {every} | without | with |")
     print("|---|---|---|")
     print(f"| step time, median / max (s) | {result['step_s_median']['without']:.4f} / {result['step_s_max']['without']:.4f} "
           f"| {result['step_s_median']['with']:.4f} / {result['step_s_max']['with']:.4f} |")
     print(f"| steps/s | {result['steps_per_s']['without']:.2f} | {result['steps_per_s']['with']:.2f} |")
     print(f"| stall per snapshot (hooks + wait before the optimizer step), max / first | - | "
           f"{result['stall_ms_per_snapshot']['max']:.2f} / {result['stall_ms_per_snapshot']['first'] or 0:.2f} ms |")
-    print(f"| reports ({cb.skipped} skipped while busy), scorer seconds | - | {len(cb.reports)}, {scorer_s:.2f} s |")
+    print(f"| steps/s with / without | - | {result['steps_per_s_ratio']:.3f} |")
+    print(f"| reports ({engine.skipped} skipped while busy), scorer seconds | - | {len(engine.reports)}, {scorer_s:.2f} s |")
     print(f"| training time lost / scorer seconds | - | {lost_s:.2f} s / {scorer_s:.2f} s |")
     peak = result["scorer_peak_memory_gib"]
     print(f"| scorer peak memory | - | {'-' if not peak else f'{peak:.2f} GiB'} |")

@@ -37,6 +37,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from ..files import file_version
 from ..scoring.basis import Basis
 from ..scoring.report import EvalReport
@@ -163,7 +165,7 @@ handle; the worker ends when the training process closes its jobs, kills it, or 
 
 
 def worker_main() -> None:
-    """Body of the worker (`python -c WORKER_CODE SYS_PATH SPEC_JSON PARENT_PID ANSWER_FD`, the
+    """Body of the worker (`python -c WORKER_CODE SYS_PATH SPEC_JSON PARENT_PID ANSWER_FD THREADS`, the
     training process's import path, as a multiprocessing spawn would pass it): one job per
     stdin line ("baseline" or a snapshot folder, JSON), one `[report dict | null, error |
     null]` line per job on ANSWER_FD, a pipe nothing else writes to (what prints, at start-up
@@ -171,6 +173,10 @@ def worker_main() -> None:
     spec, parent_pid = json.loads(sys.argv[2]), int(sys.argv[3])
     answers = os.fdopen(int(sys.argv[4]), "w")
     _die_with_parent(parent_pid)
+    import torch
+
+    # the cores the training process does not use (its intra-op threads): never a contest for the same ones
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) - int(sys.argv[5])))
     service = None
     for line in sys.stdin:  # EOF: the training process closed it, or died
         job = json.loads(line)
@@ -208,7 +214,8 @@ class ProcessScorer:
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-c", WORKER_CODE, json.dumps(import_path()), json.dumps(self.spec.to_dict()),
-                 str(os.getpid()), str(write_end)], stdin=subprocess.PIPE, pass_fds=(write_end,))
+                 str(os.getpid()), str(write_end), str(torch.get_num_threads())], stdin=subprocess.PIPE,
+                pass_fds=(write_end,))
         except BaseException:
             os.close(read_end)
             raise
