@@ -183,9 +183,11 @@ class DrafterConfig:
                 raise ValueError(f"field {name!r} is {value!r}: it {effect}, which this drafter does not implement "
                                  f"(it scores as if {name} were {neutral[-1]!r}); its numbers would be another model's")
         # vLLM reads is_causal first, then dflash_config.causal
-        causal = d.pop("is_causal", None)
-        dflash_causal = dflash.pop("causal", None)
-        causal = dflash_causal if causal is None else causal
+        causal = {"is_causal": d.pop("is_causal", None), "dflash_config.causal": dflash.pop("causal", None)}
+        for name, value in causal.items():
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"field {name!r} must be true, false or null; got {value!r}")
+        causal = causal["dflash_config.causal"] if causal["is_causal"] is None else causal["is_causal"]
         non_causal = take("sliding_window_non_causal", None)
         draft_vocab = take("draft_vocab_size", None)
         target_hidden = take("target_hidden_size", None)

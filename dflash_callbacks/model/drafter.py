@@ -360,7 +360,10 @@ class DFlashDrafter(nn.Module):
         own, stored = split_stored_head(state_dict)
         with torch.device("meta"):
             model = cls(config)
-        check_state_dict(model.state_dict(), own)
+        V, H = config.vocab_size, config.hidden_size
+        heads = {"embed_tokens.weight": (V, H), "lm_head.weight": (config.draft_vocab_size or V, H), "t2d": (V,)}
+        check_state_dict({**model.state_dict(), **{k: torch.empty(heads[k], device="meta") for k in stored}},
+                         {**own, **stored})
         check_vocab_map(config, own.get("d2t"), stored.get("t2d"))
         model.load_state_dict(own, strict=True, assign=True)
         model.stored_head = stored
