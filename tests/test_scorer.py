@@ -250,3 +250,34 @@ def test_another_attention_rule_is_scored_as_the_naive_forward_runs_it_and_recor
     assert EvalReport.from_dict(report.to_dict()).attention == report.attention
     auto_basis = Basis.of_run(ScoringConfig(ddtree_budgets=[4], topk=[3], device="cpu"), cache, 6)
     assert auto_basis.mismatches(report, "ours") == [f"ours was scored with attention rule {rule} (this run: auto)"]
+    with pytest.raises(ValueError, match=r"'attention' is 3, not a list of strings \(one per drafter layer\) or null"):
+        EvalReport.from_dict({**report.to_dict(), "attention": 3})
+    with pytest.raises(ValueError, match=r"attention must be one of \['auto', 'causal', 'bidirectional'"):
+        ScoringConfig(attention="sliding")
+
+
+def test_two_architectures_are_compared_with_a_warning_naming_how_each_attends(world, tmp_path, capsys):
+    """Each drafter is scored as it is served: a full-attention drafter against the world's (a
+    sliding layer) compares under one rule, and `compare` says how their layers differ."""
+    from dflash_callbacks.cli import main as cli_main
+
+    drafter, head, cache = world
+    full = DFlashDrafter.from_state_dict(drafter_config(layer_types=[]), drafter.state_dict())
+    config = ScoringConfig(ddtree_budgets=[4], device="cpu")
+    score_drafter(full, cache, head, config).to_json(tmp_path / "ours.json")
+    score_drafter(drafter, cache, head, config).to_json(tmp_path / "base.json")
+    assert cli_main(["compare", str(tmp_path / "ours.json"), str(tmp_path / "base.json")]) == 0
+    assert ("warning: the drafters attend differently inside the block (ours: bidirectional; bidirectional; the "
+            "baseline: causal, window 7 from the query; bidirectional)") in capsys.readouterr().err
+
+
+def test_a_float64_drafter_scores_as_its_float32_copy(world):
+    """float64 weights (a drafter trained in float64) are scored in the configured dtype; float64
+    itself is no scoring dtype (refused at the config, naming the legal ones)."""
+    drafter, head, cache = world
+    config = ScoringConfig(ddtree_budgets=[4], topk=[3], device="cpu")
+    wide = DFlashDrafter.from_state_dict(drafter.config, {k: v.double() for k, v in drafter.state_dict().items()})
+    assert wide.fc.weight.dtype == torch.float64
+    assert score_drafter(wide, cache, head, config).tasks == score_drafter(drafter, cache, head, config).tasks
+    with pytest.raises(ValueError, match=r"dtype must be one of \['float32', 'bfloat16', 'float16'\]; got 'float64'"):
+        ScoringConfig(dtype="float64")

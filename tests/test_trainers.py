@@ -118,6 +118,7 @@ def test_a_speculators_config_maps_onto_the_published_fields():
     assert config.target_layer_ids == [1, 3, 5]  # aux_hidden_state_layer_ids [2, 4, 6], one off
     assert (config.block_size, config.mask_token_id, config.vocab_size, config.draft_vocab_size) == (5, 96, 97, 48)
     assert config.sliding_window_non_causal is False
+    assert type(config).from_dict(config.to_dict()) == config  # written back in the published layout
     assert set(drafter.stored_head) == {"embed_tokens.weight", "lm_head.weight", "t2d"}
     assert "embed_tokens.weight" not in drafter.state_dict() and "d2t" in drafter.state_dict()
     noncausal = load_drafter(TRAINERS / "speculators-sliding-noncausal" / "checkpoint")

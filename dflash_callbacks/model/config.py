@@ -334,6 +334,6 @@ def from_speculators(raw: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"field 'aux_hidden_state_layer_ids' must be a non-empty list of integers >= 1 (hidden-state "
                          f"indices; 0, the embedding output, is no target layer); got {aux!r}")
     flat = {k: v for k, v in layer.items() if k not in ("dflash_config", "block_size", "mask_token_id")}
-    flat.update({k: raw[k] for k in SPECULATORS_FIELDS if k in raw})
+    flat.update({k: raw[k] for k in ("architectures", *SPECULATORS_FIELDS) if k in raw})
     flat["dflash_config"] = {"target_layer_ids": [i - 1 for i in aux]}
     return flat
