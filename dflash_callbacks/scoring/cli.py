@@ -218,7 +218,8 @@ def run_compare(args: argparse.Namespace) -> int:
     problems = replace(Basis.of_report(ours), methods=()).mismatches(baseline, f"the baseline {args.baseline}")
     if problems and not args.force:
         raise UsageError("refusing to compare: " + "; ".join(problems) + " (use --force to compare anyway)")
-    for problem in problems + [note for note in [attention_difference(ours, baseline)] if note]:
+    note = attention_difference(ours, baseline)
+    for problem in problems + ([note] if note else []):
         print(f"warning: {problem}", file=sys.stderr)
     print(comparison_table(ours, baseline, args.aggregate))
     return 0
