@@ -3,4 +3,5 @@ from .drafter import DFlashDrafter
 from .io import load_drafter, read_checkpoint, save_drafter
 from .target_head import TargetHead
 
-__all__ = ["DrafterConfig", "DFlashDrafter", "TargetHead", "build_target_layer_ids", "load_drafter", "read_checkpoint", "save_drafter"]
+__all__ = ["DrafterConfig", "DFlashDrafter", "TargetHead", "build_target_layer_ids", "load_drafter", "read_checkpoint",
+           "save_drafter"]
