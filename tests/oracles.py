@@ -9,10 +9,11 @@ For each anchor it returns the streak (accepted draft tokens; tau = streak + 1) 
 - `top@k`: the largest d with rank_i(y_i) < k for all i <= d, where
   rank(y) = #{v : z_v > z_y} (strictly greater, so tied tokens share a rank).
 - `ddtree@n`: DDTree Algorithm 1 with node budget n (root not counted), then a walk
-  along the labels. Per depth the tokens are ordered by log-prob (fp32 log_softmax)
-  descending, ties to the lower token id; K = min(n, V) tokens per depth are used.
-  A prefix is a tuple of such ranks, its score is the left-to-right float64 sum of
-  its log-probs starting from 0.0. The best-first heap pops n prefixes in the order
+  along the labels. Per depth the tokens are ordered by logit descending, ties to the
+  lower token id (as the scorer and the DDTree authors' code order them: two distinct
+  logits about 1e-6 apart can round to one fp32 log-prob, and must not tie there);
+  K = min(n, V) tokens per depth are used. A prefix is a tuple of such ranks, its score
+  is the left-to-right float64 sum of its log-probs (fp32 log_softmax) starting from 0.0. The best-first heap pops n prefixes in the order
   (score descending, rank tuple ascending lexicographically); the tree spans all L
   depths. The streak is the largest d whose label prefix (ranks of y_1..y_d) was
   popped, stopping at the first invalid position.
@@ -21,7 +22,7 @@ Method for `ddtree@n`: one exact heap run per anchor in plain Python over lists
 (`kernels.ddtree.heap_streak`, which the fast scorer runs on tied anchors;
 test_metrics.py checks it against the paper's tree and a brute force), after the vectorised part (log_softmax, the top-K values, the label's rank) is done
 in torch. Only the top-K values matter (not which tied token sits where), and the
-label's rank under the tie rule is #{v: lp_v > lp_y} + #{v < y: lp_v == lp_y}.
+label's rank under the tie rule is #{v: z_v > z_y} + #{v < y: z_v == z_y}.
 A sibling's score is recomputed from its parent's score (not by swapping one term
 out of the current score), so every score is exactly the left-to-right sum, and
 float ties resolve by the rank tuple exactly as Algorithm 1 says. Anchors whose
@@ -121,10 +122,10 @@ def _ddtree_streaks(
     """The `ddtree@n` entries of `streaks` (see the module docstring for the method)."""
     n_anchors, length, vocab = z.shape
     logprobs = torch.log_softmax(z, dim=-1)
-    lp_label = logprobs.gather(-1, labels.unsqueeze(-1))
+    z_label = z.gather(-1, labels.unsqueeze(-1))
     token_ids = torch.arange(vocab, device=z.device)
-    # Rank under "descending, ties to the lower token id".
-    label_rank = (logprobs > lp_label).sum(-1) + ((logprobs == lp_label) & (token_ids < labels.unsqueeze(-1))).sum(-1)
+    # Rank under "logit descending, ties to the lower token id".
+    label_rank = (z > z_label).sum(-1) + ((z == z_label) & (token_ids < labels.unsqueeze(-1))).sum(-1)
     # A popped node's ancestors are popped first, so a budget of n never pops below
     # depth n: the depths past max(budgets) cannot change any pop and are left out.
     k_max, depth_max = min(max(budgets), vocab), min(max(budgets), length)

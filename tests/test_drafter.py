@@ -1,4 +1,5 @@
 import json
+import re
 import shutil
 
 import pytest
@@ -6,7 +7,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_callbacks import DFlashDrafter, DrafterConfig, load_drafter, save_drafter
-from dflash_callbacks.model.config import build_target_layer_ids
+from dflash_callbacks.model.attention import resolve_attention
+from dflash_callbacks.model.config import UNIMPLEMENTED, build_target_layer_ids
 
 
 def test_reproduces_reference_forward(zlab_tiny):
@@ -158,14 +160,16 @@ def test_missing_and_misshaped_tensors_are_named(zlab_tiny, tmp_path):
     state = load_file(str(folder / "model.safetensors"))
     del state["layers.1.mlp.up_proj.weight"]
     state["fc.weight"] = state["fc.weight"][:, :128].contiguous()
-    state["lm_head.weight"] = torch.zeros(3, 3)
+    state["mtp_head.weight"] = torch.zeros(3, 3)
+    state["lm_head.weight"] = torch.zeros(3, 3)  # a stored copy of the target's head, of the wrong shape
     save_file(state, str(folder / "model.safetensors"))
     with pytest.raises(ValueError) as err:
         load_drafter(folder)
     msg = str(err.value)
     assert "missing tensor 'layers.1.mlp.up_proj.weight' (expected shape [96, 64])" in msg
     assert "tensor 'fc.weight' has shape [64, 128]; expected [64, 192]" in msg
-    assert "unexpected tensor 'lm_head.weight' (shape [3, 3])" in msg
+    assert "unexpected tensor 'mtp_head.weight' (shape [3, 3])" in msg
+    assert "tensor 'lm_head.weight' has shape [3, 3]; expected [300, 64]" in msg
     assert str(folder) in msg
 
 
@@ -192,23 +196,59 @@ def test_save_then_load_round_trip_and_state_dict_source(zlab_tiny, tmp_path):
         load_drafter(drafter.state_dict())
 
 
-@pytest.mark.parametrize("where, key, value, match", [
-    ("dflash_config", "input_embedding_scale", 8.0, "'input_embedding_scale' is 8.0: it scales the block's embeddings"),
-    ("dflash_config", "output_multiplier", 0.2, "'output_multiplier' is 0.2: it scales the draft logits"),
-    ("dflash_config", "final_logit_softcapping", 20.0, "'final_logit_softcapping' is 20.0: it soft-caps"),
-    ("top", "is_causal", True, "'is_causal' is True: it makes attention within the block causal"),
-])
-def test_a_setting_of_the_published_code_this_drafter_lacks_is_refused(zlab_tiny, tmp_path, where, key, value, match):
-    """Newer published configs may set these; scored without them, the numbers would be another model's."""
+CHANGING = {  # a value of each field published DFlash code reads that changes what the drafter computes
+    "input_embedding_scale": 8.0, "output_multiplier": 0.2, "final_logit_softcapping": 20.0, "logit_scale": 0.5,
+    "projector_type": "domino", "shift_label": True, "sample_from_anchor": True, "is_neox_style": False,
+    "rope_is_neox_style": False, "attention_sink_bias": True, "add_swa_attention_sink_bias": True, "use_swa": True,
+    "swa_window_size": 2048, "use_aux_hidden_state": False,
+}
+
+
+@pytest.mark.parametrize("where", ["dflash_config", "top"])
+@pytest.mark.parametrize("key", list(CHANGING))
+def test_a_setting_of_the_published_code_this_drafter_lacks_is_refused(zlab_tiny, tmp_path, where, key):
+    """Published configs may set these (SpecForge's Domino and DSpark configs: projector_type,
+    shift_label; speculators: sample_from_anchor; vLLM and SGLang: the rest); scored without
+    them, the numbers would be another model's. Their neutral values load."""
+    assert set(CHANGING) == set(UNIMPLEMENTED)
     folder = copy_fixture(zlab_tiny, tmp_path)
     raw = json.loads((folder / "config.json").read_text())
-    (raw["dflash_config"] if where == "dflash_config" else raw)[key] = value
+    (raw["dflash_config"] if where == "dflash_config" else raw)[key] = CHANGING[key]
     (folder / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ValueError, match=f"{folder / 'config.json'}: field {match}"):
+    effect = re.escape(UNIMPLEMENTED[key][0])
+    with pytest.raises(ValueError, match=f"{re.escape(str(folder / 'config.json'))}: field '{key}' is "
+                                         f"{re.escape(repr(CHANGING[key]))}: it {effect}, which this drafter does not"):
         load_drafter(folder)
-    neutral = {"input_embedding_scale": 1.0, "output_multiplier": 1, "final_logit_softcapping": None, "is_causal": False}
-    (raw["dflash_config"] if where == "dflash_config" else raw)[key] = neutral[key]
-    assert DrafterConfig.from_dict(raw).to_dict()["layer_types"] == ["full_attention"] * 3  # neutral: loads
+    for neutral in UNIMPLEMENTED[key][1]:
+        (raw["dflash_config"] if where == "dflash_config" else raw)[key] = neutral
+        assert DrafterConfig.from_dict(raw).to_dict()["layer_types"] == ["full_attention"] * 3
+
+
+def test_a_target_wider_than_the_drafter_is_refused(zlab_tiny):
+    raw = json.loads((zlab_tiny / "config.json").read_text())
+    raw["target_hidden_size"] = 128
+    with pytest.raises(ValueError, match="field 'target_hidden_size' is 128: a target 128 wide feeds the fc projection"):
+        DrafterConfig.from_dict(raw)
+    raw["target_hidden_size"] = raw["hidden_size"]
+    DrafterConfig.from_dict(raw)
+
+
+def test_is_causal_and_dflash_config_causal_make_every_layer_causal_as_vllm_reads_them(zlab_tiny):
+    raw = json.loads((zlab_tiny / "config.json").read_text())
+    raw.update(layer_types=["sliding_attention", "full_attention", "full_attention"], sliding_window=5,
+               use_sliding_window=True)
+    assert [a.causal for a in resolve_attention(DrafterConfig.from_dict(raw))] == [True, False, False]
+    raw["dflash_config"]["causal"] = True
+    assert [a.causal for a in resolve_attention(DrafterConfig.from_dict(raw))] == [True, True, True]
+    raw["is_causal"] = False  # read first
+    config = DrafterConfig.from_dict(raw)
+    assert config.causal is False and [a.causal for a in resolve_attention(config)] == [False] * 3
+    assert DrafterConfig.from_dict(config.to_dict()) == config
+    assert [str(a) for a in resolve_attention(config, "causal")] == ["causal, window 5 from the query", "bidirectional",
+                                                                    "bidirectional"]
+    raw["is_causal"] = "yes"
+    with pytest.raises(ValueError, match="field 'is_causal' must be true, false or null; got 'yes'"):
+        DrafterConfig.from_dict(raw)
 
 
 def test_sliding_layers_follow_use_sliding_window_as_transformers_does(zlab_tiny):

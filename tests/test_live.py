@@ -5,14 +5,17 @@ draft a block from the target's hidden states of the committed text, verify it w
 the target, accept the matching prefix plus the bonus token, continue. Its per-round
 tau must equal the report's `live_rounds` on the same prompt: for vanilla (a chain of
 argmaxes) and for DDTree (the tree of Algorithm 1, walked along the target's greedy
-tokens, as liranringel/ddtree verifies it)."""
+tokens, as liranringel/ddtree verifies it); and for a drafter with a sliding layer, which
+the loop runs as vLLM serves it (causal inside the block, the window counted from each
+query) and the scorer scores the same way."""
 
 import heapq
+from dataclasses import replace
 
 import pytest
 import torch
 
-from dflash_callbacks import load_drafter
+from dflash_callbacks import DFlashDrafter, load_drafter
 from dflash_callbacks.cache.extract import load_target
 from dflash_callbacks.model import TargetHead
 from dflash_callbacks.scoring.config import ScoringConfig
@@ -75,17 +78,32 @@ def speculative_decode(target, drafter, head, prompt: torch.Tensor, total_len: i
     return ids, rounds
 
 
-@pytest.mark.skipif(not (TOY_BASELINE_DIR / "model.safetensors").is_file(), reason="toy baseline not built")
-@pytest.mark.parametrize("method", ["vanilla", "ddtree@4"])
-def test_live_aggregate_equals_real_speculative_decoding(tmp_path, method):
-    cache = build_toy_cache(tmp_path / "cache", tasks="coding10", max_new_tokens=64)
+def with_a_sliding_layer(drafter, window: int):
+    """The same weights with the first layer sliding (window `window`)."""
+    config = replace(drafter.config, layer_types=["sliding_attention"] + drafter.config.layer_types[1:],
+                     sliding_window=window)
+    return DFlashDrafter.from_state_dict(config, drafter.state_dict())
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    """The toy coding10 cache (64 new tokens), the toy target, its head and the toy baseline."""
+    cache = build_toy_cache(tmp_path_factory.mktemp("live") / "cache", tasks="coding10", max_new_tokens=64)
     target, _ = load_target(toy_target_path(), dtype=torch.float32)
-    drafter = load_drafter(TOY_BASELINE_DIR, dtype=torch.float32)
-    head = TargetHead.from_pretrained(toy_target_path())
+    return cache, target, TargetHead.from_pretrained(toy_target_path()), load_drafter(TOY_BASELINE_DIR, dtype=torch.float32)
+
+
+@pytest.mark.skipif(not (TOY_BASELINE_DIR / "model.safetensors").is_file(), reason="toy baseline not built")
+@pytest.mark.parametrize("method, window, tasks", [("vanilla", None, 3), ("ddtree@4", None, 3), ("vanilla", 12, 1)])
+def test_live_aggregate_equals_real_speculative_decoding(toy, method, window, tasks):
+    cache, target, head, drafter = toy
+    if window is not None:
+        drafter = with_a_sliding_layer(drafter, window)
+        assert drafter.attention[0].causal and drafter.attention[0].window == window
     budget = None if method == "vanilla" else int(method.split("@")[1])
     config = ScoringConfig(ddtree_budgets=[budget] if budget else [], device="cpu", max_rounds=1000)
-    checked_rounds = 0
-    for name in cache.task_names[:3]:
+    checked_rounds, other_rule_differs = 0, window is None
+    for name in cache.task_names[:tasks]:
         task = cache.task(name)
         T, P, B = task.num_tokens, task.prompt_len, drafter.config.block_size
         streaks = score_task(drafter, head, task, config, B)
@@ -97,4 +115,7 @@ def test_live_aggregate_equals_real_speculative_decoding(tmp_path, method):
         assert report_rounds[: len(inside)] == inside
         checked_rounds += len(inside)
         assert max(inside) > 1  # the drafter does get tokens accepted: the comparison is not vacuous
-    assert checked_rounds >= 10
+        if window is not None:  # scored bidirectionally (as before), the same drafter gives other rounds
+            other = score_task(drafter, head, task, replace(config, attention="bidirectional"), B)
+            other_rule_differs |= not torch.equal(other.streaks[method], streaks.streaks[method])
+    assert checked_rounds >= 5 * tasks and other_rule_differs

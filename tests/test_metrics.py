@@ -21,11 +21,12 @@ def descending_order(row):
     return sorted(range(len(row)), key=lambda v: (-row[v], v))
 
 
-def oracle_ddtree(lp, y, ok, budget):
-    """DDTree Algorithm 1 over lists: lp [L][V] log-probs, y [L] labels, ok [L] valid."""
+def oracle_ddtree(lp, y, ok, budget, z):
+    """DDTree Algorithm 1 over lists: lp [L][V] log-probs, y [L] labels, ok [L] valid; tokens
+    ordered by the logits z [L][V]."""
     length, vocab = len(lp), len(lp[0])
     k = min(budget, vocab)
-    order = [descending_order(row)[:k] for row in lp]
+    order = [descending_order(row)[:k] for row in z]
     children = [{}]  # node 0 is the root
     # (-score, rank tuple, parent node, parent score)
     heap = [(-(0.0 + lp[0][order[0][0]]), (0,), 0, 0.0)]
@@ -51,10 +52,10 @@ def oracle_ddtree(lp, y, ok, budget):
     return streak
 
 
-def brute_ddtree(lp, y, ok, budget):
+def brute_ddtree(lp, y, ok, budget, z):
     """Every token sequence of length 1..L, sorted by (-score, rank tuple); first n kept."""
     length, vocab = len(lp), len(lp[0])
-    position = [{v: i for i, v in enumerate(descending_order(row))} for row in lp]
+    position = [{v: i for i, v in enumerate(descending_order(row))} for row in z]
     prefixes = []
     for depth in range(1, length + 1):
         for tokens in itertools.product(range(vocab), repeat=depth):
@@ -127,10 +128,10 @@ def check_against_oracles(z, y, valid, budgets, widths, brute):
         for k in widths:
             assert out[f"top@{k}"][i] == oracle_top(zl[i], yl[i], ok[i], k), (i, k)
         for n in budgets:
-            expected = oracle_ddtree(lp[i], yl[i], ok[i], n)
+            expected = oracle_ddtree(lp[i], yl[i], ok[i], n, zl[i])
             assert out[f"ddtree@{n}"][i] == expected, (i, n)
             if brute:
-                assert brute_ddtree(lp[i], yl[i], ok[i], n) == expected, (i, n)
+                assert brute_ddtree(lp[i], yl[i], ok[i], n, zl[i]) == expected, (i, n)
     return out
 
 
@@ -220,6 +221,30 @@ def test_hand_worked_example():
     assert out["ddtree@4"].tolist() == [1, 1]
     assert out["ddtree@5"].tolist() == [2, 1]
     assert out["ddtree@6"].tolist() == [2, 1]
+
+
+def test_two_logits_one_fp32_log_prob_apart_are_ordered_by_the_logit_as_the_scorer_orders_them():
+    """Tokens 0 and 1 have distinct logits (1 is one fp32 ulp above 0) whose fp32 log-probs are
+    equal (next to a logit of 40, both round to -39.999). By the logit, label 1 ranks second:
+    the second node of ddtree@2 is its prefix. Ordered by the log-prob with ties to the lower
+    id, it ranked third and ddtree@2 missed it. The scorer (head_stats + the closed form)
+    agrees with the oracle."""
+    from dflash_callbacks.kernels.head_stats import head_stats
+    from dflash_callbacks.scoring.config import ScoringConfig
+    from dflash_callbacks.scoring.scorer import streaks_from_stats
+
+    z = torch.tensor([[[1e-3, 1e-3, 40.0, 0.0]]])
+    z[0, 0, 1] = torch.nextafter(z[0, 0, 0], torch.tensor(1.0))
+    lp = torch.log_softmax(z, dim=-1)
+    assert z[0, 0, 1] > z[0, 0, 0] and lp[0, 0, 1] == lp[0, 0, 0]  # the corner: one log-prob, two logits
+    y = torch.tensor([[1]])
+    out = streaks(z, y, ddtree_budgets=(1, 2), topk=(1, 2))
+    assert {k: v.tolist() for k, v in out.items()} == {"vanilla": [0], "ddtree@1": [0], "ddtree@2": [1],
+                                                     "top@1": [0], "top@2": [1]}
+    assert oracle_ddtree(lp[0].tolist(), [1], [True], 2, z[0].tolist()) == 1
+    stats = head_stats(z[0], torch.eye(4), y[0], 2, backend="reference")  # logits exact: z @ I
+    fast = streaks_from_stats(stats, torch.ones(1, 1, dtype=torch.bool), ScoringConfig(ddtree_budgets=[1, 2], topk=[1, 2]))
+    assert {k: v.tolist() for k, v in fast.items()} == {k: v.tolist() for k, v in out.items()}
 
 
 def test_streak_stops_at_first_invalid_position():

@@ -8,6 +8,7 @@ from dflash_callbacks.cache.format import CacheTask, HiddenStateCache
 from dflash_callbacks.scoring.config import ScoringConfig
 from naive_scorer import score_task_naive
 from dflash_callbacks.scoring.report import EvalReport, comparison, comparison_table
+from dflash_callbacks.model.attention import resolve_attention
 from dflash_callbacks.model.geometry import anchor_range, block_attention_mask
 from dflash_callbacks.scoring.scorer import score_drafter, score_task
 
@@ -194,3 +195,89 @@ def test_a_memory_budget_sizes_the_chunks_and_leaves_the_streaks_alone(world, mo
     assert plans[tight] == scorer.MemoryPlan(3, half // per_row)
     with pytest.raises(ValueError, match=r"max_memory_gib=0.01 is below what scoring needs at the least: about 0\.\d+ GiB"):
         real_plan(ScoringConfig(**base, max_memory_gib=0.01), drafter, head.vocab_size, longest, 6)
+
+
+def pruned(drafter, vocab_ids):
+    """`drafter` with a pruned draft vocabulary: the target ids `vocab_ids`, ascending."""
+    config = drafter_config(draft_vocab_size=len(vocab_ids))
+    d2t = torch.tensor(vocab_ids) - torch.arange(len(vocab_ids))
+    return DFlashDrafter.from_state_dict(config, {**drafter.state_dict(), "d2t": d2t})
+
+
+def test_a_pruned_draft_vocabulary_is_scored_over_its_own_target_ids(world):
+    """A draft vocabulary of 9 of the 16 target ids: the batched scorer (the LM head's rows of
+    those ids, labels mapped onto them) equals the naive one over the whole vocabulary with
+    -inf off those ids; a label off them is never accepted, whatever the method; a budget
+    above the draft vocabulary (32 > 9) pads the top log-probs."""
+    drafter, head, cache = world
+    ids = [0, 1, 3, 4, 6, 8, 9, 12, 14]
+    small = pruned(drafter, ids)
+    assert small.vocab_ids.tolist() == ids and "d2t" in small.state_dict()
+    config = ScoringConfig(ddtree_budgets=[1, 4, 32], topk=[2, 12], anchors_per_forward=4, vocab_chunk=4, device="cpu")
+    accepted, refused = 0, 0
+    for name in cache.task_names:
+        task = cache.task(name)
+        fast = score_task(small, head, task, config, block_size=6)
+        slow = score_task_naive(small, head, task, config, block_size=6)
+        first = task.input_ids[task.prompt_len + 1 : task.num_tokens].tolist()  # each anchor's first label
+        off = torch.tensor([label not in ids for label in first])
+        for method in map(str, config.methods):
+            assert torch.equal(fast.streaks[method], slow.streaks[method]), (name, method)
+            assert not fast.streaks[method][off[: len(fast.streaks[method])]].any(), (name, method)
+            accepted += int(fast.streaks[method].sum())
+        refused += int(off.sum())
+    assert accepted > 0 and refused > 0  # labels on and off the draft vocabulary both occur
+
+
+@pytest.mark.parametrize("rule", ["bidirectional", "anchored-causal", "no-window"])
+def test_another_attention_rule_is_scored_as_the_naive_forward_runs_it_and_recorded(world, rule):
+    """The world's drafter has a sliding layer (window 7 over 40-token tasks): each rule scores
+    other numbers than auto's, equal to the naive per-anchor forward under that rule, and the
+    report and its basis record the rule, so reports of two rules are never mixed."""
+    from dflash_callbacks.scoring.basis import Basis
+
+    drafter, head, cache = world
+    config = ScoringConfig(ddtree_budgets=[4], topk=[3], attention=rule, device="cpu")
+    task = cache.task("long")
+    fast, slow = score_task(drafter, head, task, config, 6), score_task_naive(drafter, head, task, config, 6)
+    auto = score_task(drafter, head, task, ScoringConfig(ddtree_budgets=[4], topk=[3], device="cpu"), 6)
+    for method in map(str, config.methods):
+        assert torch.equal(fast.streaks[method], slow.streaks[method]), method
+    assert any(not torch.equal(fast.streaks[m], auto.streaks[m]) for m in fast.streaks)
+    report = score_drafter(drafter, cache, head, config)
+    assert report.scoring["attention"] == rule
+    assert report.attention == [str(a) for a in resolve_attention(drafter.config, rule)]
+    assert EvalReport.from_dict(report.to_dict()).attention == report.attention
+    auto_basis = Basis.of_run(ScoringConfig(ddtree_budgets=[4], topk=[3], device="cpu"), cache, 6)
+    assert auto_basis.mismatches(report, "ours") == [f"ours was scored with attention rule {rule} (this run: auto)"]
+    with pytest.raises(ValueError, match=r"'attention' is 3, not a list of strings \(one per drafter layer\) or null"):
+        EvalReport.from_dict({**report.to_dict(), "attention": 3})
+    with pytest.raises(ValueError, match=r"attention must be one of \['auto', 'causal', 'bidirectional'"):
+        ScoringConfig(attention="sliding")
+
+
+def test_two_architectures_are_compared_with_a_warning_naming_how_each_attends(world, tmp_path, capsys):
+    """Each drafter is scored as it is served: a full-attention drafter against the world's (a
+    sliding layer) compares under one rule, and `compare` says how their layers differ."""
+    from dflash_callbacks.cli import main as cli_main
+
+    drafter, head, cache = world
+    full = DFlashDrafter.from_state_dict(drafter_config(layer_types=[]), drafter.state_dict())
+    config = ScoringConfig(ddtree_budgets=[4], device="cpu")
+    score_drafter(full, cache, head, config).to_json(tmp_path / "ours.json")
+    score_drafter(drafter, cache, head, config).to_json(tmp_path / "base.json")
+    assert cli_main(["compare", str(tmp_path / "ours.json"), str(tmp_path / "base.json")]) == 0
+    assert ("warning: the drafters attend differently inside the block (ours: bidirectional; bidirectional; the "
+            "baseline: causal, window 7 from the query; bidirectional)") in capsys.readouterr().err
+
+
+def test_a_float64_drafter_scores_as_its_float32_copy(world):
+    """float64 weights (a drafter trained in float64) are scored in the configured dtype; float64
+    itself is no scoring dtype (refused at the config, naming the legal ones)."""
+    drafter, head, cache = world
+    config = ScoringConfig(ddtree_budgets=[4], topk=[3], device="cpu")
+    wide = DFlashDrafter.from_state_dict(drafter.config, {k: v.double() for k, v in drafter.state_dict().items()})
+    assert wide.fc.weight.dtype == torch.float64
+    assert score_drafter(wide, cache, head, config).tasks == score_drafter(drafter, cache, head, config).tasks
+    with pytest.raises(ValueError, match=r"dtype must be one of \['float32', 'bfloat16', 'float16'\]; got 'float64'"):
+        ScoringConfig(dtype="float64")

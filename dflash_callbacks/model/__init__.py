@@ -1,6 +1,7 @@
 from .config import DrafterConfig, build_target_layer_ids
 from .drafter import DFlashDrafter
-from .io import load_drafter, save_drafter
+from .io import load_drafter, read_checkpoint, save_drafter
 from .target_head import TargetHead
 
-__all__ = ["DrafterConfig", "DFlashDrafter", "TargetHead", "build_target_layer_ids", "load_drafter", "save_drafter"]
+__all__ = ["DrafterConfig", "DFlashDrafter", "TargetHead", "build_target_layer_ids", "load_drafter", "read_checkpoint",
+           "save_drafter"]

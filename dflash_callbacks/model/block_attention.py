@@ -12,8 +12,11 @@ parts are computed apart, each with its log-sum-exp:
 and merged exactly: the context holds the share w = e^lse_c / (e^lse_c + e^lse_b)
 = sigmoid(lse_c - lse_b) of each query's softmax mass, so
     out = (1 - w) * out_b + w * out_c.
-Sliding-window layers hide keys at positions <= q_pos - window in both parts.
+A layer's `LayerAttention` shapes both masks: a causal layer hides a block's later keys
+from each query; a sliding window hides keys at positions <= q_pos - window in both parts,
+or, anchored, context keys before a_i - window.
 
+The merge runs in fp32, or in the inputs' dtype when it is wider (float64 stays exact).
 Inference only: the log-sum-exp of the fused CPU kernel carries no gradient.
 """
 
@@ -23,13 +26,15 @@ from typing import NamedTuple
 
 import torch
 
+from .attention import LayerAttention
+
 
 class BlockMasks(NamedTuple):
-    """The masks of `block_attention` for one sliding window (or none)."""
+    """The masks of `block_attention` for one layer pattern."""
 
     context: torch.Tensor  # additive [n*B, C]: block i sees keys [0, a_i) (and its window)
     sees_context: torch.Tensor  # bool [n*B]: the query sees at least one context key
-    block: torch.Tensor | None  # additive [B, B] within a block (sliding window), or None
+    block: torch.Tensor | None  # additive [B, B] within a block (causal, sliding window), or None: all visible
 
 
 def additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -37,20 +42,26 @@ def additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
-def block_masks(anchors: torch.Tensor, block_size: int, context_len: int, window: int | None, dtype) -> BlockMasks:
-    """Masks of the blocks at `anchors` [n] against context keys [0, context_len)."""
-    n, B = anchors.numel(), block_size
+def block_masks(anchors: torch.Tensor, block_size: int, context_len: int, attention: LayerAttention, dtype) -> BlockMasks:
+    """Masks of the blocks at `anchors` [n] against context keys [0, context_len), for a
+    layer of pattern `attention`."""
+    n, B, window = anchors.numel(), block_size, attention.window
     offsets = torch.arange(B, device=anchors.device)
     k_pos = torch.arange(context_len, device=anchors.device)
     visible = k_pos < anchors[:, None, None]  # [n, 1, C]: block i sees keys [0, a_i)
     sees_context = (anchors[:, None] > 0).expand(n, B)  # its nearest context key is a_i - 1
-    block = None
-    if window is not None:  # keys at positions <= q_pos - window are hidden
+    inside = None  # [B, B] bool: the block keys each query sees (None: all)
+    if window is not None and attention.anchored:  # context keys [a_i - window, a_i); the block whole
+        visible = visible & (k_pos >= anchors[:, None, None] - window)
+    elif window is not None:  # keys at positions <= q_pos - window are hidden
         visible = visible & (anchors[:, None, None] + offsets[:, None] - k_pos < window)  # [n, B, C]
         sees_context = sees_context & (offsets + 1 < window)
-        block = additive(offsets[:, None] - offsets < window, dtype)
+        inside = offsets[:, None] - offsets < window
+    if attention.causal:  # query j sees block keys 0 .. j
+        causal = offsets[:, None] >= offsets
+        inside = causal if inside is None else inside & causal
     context = additive(visible, dtype).expand(n, B, context_len).reshape(n * B, context_len)
-    return BlockMasks(context, sees_context.reshape(n * B), block)
+    return BlockMasks(context, sees_context.reshape(n * B), None if inside is None else additive(inside, dtype))
 
 
 def attention_with_lse(q, k, v, mask):
@@ -65,10 +76,10 @@ def attention_with_lse(q, k, v, mask):
 
 def attention_with_lse_math(q, k, v, mask):
     """`attention_with_lse` in plain torch ops, on every device; the scores [b, heads,
-    L, S] are materialised once, in fp32."""
-    group = q.shape[1] // k.shape[1]
-    k, v = (t.repeat_interleave(group, dim=1).float() for t in (k, v))
-    scores = torch.matmul(q.float(), k.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5)
+    L, S] are materialised once, in fp32 (float64 for float64 inputs)."""
+    group, work = q.shape[1] // k.shape[1], merge_dtype(q.dtype)
+    k, v = (t.repeat_interleave(group, dim=1).to(work) for t in (k, v))
+    scores = torch.matmul(q.to(work), k.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5)
     if mask is not None:
         scores.add_(mask)
     lse = scores.logsumexp(dim=-1)
@@ -90,5 +101,11 @@ def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, masks: BlockMasks) -> torch.T
     out_ctx = out_ctx[0].view(heads, n, B, d).transpose(0, 1)
     lse_ctx = lse_ctx[0].view(heads, n, B).transpose(0, 1)
     # the context's share of each query's softmax mass: e^lse_ctx / (e^lse_ctx + e^lse)
-    share = torch.sigmoid(lse_ctx - lse).masked_fill_(~masks.sees_context.view(n, 1, B), 0.0)
-    return torch.lerp(out.float(), out_ctx.float(), share[..., None]).to(q.dtype)
+    work = merge_dtype(q.dtype)
+    share = torch.sigmoid(lse_ctx.to(work) - lse.to(work)).masked_fill_(~masks.sees_context.view(n, 1, B), 0.0)
+    return torch.lerp(out.to(work), out_ctx.to(work), share[..., None]).to(q.dtype)
+
+
+def merge_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for 16- and 32-bit inputs, float64 for float64 ones."""
+    return torch.promote_types(dtype, torch.float32)

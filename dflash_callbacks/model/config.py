@@ -3,7 +3,9 @@
 Published DFlash drafters are `model_type: qwen3` configs with a `dflash_config`
 section. Fields have been seen in more than one place (`block_size` at the top level
 or inside `dflash_config`, `rope_theta` or `rope_parameters`); `DrafterConfig.from_dict`
-accepts every placement and `to_dict` writes the published one back.
+accepts every placement and `to_dict` writes the published one back. A speculators
+config (`speculators_model_type: dflash`, the model nested in `transformer_layer_config`,
+`aux_hidden_state_layer_ids` = target layer ids + 1) is mapped onto the same fields.
 """
 
 from __future__ import annotations
@@ -17,19 +19,38 @@ from typing import Any
 from ..checks import is_int
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
-UNIMPLEMENTED = {
-    "input_embedding_scale": "scales the block's embeddings",
-    "output_multiplier": "scales the draft logits",
-    "final_logit_softcapping": "soft-caps the draft logits",
-    "is_causal": "makes attention within the block causal",
+UNIMPLEMENTED = {  # field: (what it does in the code that reads it, the values that change nothing)
+    "input_embedding_scale": ("scales the block's embeddings", (None, 1)),
+    "output_multiplier": ("scales the draft logits", (None, 1)),
+    "final_logit_softcapping": ("soft-caps the draft logits", (None, 0)),
+    "logit_scale": ("scales the draft logits (vLLM)", (None, 1)),
+    "projector_type": ("replaces the plain DFlash head by a Domino or DSpark one (SpecForge, speculators)",
+                       (None, "dflash")),
+    "shift_label": ("shifts each drafted position's label by one (SpecForge, speculators)", (None, False)),
+    "sample_from_anchor": ("drafts a token from the anchor's own slot, B per block (speculators)", (None, False)),
+    "is_neox_style": ("rotates interleaved RoPE pairs (vLLM, SGLang)", (None, True)),
+    "rope_is_neox_style": ("rotates interleaved RoPE pairs (SGLang)", (None, True)),
+    "attention_sink_bias": ("adds a per-head attention sink (vLLM)", (None, False)),
+    "add_swa_attention_sink_bias": ("adds a per-head attention sink (vLLM)", (None, False)),
+    "use_swa": ("makes every layer a sliding layer (vLLM)", (None, False)),
+    "swa_window_size": ("sets the sliding window of the layers (vLLM)", (None,)),
+    "use_aux_hidden_state": ("feeds the target's hidden states without the fc projection (vLLM)", (None, True)),
 }
-"""Settings newer published DFlash code reads (from dflash_config or the top level) that this
+"""Settings that published DFlash code reads (from dflash_config or the top level) and this
 drafter does not implement: a config giving one a value that changes the computation is
 refused, since its numbers would be another model's."""
-NEUTRAL = {"input_embedding_scale": (None, 1), "output_multiplier": (None, 1), "final_logit_softcapping": (None, 0),
-           "is_causal": (None, False)}
+SPECULATORS_FIELDS = ("block_size", "mask_token_id", "draft_vocab_size", "sliding_window_non_causal",
+                      "target_hidden_size", *UNIMPLEMENTED)
+"""Top-level fields of a speculators DFlash config that describe the drafter (the rest is
+its proposal and verifier bookkeeping, or training-only settings)."""
 QWEN3_MAX_WINDOW_LAYERS = 28
 """transformers' Qwen3Config default: without layer_types, layers from this index on slide."""
+
+
+def is_neutral(value: Any, neutral: tuple) -> bool:
+    """Whether `value` is one of `neutral` (null, or a value of the same kind: 1.0 is 1, true is not)."""
+    return value is None or any(value == n and isinstance(value, bool) == isinstance(n, bool)
+                                for n in neutral if n is not None)
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -61,6 +82,9 @@ class DrafterConfig:
     max_position_embeddings: int = 40960
     rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 1e6})
     num_target_layers: int | None = None
+    causal: bool | None = None  # is_causal / dflash_config.causal: every layer causal in the block (None: unset)
+    sliding_window_non_causal: bool | None = None  # speculators: sliding layers bidirectional in the block
+    draft_vocab_size: int | None = None  # a pruned draft vocabulary (tensor d2t), below vocab_size; None: the whole
     extra: dict[str, Any] = field(default_factory=dict)  # other keys of config.json, written back unchanged
 
     def __post_init__(self) -> None:
@@ -84,6 +108,14 @@ class DrafterConfig:
             raise ValueError(f"field 'attention_bias' must be true or false; got {self.attention_bias!r}")
         if not isinstance(self.hidden_act, str):
             raise ValueError(f"field 'hidden_act' must be an activation name such as 'silu'; got {self.hidden_act!r}")
+        for name in ("causal", "sliding_window_non_causal"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"field {name!r} must be true, false or null; got {getattr(self, name)!r}")
+        if self.draft_vocab_size is not None and (
+            not is_int(self.draft_vocab_size) or not 1 <= self.draft_vocab_size < self.vocab_size
+        ):
+            raise ValueError(f"field 'draft_vocab_size' must be an integer from 1 to vocab_size - 1 "
+                             f"({self.vocab_size - 1}), or null for the whole vocabulary; got {self.draft_vocab_size!r}")
         if self.num_target_layers is not None and (not is_int(self.num_target_layers) or self.num_target_layers < 1):
             raise ValueError(f"field 'num_target_layers' must be a positive integer or null; got {self.num_target_layers!r}")
         theta = self.rope_parameters.get("rope_theta") if isinstance(self.rope_parameters, dict) else None
@@ -126,6 +158,8 @@ class DrafterConfig:
     def from_dict(cls, raw: dict[str, Any]) -> "DrafterConfig":
         if not isinstance(raw, dict):
             raise ValueError(f"a drafter config is a JSON object; got {type(raw).__name__}")
+        if "speculators_model_type" in raw or "transformer_layer_config" in raw:
+            raw = from_speculators(raw)
         d = copy.deepcopy(raw)
         dflash = d.pop("dflash_config", None) or {}
         if not isinstance(dflash, dict):
@@ -143,12 +177,20 @@ class DrafterConfig:
                                  "DFlash drafter config?")
             return default
 
-        for name, effect in UNIMPLEMENTED.items():
+        for name, (effect, neutral) in UNIMPLEMENTED.items():
             value = dflash.get(name, d.get(name))
-            if value not in NEUTRAL[name]:
-                raise ValueError(f"field {name!r} is {value!r}: it {effect} in the published DFlash code, which this "
-                                 f"drafter does not implement (it scores as if {name} were {NEUTRAL[name][-1]!r}); its "
-                                 f"numbers would be another model's")
+            if not is_neutral(value, neutral):
+                raise ValueError(f"field {name!r} is {value!r}: it {effect}, which this drafter does not implement "
+                                 f"(it scores as if {name} were {neutral[-1]!r}); its numbers would be another model's")
+        # vLLM reads is_causal first, then dflash_config.causal
+        causal = {"is_causal": d.pop("is_causal", None), "dflash_config.causal": dflash.pop("causal", None)}
+        for name, value in causal.items():
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"field {name!r} must be true, false or null; got {value!r}")
+        causal = causal["dflash_config.causal"] if causal["is_causal"] is None else causal["is_causal"]
+        non_causal = take("sliding_window_non_causal", None)
+        draft_vocab = take("draft_vocab_size", None)
+        target_hidden = take("target_hidden_size", None)
         num_layers = take("num_hidden_layers")
         num_target_layers = take("num_target_layers", None)
         layer_ids = take("target_layer_ids", None)
@@ -192,6 +234,11 @@ class DrafterConfig:
             raise ValueError(f"field 'num_attention_heads' must be a positive integer; got {heads!r}")
         if not isinstance(hidden, int):
             raise ValueError(f"field 'hidden_size' must be a positive integer; got {hidden!r}")
+        if target_hidden not in (None, hidden):
+            raise ValueError(f"field 'target_hidden_size' is {target_hidden!r}: a target {target_hidden} wide feeds the "
+                             f"fc projection, which this drafter does not implement (its fc takes layers x hidden_size "
+                             f"{hidden}); its numbers would be another model's")
+        vocab = take("vocab_size")
         cfg = cls(
             hidden_size=hidden,
             intermediate_size=take("intermediate_size"),
@@ -202,7 +249,7 @@ class DrafterConfig:
             block_size=block_size,
             mask_token_id=mask_token_id,
             target_layer_ids=list(layer_ids) if isinstance(layer_ids, (list, tuple)) else layer_ids,
-            vocab_size=take("vocab_size"),
+            vocab_size=vocab,
             rms_norm_eps=d.pop("rms_norm_eps", 1e-6),
             attention_bias=d.pop("attention_bias", False),
             hidden_act=d.pop("hidden_act", "silu"),
@@ -211,6 +258,9 @@ class DrafterConfig:
             max_position_embeddings=d.pop("max_position_embeddings", 40960),
             rope_parameters=rope,
             num_target_layers=num_target_layers,
+            causal=causal,
+            sliding_window_non_causal=non_causal,
+            draft_vocab_size=None if draft_vocab == vocab else draft_vocab,
         )
         if dflash:
             d["dflash_config"] = dflash  # unknown dflash_config keys survive a round trip
@@ -260,4 +310,30 @@ class DrafterConfig:
         )
         if self.num_target_layers is not None:
             out["num_target_layers"] = self.num_target_layers
+        for name, value in (("is_causal", self.causal), ("sliding_window_non_causal", self.sliding_window_non_causal),
+                            ("draft_vocab_size", self.draft_vocab_size)):
+            if value is not None:
+                out[name] = value
         return out
+
+
+def from_speculators(raw: dict[str, Any]) -> dict[str, Any]:
+    """A speculators DFlash config (`DFlashSpeculatorConfig`) as the published layout:
+    the model of `transformer_layer_config` at the top level, `aux_hidden_state_layer_ids`
+    (indices into the target's hidden states, the embedding output being 0) less one as
+    `target_layer_ids`, and the drafter's own fields beside them."""
+    kind = raw.get("speculators_model_type")
+    if kind != "dflash":
+        raise ValueError(f"field 'speculators_model_type' is {kind!r}: only 'dflash' speculators are DFlash drafters "
+                         "this library scores")
+    layer = raw.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise ValueError(f"field 'transformer_layer_config' must be an object (the drafter's Qwen3 config); got {layer!r}")
+    aux = raw.get("aux_hidden_state_layer_ids")
+    if not isinstance(aux, list) or not aux or not all(is_int(i) and i >= 1 for i in aux):
+        raise ValueError(f"field 'aux_hidden_state_layer_ids' must be a non-empty list of integers >= 1 (hidden-state "
+                         f"indices; 0, the embedding output, is no target layer); got {aux!r}")
+    flat = {k: v for k, v in layer.items() if k not in ("dflash_config", "block_size", "mask_token_id")}
+    flat.update({k: raw[k] for k in ("architectures", *SPECULATORS_FIELDS) if k in raw})
+    flat["dflash_config"] = {"target_layer_ids": [i - 1 for i in aux]}
+    return flat

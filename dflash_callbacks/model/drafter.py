@@ -15,10 +15,15 @@ Architecture (the published one, written from its description):
     out   = norm(x)                                                                [b, Q, H]
 
 The context enters every layer un-normed (only `hidden_norm` after `fc`), the block
-through the layer's `input_layernorm`. `sliding_attention` layers additionally hide
-keys at positions `<= q_pos - sliding_window` (the transformers convention).
+through the layer's `input_layernorm`. What each layer sees inside the block (causal or
+bidirectional, and a sliding layer's window) is its `LayerAttention` (`model.attention`):
+by default as vLLM serves the drafter, or under another rule passed as `attention=`.
 
-The drafter has no embedding and no LM head: the target's are used (see TargetHead).
+The drafter has no embedding and no LM head: the target's are used (see TargetHead). A
+folder that stores them (speculators) has them checked against the target's
+(`head_problems`), never used in their place. A pruned draft vocabulary
+(`config.draft_vocab_size`, the tensor `d2t`: draft index i is target id i + d2t[i]) draws
+its logits from the target's LM head rows of `vocab_ids`.
 """
 
 from __future__ import annotations
@@ -31,8 +36,13 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
+from .attention import LayerAttention, resolve_attention
 from .block_attention import BlockMasks, additive, block_attention, block_masks
 from .config import DrafterConfig
+
+STORED_HEAD = ("embed_tokens.weight", "lm_head.weight", "t2d")
+"""Tensors a speculators folder stores beside the drafter's own: the target's embedding and
+(draft-vocabulary rows of the) LM head, and the target -> draft vocabulary mask."""
 
 
 def qwen3_config(config: DrafterConfig) -> Qwen3Config:
@@ -104,8 +114,6 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, H, bias=bias)
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        sliding = config.layer_types[layer_idx] == "sliding_attention"
-        self.sliding_window = config.sliding_window if sliding else None
 
     def _kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, n, _ = x.shape
@@ -151,7 +159,9 @@ class DFlashDecoderLayer(nn.Module):
 
 class DFlashDrafter(nn.Module):
     """The DFlash drafter. `state_dict()` keys are the published ones
-    (`fc.weight`, `hidden_norm.weight`, `layers.{i}.…`, `norm.weight`)."""
+    (`fc.weight`, `hidden_norm.weight`, `layers.{i}.…`, `norm.weight`, and `d2t` for a
+    pruned draft vocabulary). `attention`: each layer's pattern as vLLM serves it, what
+    `forward` and `decode_blocks` apply unless given another."""
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
@@ -162,6 +172,10 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = Qwen3RMSNorm(H, eps=config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
+        if config.draft_vocab_size is not None:
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.attention = resolve_attention(config)
+        self.stored_head: dict[str, torch.Tensor] = {}  # what a folder stored of the target's head (checked, not used)
         self.reset_parameters()
 
     @property
@@ -171,6 +185,41 @@ class DFlashDrafter(nn.Module):
     @property
     def mask_token_id(self) -> int:
         return self.config.mask_token_id
+
+    @property
+    def vocab_ids(self) -> torch.Tensor | None:
+        """The target ids of a pruned draft vocabulary, ascending (int64 [draft_vocab_size]);
+        None when the drafter drafts over the whole vocabulary."""
+        if self.config.draft_vocab_size is None:
+            return None
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def head_problems(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> list[str]:
+        """What of the head this drafter's folder stored (`stored_head`) differs from the target's
+        embedding and LM head (the LM head's `vocab_ids` rows for a pruned vocabulary), compared
+        exactly in the stored dtype, one line per tensor; empty when it all agrees or none was stored."""
+        ids = self.vocab_ids
+        targets = {"embed_tokens.weight": (embed_weight, None), "lm_head.weight": (lm_head_weight, ids)}
+        problems = []
+        for name, (target, rows) in targets.items():
+            stored = self.stored_head.get(name)
+            if stored is None:
+                continue
+            expected = (target.shape[0] if rows is None else rows.numel(), target.shape[1])
+            if tuple(stored.shape) != expected:
+                problems.append(f"the drafter's stored {name} has shape {list(stored.shape)}, the target's "
+                                f"{'rows of its vocabulary ' if rows is not None else ''}{list(expected)}: it was made "
+                                "for another target")
+                continue
+            differing = 0
+            for start in range(0, expected[0], 8192):  # row chunks: no second copy of a large head at once
+                stop = min(start + 8192, expected[0])
+                want = target[start:stop] if rows is None else target[rows[start:stop].to(target.device)]
+                differing += int((want.to(stored.dtype).cpu() != stored[start:stop]).any(dim=-1).sum())
+            if differing:
+                problems.append(f"the drafter's stored {name} differs from the target's in {differing} of "
+                                f"{expected[0]} rows: it was trained against another target; score it with that one")
+        return problems
 
     def reset_parameters(self, std: float | None = None) -> None:
         """Linear weights ~ N(0, initializer_range), biases and norms as in a fresh Qwen3."""
@@ -189,6 +238,7 @@ class DFlashDrafter(nn.Module):
         noise_embedding: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
+        attention: list[LayerAttention] | None = None,
     ) -> torch.Tensor:
         """Normed hidden states of the block positions.
 
@@ -196,7 +246,12 @@ class DFlashDrafter(nn.Module):
         noise_embedding [b, Q, H]           target embeddings of the block tokens
         position_ids    [b|1, C+Q]          positions of the context, then of the block
         attention_mask  [b|1, 1|heads, Q, C+Q] (or [Q, C+Q]) boolean (True = attend) or
-                        additive float; None: every query sees the whole context and block.
+                        additive float; None: the queries are one block, which sees the
+                        whole context and itself.
+        attention       each layer's pattern (default `self.attention`), applied on top of
+                        the mask: a causal layer hides a block key from a query at an earlier
+                        position; a window counts back from each query's position, or, anchored,
+                        from its block's anchor (the smallest position of a block key it sees).
         Returns [b, Q, H].
         """
         C = target_hidden.shape[1]
@@ -211,7 +266,7 @@ class DFlashDrafter(nn.Module):
         b, Q = noise_embedding.shape[:2]
         position_ids = position_ids.expand(b, C + Q)
         rope_block = self.rotary_emb(position_ids[:, C:], noise_embedding.dtype)
-        masks = self._layer_masks(attention_mask, position_ids, C, Q, noise_embedding.dtype)
+        masks = self._layer_masks(attention_mask, position_ids, C, Q, noise_embedding.dtype, attention or self.attention)
         return self._layers(noise_embedding, [context] * len(self.layers), rope_block, masks)
 
     def context(self, target_hidden: torch.Tensor, position_ids: torch.Tensor) -> Context:
@@ -233,10 +288,12 @@ class DFlashDrafter(nn.Module):
         return [layer.self_attn.context_kv(context) for layer in self.layers]
 
     @torch.no_grad()
-    def decode_blocks(self, context: list, noise_embedding: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    def decode_blocks(self, context: list, noise_embedding: torch.Tensor, anchors: torch.Tensor,
+                      attention: list[LayerAttention] | None = None) -> torch.Tensor:
         """Blocks decoded side by side against the per-layer context keys and values of
         `encode_context` (inference only): block i, at positions a_i .. a_i+B-1, sees
-        the context [0, a_i) and itself (`block_attention`).
+        the context [0, a_i) and itself (`block_attention`), as each layer's pattern
+        (`attention`, default `self.attention`) allows.
 
         context         per layer (keys, values) [1, kv_heads, C, head_dim], C >= max anchor
         noise_embedding [n, B, H]  target embeddings of the block tokens
@@ -246,17 +303,18 @@ class DFlashDrafter(nn.Module):
         B, C = noise_embedding.shape[1], context[0][0].shape[2]
         positions = anchors[:, None] + torch.arange(B, device=anchors.device)
         rope_block = self.rotary_emb(positions, noise_embedding.dtype)
-        windows = {layer.self_attn.sliding_window for layer in self.layers}
-        masks = {w: block_masks(anchors, B, C, w, noise_embedding.dtype) for w in windows}
-        return self._layers(noise_embedding, context, rope_block, masks)
+        attention = attention or self.attention
+        masks = {p: block_masks(anchors, B, C, p, noise_embedding.dtype) for p in set(attention)}
+        return self._layers(noise_embedding, context, rope_block, [masks[p] for p in attention])
 
-    def _layers(self, x, per_layer_context, rope_block, masks: dict) -> torch.Tensor:
-        for layer, context in zip(self.layers, per_layer_context):
-            x = layer(x, context, rope_block, masks[layer.self_attn.sliding_window])
+    def _layers(self, x, per_layer_context, rope_block, masks: list) -> torch.Tensor:
+        for layer, context, mask in zip(self.layers, per_layer_context, masks, strict=True):
+            x = layer(x, context, rope_block, mask)
         return self.norm(x)
 
-    def _layer_masks(self, attention_mask, position_ids, C, Q, dtype) -> dict:
-        """Additive masks keyed by sliding window (None = full attention)."""
+    def _layer_masks(self, attention_mask, position_ids, C, Q, dtype, attention: list[LayerAttention]) -> list:
+        """Per layer, the additive mask [b|1, 1|heads, Q, C+Q] (or None: all visible): the
+        given mask, and what the layer's pattern hides."""
         base = None
         if attention_mask is not None:
             if attention_mask.shape[-2:] != (Q, C + Q):
@@ -266,24 +324,82 @@ class DFlashDrafter(nn.Module):
             base = as_additive_mask(attention_mask, dtype)
             while base.dim() < 4:
                 base = base.unsqueeze(0)
-        masks = {None: base}
-        for window in {layer.self_attn.sliding_window for layer in self.layers} - {None}:
-            q_pos = position_ids[:, C:, None]
-            k_pos = position_ids[:, None, :]
-            window_mask = additive((q_pos - k_pos < window).unsqueeze(1), dtype)  # [b, 1, Q, C+Q]
-            masks[window] = window_mask if base is None else base + window_mask
-        return masks
+        q_pos, k_pos = position_ids[:, C:, None], position_ids[:, None, :]  # [b, Q, 1], [b, 1, C+Q]
+        masks = {}
+        for pattern in set(attention):
+            rules = []  # [b, Q, C+Q] bool each, True = the pattern lets the query see the key
+            if pattern.causal:
+                rules.append(k_pos <= q_pos)
+            if pattern.window is not None and pattern.anchored:
+                rules.append(k_pos >= self._block_anchors(base, position_ids[:, C:]) - pattern.window)
+            elif pattern.window is not None:
+                rules.append(q_pos - k_pos < pattern.window)
+            if not rules:
+                masks[pattern] = base
+                continue
+            hidden = additive(torch.stack(rules).all(dim=0).unsqueeze(1), dtype)  # [b, 1, Q, C+Q]
+            masks[pattern] = hidden if base is None else base + hidden
+        return [masks[p] for p in attention]
+
+    @staticmethod
+    def _block_anchors(base, block_positions: torch.Tensor) -> torch.Tensor:
+        """[b, Q, 1]: each query's anchor, the smallest position of a block key it sees (all
+        the block's without a mask)."""
+        if base is None:
+            return block_positions.amin(dim=-1, keepdim=True)[:, None, :].expand(-1, block_positions.shape[1], 1)
+        sees = base[:, 0, :, -block_positions.shape[1]:] == 0  # [b|1, Q, Q]
+        big = torch.iinfo(block_positions.dtype).max
+        return torch.where(sees, block_positions[:, None, :], big).amin(dim=-1, keepdim=True)
 
     @classmethod
     def from_state_dict(cls, config: DrafterConfig, state_dict, *, dtype=None, device=None) -> "DFlashDrafter":
-        """A drafter holding exactly `state_dict` (published keys). Missing, unexpected
-        or mis-shaped tensors raise one error listing each with expected and found shape."""
+        """A drafter holding exactly `state_dict` (published keys; those of `STORED_HEAD` go to
+        `stored_head`, to be checked against the target's). Missing, unexpected or mis-shaped
+        tensors raise one error listing each with expected and found shape; a draft
+        vocabulary map that is not ascending target ids, or disagrees with `t2d`, is refused."""
+        own, stored = split_stored_head(state_dict)
         with torch.device("meta"):
             model = cls(config)
-        check_state_dict(model.state_dict(), state_dict)
-        model.load_state_dict(state_dict, strict=True, assign=True)
-        model = model.to(device=device, dtype=dtype)
-        return model.eval()
+        V, H = config.vocab_size, config.hidden_size
+        heads = {"embed_tokens.weight": (V, H), "lm_head.weight": (config.draft_vocab_size or V, H), "t2d": (V,)}
+        check_state_dict({**model.state_dict(), **{k: torch.empty(heads[k], device="meta") for k in stored}},
+                         {**own, **stored})
+        check_vocab_map(config, own.get("d2t"), stored.get("t2d"))
+        model.load_state_dict(own, strict=True, assign=True)
+        model.stored_head = stored
+        return model.to(device=device, dtype=dtype).eval()  # a dtype cast leaves d2t (integer) alone
+
+
+def split_stored_head(state: dict) -> tuple[dict, dict]:
+    """(the drafter's own entries, those of `STORED_HEAD`) of a state dict, or of any mapping
+    keyed by tensor name (shapes, for a check without the tensors)."""
+    own = {k: v for k, v in state.items() if k not in STORED_HEAD}
+    return own, {k: v for k, v in state.items() if k in STORED_HEAD}
+
+
+def check_vocab_map(config: DrafterConfig, d2t: torch.Tensor | None, t2d: torch.Tensor | None) -> None:
+    """A pruned draft vocabulary (`d2t`: draft index i is target id i + d2t[i]) names distinct
+    target ids in ascending order (so ties between draft logits go to the lower target id, as
+    over the whole vocabulary), all below vocab_size; a stored `t2d` marks exactly those ids."""
+    vocab_ids = None
+    if d2t is not None:
+        if d2t.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"tensor 'd2t' is {d2t.dtype}; integer offsets (int64) were expected")
+        vocab_ids = torch.arange(d2t.numel()) + d2t.long().cpu()
+        if int(vocab_ids.min()) < 0 or int(vocab_ids.max()) >= config.vocab_size or not bool(
+            (vocab_ids[1:] > vocab_ids[:-1]).all()
+        ):
+            raise ValueError(f"tensor 'd2t' does not map the draft vocabulary to ascending target ids below "
+                             f"{config.vocab_size} (draft index i is target id i + d2t[i])")
+    if t2d is not None:
+        if t2d.dtype != torch.bool or tuple(t2d.shape) != (config.vocab_size,):
+            raise ValueError(f"tensor 't2d' is {t2d.dtype} {list(t2d.shape)}; a bool [{config.vocab_size}] mask of "
+                             "the target ids in the draft vocabulary was expected")
+        marked = t2d.cpu().nonzero().flatten()
+        expected = torch.arange(config.vocab_size) if vocab_ids is None else vocab_ids
+        if not torch.equal(marked, expected):
+            raise ValueError(f"tensors 't2d' and 'd2t' disagree: t2d marks {marked.numel()} target ids, d2t maps the "
+                             f"draft vocabulary to {expected.numel()} others")
 
 
 def check_state_dict(expected: dict, found: dict) -> None:

@@ -1,18 +1,24 @@
-"""Reading and writing drafter folders in the published layout.
+"""Reading and writing drafter folders in the published layout, and trainers' checkpoints.
 
 A drafter folder is `config.json` + `*.safetensors` (one file, or shards listed in
 `model.safetensors.index.json`) with the un-prefixed published keys. Snapshots written
 during training are the same layout plus a `snapshot.json`, so any published-format
-loader reads them.
+loader reads them. A speculators folder is one too (its config is mapped, see
+`DrafterConfig.from_dict`; the target's embedding and LM head it stores are checked
+against the target's when scored). A trainer's torch checkpoint (SpecForge's
+`training_state.pt`, weights under `draft_state_dict`) is read by `read_checkpoint`, with
+`weights_only=True`; its config comes from the file it was trained with.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
+import sys
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -21,9 +27,29 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .config import DrafterConfig
-from .drafter import DFlashDrafter
+from .drafter import DFlashDrafter, split_stored_head
 
 INDEX_FILE = "model.safetensors.index.json"
+WRAPPER_PREFIXES = ("module.", "draft_model.", "_orig_mod.")
+"""Prefixes wrappers put before every tensor name: DDP and FSDP1 (`module.`), SpecForge's
+training model (`draft_model.`), torch.compile (`_orig_mod.`)."""
+
+
+def say(line: str) -> None:
+    """Where the loaders say what they did to a checkpoint: one line on stderr."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def strip_wrapper_prefixes(state: dict, source: object, log: Callable[[str], None] | None = say) -> dict:
+    """`state` with the WRAPPER_PREFIXES taken off its keys while every key carries one
+    (nested ones too: `module._orig_mod.`); `log` gets one line naming what was stripped."""
+    stripped = []
+    while state and (prefix := next((p for p in WRAPPER_PREFIXES if all(k.startswith(p) for k in state)), None)):
+        state = {k[len(prefix):]: v for k, v in state.items()}
+        stripped.append(prefix)
+    if stripped and log is not None:
+        log(f"{source}: stripped the wrapper prefix '{''.join(stripped)}' from its {len(state)} tensor names")
+    return state
 
 
 def read_weight_map(index: Path) -> dict[str, str]:
@@ -69,6 +95,7 @@ def open_safetensors(file: Path, device: str = "cpu") -> Iterator:
 
 
 def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a drafter folder, wrapper prefixes stripped (and said)."""
     state: dict[str, torch.Tensor] = {}
     for file in safetensors_files(folder):
         with open_safetensors(file) as f:
@@ -76,16 +103,46 @@ def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
                 if key in state:
                     raise ValueError(f"tensor {key!r} appears in more than one file of {folder}")
                 state[key] = f.get_tensor(key)
-    return state
+    return strip_wrapper_prefixes(state, folder)
 
 
 def read_state_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
-    """The shape of every stored tensor, from the safetensors headers alone."""
+    """The shape of every tensor of the drafter's own (not the target head a speculators
+    folder stores), from the safetensors headers alone, wrapper prefixes stripped."""
     shapes: dict[str, tuple[int, ...]] = {}
     for file in safetensors_files(folder):
         with open_safetensors(file) as f:
             shapes.update((key, tuple(f.get_slice(key).get_shape())) for key in f.keys())
-    return shapes
+    return split_stored_head(strip_wrapper_prefixes(shapes, folder, log=None))[0]
+
+
+def read_checkpoint(path: str | os.PathLike, state_key: str | None = None, *,
+                    log: Callable[[str], None] | None = say) -> dict[str, torch.Tensor]:
+    """The drafter's tensors in a trainer's torch checkpoint file (`torch.load(...,
+    weights_only=True)`, so no code in it runs): the object under `state_key` (SpecForge:
+    "draft_state_dict"), or the whole file when None, with the wrapper prefixes stripped
+    (`log` gets one line saying so). ValueError naming the file for anything else."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint file at {path}")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError) as e:
+        raise ValueError(f"{path} is not a torch checkpoint that loads with weights_only=True: "
+                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    what = str(path) if state_key is None else f"{path}[{state_key!r}]"
+    if state_key is not None:
+        if not isinstance(obj, Mapping) or state_key not in obj:
+            held = sorted(map(str, obj))[:12] if isinstance(obj, Mapping) else type(obj).__name__
+            raise ValueError(f"{path} has no {state_key!r}; it holds {held}")
+        obj = obj[state_key]
+    if not isinstance(obj, Mapping) or not obj or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()
+    ):
+        held = sorted(map(str, obj))[:12] if isinstance(obj, Mapping) else type(obj).__name__
+        raise ValueError(f"{what} is not a state dict (tensor name -> tensor); it holds {held}: name the entry that "
+                         "is, e.g. state_key 'draft_state_dict' (--state-key) for a SpecForge training_state.pt")
+    return strip_wrapper_prefixes(dict(obj), what, log)
 
 
 SNAPSHOT_META = "snapshot.json"
@@ -122,25 +179,40 @@ def read_config(folder: Path) -> DrafterConfig:
 def load_drafter(
     source: str | os.PathLike | Mapping[str, torch.Tensor],
     *,
-    config: DrafterConfig | None = None,
+    config: DrafterConfig | str | os.PathLike | None = None,
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
+    state_key: str | None = None,
 ) -> DFlashDrafter:
-    """Load a drafter from a published checkpoint folder, a snapshot folder, or a state
-    dict (then `config` is required). `dtype=None` keeps the stored dtype. Returns the
-    model in eval mode."""
+    """Load a drafter from a published checkpoint folder (z-lab, SpecForge's export, a
+    speculators folder), a snapshot folder, a trainer's torch checkpoint file
+    (`read_checkpoint(source, state_key)`, e.g. SpecForge's training_state.pt with
+    state_key="draft_state_dict"), or a state dict. `config` (a DrafterConfig, or the path
+    of its config.json) is required for a file or a state dict, and replaces a folder's
+    own. `dtype=None` keeps the stored dtype. Returns the model in eval mode."""
+    if config is not None and not isinstance(config, DrafterConfig):
+        config = DrafterConfig.from_file(config)
     if isinstance(source, Mapping):
         if config is None:
             raise ValueError("loading a drafter from a state dict needs its DrafterConfig (config=...)")
         return DFlashDrafter.from_state_dict(config, dict(source), dtype=dtype, device=device)
-    folder = Path(source)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"drafter folder {folder} does not exist")
-    config = config or read_config(folder)
+    path = Path(source)
+    if path.is_file():
+        if config is None:
+            raise ValueError(f"{path} is a checkpoint file, which holds no drafter config: pass config= (a DrafterConfig "
+                             "or the config.json it was trained with, e.g. SpecForge's draft config)")
+        state = read_checkpoint(path, state_key)
+    elif not path.is_dir():
+        raise FileNotFoundError(f"drafter folder {path} does not exist")
+    elif state_key is not None:
+        raise ValueError(f"{path} is a folder: state_key={state_key!r} names an entry of a torch checkpoint file")
+    else:
+        config = config or read_config(path)
+        state = read_state_dict(path)
     try:
-        return DFlashDrafter.from_state_dict(config, read_state_dict(folder), dtype=dtype, device=device)
+        return DFlashDrafter.from_state_dict(config, state, dtype=dtype, device=device)
     except ValueError as e:
-        raise ValueError(f"{folder}: {e}") from None
+        raise ValueError(f"{path}: {e}") from None
 
 
 def save_drafter(

@@ -4,8 +4,8 @@ a report stands where a run stands.
 A run's reports, its baseline and every report taken for it (from a watcher, from a
 killed run's folder, from a saved JSON) share one basis: the cache (its fingerprint),
 the target's head (its fingerprint, when both name one), the block size, the tasks, the
-scoring fields that change numbers (window, max_rounds, dtype), and the library's
-definitions (`SCORER_VERSION`); and each carries
+scoring fields that change numbers (window, max_rounds, dtype, and the attention rule the
+drafters were scored under), and the library's definitions (`SCORER_VERSION`); and each carries
 every method the run scores. A report on another basis is an error for that report,
 never a number; a resume on another basis starts a new run folder.
 """
@@ -18,7 +18,8 @@ from .config import ScoringConfig
 from .report import SCORER_VERSION, EvalReport
 
 LABELS = {"cache": "cache", "target": "target head", "block_size": "block size", "tasks": "tasks",
-          "window": "window", "max_rounds": "max_rounds", "dtype": "dtype", "scorer": "scorer version"}
+          "window": "window", "max_rounds": "max_rounds", "dtype": "dtype", "attention": "attention rule",
+          "scorer": "scorer version"}
 
 
 @dataclass(frozen=True)
@@ -32,19 +33,20 @@ class Basis:
     dtype: str | None
     methods: tuple[str, ...]
     scorer: int | None = SCORER_VERSION  # the library's definitions (None: a report from before it was recorded)
+    attention: str | None = "auto"  # ScoringConfig.attention (None: a report from before it was recorded)
 
     @classmethod
     def of_run(cls, config: ScoringConfig, cache, block_size: int | None, target: str | None = None) -> Basis:
         """A run's basis: `config` scoring `cache` (a HiddenStateCache) at `block_size`."""
         return cls(cache.fingerprint, target, block_size, tuple(sorted(config.tasks or cache.task_names)),
-                   config.window, config.max_rounds, config.dtype, tuple(config.methods))
+                   config.window, config.max_rounds, config.dtype, tuple(config.methods), attention=config.attention)
 
     @classmethod
     def of_report(cls, report: EvalReport) -> Basis:
         s = report.scoring
         return cls(report.cache.get("fingerprint"), report.cache.get("target"), report.block_size,
                    tuple(sorted(report.tasks)), s.get("window"), s.get("max_rounds"), s.get("dtype"),
-                   tuple(report.methods), report.scorer_version)
+                   tuple(report.methods), report.scorer_version, s.get("attention"))
 
     def to_dict(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
@@ -52,7 +54,7 @@ class Basis:
     @classmethod
     def from_dict(cls, raw: dict) -> Basis:
         fields = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items() if k in cls.__dataclass_fields__}
-        return cls(**{"scorer": None, **fields})  # a basis recorded before the version was: unknown
+        return cls(**{"scorer": None, "attention": None, **fields})  # recorded before these were: unknown
 
     def differences(self, other: Basis) -> list[str]:
         """Each field where `other` differs, as "name: other's value (this: ours)"; a target
@@ -73,6 +75,16 @@ class Basis:
     def mismatches(self, report: EvalReport, what: str) -> list[str]:
         """Why `report` can not stand beside this run's numbers (empty: it can), naming `what`."""
         return [f"{what} was scored with {d}" for d in self.differences(Basis.of_report(report))]
+
+
+def attention_difference(ours: EvalReport, theirs: EvalReport) -> str | None:
+    """A line saying how the two drafters' layers attended inside the block, when they differ
+    (two architectures, or reports of before it was recorded); None when they agree."""
+    if ours.attention == theirs.attention:
+        return None
+    show = lambda a: "unrecorded" if a is None else "; ".join(a)  # noqa: E731
+    return (f"the drafters attend differently inside the block (ours: {show(ours.attention)}; the baseline: "
+            f"{show(theirs.attention)}): each is scored as it is served, but they are not one architecture")
 
 
 def _show(name: str, value) -> str:

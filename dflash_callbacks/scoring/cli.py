@@ -13,8 +13,9 @@ from pathlib import Path
 
 from ..checks import DTYPES
 from ..kernels.head_stats import BACKENDS
+from ..model.attention import RULES as ATTENTION_RULES
 from .config import ScoringConfig
-from .basis import Basis
+from .basis import Basis, attention_difference
 from .report import EvalReport, comparison_table, read_results
 
 
@@ -33,7 +34,7 @@ def int_list(text: str) -> list[int]:
 SCORING_FLAGS = {"budgets": "ddtree_budgets", "topk": "topk", "window": "window", "block_size": "block_size",
                  "max_rounds": "max_rounds", "tasks": "tasks", "anchors_per_forward": "anchors_per_forward",
                  "vocab_chunk": "vocab_chunk", "backend": "backend", "device": "device", "dtype": "dtype",
-                 "max_memory_gib": "max_memory_gib", "release_memory": "release_memory"}
+                 "max_memory_gib": "max_memory_gib", "release_memory": "release_memory", "attention": "attention"}
 
 
 def add_scoring_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,6 +58,9 @@ def add_scoring_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-memory-gib", type=float, help="the scorer's memory budget in GiB (default none)")
     g.add_argument("--release-memory", action="store_true",
                    help="give the scorer's accelerator memory back after each report")
+    g.add_argument("--attention", choices=list(ATTENTION_RULES),
+                   help=f"the attention pattern inside a block (default {d.attention}: as vLLM serves the drafter; "
+                        "the others score it as another stack runs it)")
 
 
 def scoring_config(args: argparse.Namespace) -> ScoringConfig:
@@ -81,7 +85,15 @@ def check_output(option: str, path: Path | None) -> None:
 
 
 def add_score_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", required=True, type=Path, help="drafter folder (published layout or snapshot)")
+    p.add_argument("--drafter", required=True, type=Path,
+                   help="drafter folder (published layout, speculators, or snapshot), or a trainer's torch checkpoint file "
+                        "(with --drafter-config, and --state-key)")
+    p.add_argument("--state-key", default=None,
+                   help="with a torch checkpoint file: the entry holding the drafter's tensors (SpecForge's "
+                        "training_state.pt: draft_state_dict)")
+    p.add_argument("--drafter-config", type=Path, default=None,
+                   help="with a torch checkpoint file: the drafter's config.json (SpecForge: the draft config it was "
+                        "trained with)")
     p.add_argument("--cache", required=True, type=Path, help="hidden-state cache folder")
     p.add_argument("--target", required=True, type=Path, help="target folder (only embed_tokens and lm_head are read)")
     p.add_argument("--baseline", type=Path, default=None, help="baseline drafter folder or saved report JSON")
@@ -93,8 +105,31 @@ def add_score_arguments(p: argparse.ArgumentParser) -> None:
     add_scoring_arguments(p)
 
 
+def drafter_source(args: argparse.Namespace):
+    """(config, tensor shapes, the state of a checkpoint file or None) of --drafter."""
+    from ..model import DrafterConfig
+    from ..model.drafter import split_stored_head
+    from ..model.io import read_checkpoint, read_config, read_state_shapes
+
+    if args.drafter.is_dir():
+        for flag in ("state_key", "drafter_config"):
+            if getattr(args, flag) is not None:
+                raise UsageError(f"--{flag.replace('_', '-')} goes with a torch checkpoint file; --drafter {args.drafter} "
+                                 "is a folder, which holds its own config.json and tensors")
+        return read_config(args.drafter), read_state_shapes(args.drafter), None
+    if not args.drafter.is_file() or args.drafter.suffix in (".json", ".safetensors"):
+        raise UsageError(f"--drafter {args.drafter} is not a folder: give a drafter folder (config.json and "
+                         "*.safetensors), a snapshot folder, or a trainer's torch checkpoint file with --drafter-config")
+    if args.drafter_config is None:
+        raise UsageError(f"--drafter {args.drafter} is a checkpoint file, which holds no drafter config: give the "
+                         "config.json it was trained with as --drafter-config (and --state-key draft_state_dict for a "
+                         "SpecForge training_state.pt)")
+    config = DrafterConfig.from_file(args.drafter_config)
+    state = read_checkpoint(args.drafter, args.state_key)
+    return config, {k: tuple(v.shape) for k, v in split_stored_head(state)[0].items()}, state
+
+
 def run_score(args: argparse.Namespace) -> int:
-    from ..model.io import read_config, read_state_shapes
     from .service import ScoringService, ServiceSpec, preflight
 
     check_output("--json", args.json)
@@ -103,23 +138,26 @@ def run_score(args: argparse.Namespace) -> int:
         raise UsageError("--baseline-json writes the baseline's report: give the baseline with --baseline")
     if args.json is not None and args.baseline_json is not None and args.json.resolve() == args.baseline_json.resolve():
         raise UsageError(f"--json and --baseline-json are both {args.json}: give each report its own file")
-    if not args.drafter.is_dir():
-        raise UsageError(f"--drafter {args.drafter} is not a folder: give a drafter folder (config.json and "
-                         "*.safetensors) or a snapshot folder")
+    config, shapes, state = drafter_source(args)
     spec = ServiceSpec(
         cache=str(args.cache), target=str(args.target),
         baseline=None if args.baseline is None else str(args.baseline),
         scoring=scoring_config(args).to_dict(),
         baseline_cache_dir=None if args.baseline_cache_dir is None else str(args.baseline_cache_dir),
     )
-    preflight(spec, read_config(args.drafter), read_state_shapes(args.drafter))
+    preflight(spec, config, shapes)
     service = ScoringService(spec, owns_process=True)
-    ours = service.score_folder(args.drafter, progress=True)
+    if state is None:
+        ours = service.score_folder(args.drafter, progress=True)
+    else:
+        ours = service.score(config, state, name=str(args.drafter), progress=True)
     if args.json:
         ours.to_json(args.json)
     baseline = service.baseline(progress=True)
     if baseline is not None and args.baseline_json:
         baseline.to_json(args.baseline_json)
+    if baseline is not None and (note := attention_difference(ours, baseline)):
+        print(f"warning: {note}", file=sys.stderr)
     print(comparison_table(ours, baseline, args.aggregate))
     return 0
 
@@ -180,7 +218,8 @@ def run_compare(args: argparse.Namespace) -> int:
     problems = replace(Basis.of_report(ours), methods=()).mismatches(baseline, f"the baseline {args.baseline}")
     if problems and not args.force:
         raise UsageError("refusing to compare: " + "; ".join(problems) + " (use --force to compare anyway)")
-    for problem in problems:
+    note = attention_difference(ours, baseline)
+    for problem in problems + ([note] if note else []):
         print(f"warning: {problem}", file=sys.stderr)
     print(comparison_table(ours, baseline, args.aggregate))
     return 0

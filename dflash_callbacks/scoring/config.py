@@ -11,6 +11,7 @@ from ..checks import (
     DTYPES, check_bool, check_choice, check_device, check_int, check_int_list, check_number, check_str_list,
 )
 from ..kernels.head_stats import BACKENDS
+from ..model.attention import RULES as ATTENTION_RULES
 from .methods import scored_methods
 
 MAX_DDTREE_BUDGET = 1024
@@ -31,6 +32,7 @@ class ScoringConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16
     max_memory_gib: float | None = None  # the scorer's memory budget: chunks are sized to fit it
     release_memory: bool = False  # give the scorer's accelerator memory back after each report
+    attention: str = "auto"  # the attention pattern inside a block: auto (as vLLM serves it) or a rule of model.attention
 
     def __post_init__(self) -> None:
         self.ddtree_budgets = check_int_list("ddtree_budgets", self.ddtree_budgets, 1)
@@ -49,6 +51,7 @@ class ScoringConfig:
         check_choice("dtype", self.dtype, DTYPES)
         check_number("max_memory_gib", self.max_memory_gib, above=0, optional=True)
         check_bool("release_memory", self.release_memory)
+        check_choice("attention", self.attention, tuple(ATTENTION_RULES))
         if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {self.device!r} "
                              "(whether it exists here is checked before scoring starts)")
@@ -70,5 +73,5 @@ class ScoringConfig:
 
     def fingerprint_fields(self) -> dict:
         """The fields that change the numbers (not where or how fast they are computed)."""
-        keep = ("ddtree_budgets", "topk", "window", "block_size", "max_rounds", "tasks", "dtype")
+        keep = ("ddtree_budgets", "topk", "window", "block_size", "max_rounds", "tasks", "dtype", "attention")
         return {k: v for k, v in self.to_dict().items() if k in keep}

@@ -23,11 +23,13 @@ from .methods import AGGREGATES, Method, Monitor
 TASK_FIELDS = ("dense", "live", "curve", "live_rounds", "anchors")
 
 
-SCORER_VERSION = 2
+SCORER_VERSION = 3
 """The version of the numbers' definitions as this library computes them, bumped when a fix
 changes a report's numbers for the same inputs (2: a DDTree prefix whose score ties the
 budget's threshold is resolved as Algorithm 1 does; before, a confident drafter's
-`ddtree@N` streak could exceed N). A report of another version stands on another basis,
+`ddtree@N` streak could exceed N. 3: sliding layers attend inside the block as vLLM serves
+them, causal unless the config says otherwise, where they were bidirectional; a pruned draft
+vocabulary is scored over its own ids). A report of another version stands on another basis,
 and a cached baseline report of another version is scored again."""
 
 
@@ -43,7 +45,9 @@ class EvalReport:
     `seconds` is the scorer's own time; `peak_memory` its peak accelerator memory in bytes
     (None on the CPU); `created` the Unix time scoring started; `scorer_version` the
     SCORER_VERSION that computed the numbers (None in reports written before it was
-    recorded); `extra` anything else.
+    recorded); `attention` each drafter layer's attention pattern inside the block, as
+    scored (`model.attention`; None in reports written before it was recorded); `extra`
+    anything else.
     """
 
     drafter: str
@@ -58,6 +62,7 @@ class EvalReport:
     peak_memory: int | None = None
     created: float | None = None
     scorer_version: int | None = None
+    attention: list[str] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -180,6 +185,9 @@ def _check_shape(raw: dict) -> None:
     for key in ("scoring", "extra"):
         if not isinstance(raw.get(key, {}), dict):
             raise _bad(f"{key!r} is not an object")
+    attention = raw.get("attention")
+    if attention is not None and (not isinstance(attention, list) or not all(isinstance(a, str) for a in attention)):
+        raise _bad(f"'attention' is {attention!r}, not a list of strings (one per drafter layer) or null")
     _check_number(raw["block_size"], "'block_size'", 2, integer=True)
     _check_number(raw.get("drafter_block_size"), "'drafter_block_size'", 2, integer=True, optional=True)
     _check_number(raw.get("step"), "'step'", 0, integer=True, optional=True)

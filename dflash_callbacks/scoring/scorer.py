@@ -8,7 +8,12 @@ labels are tok[a+1 .. a+B-1], invalid past the end of the sequence.
 - The context keys and values of every layer are computed once per task
   (`DFlashDrafter.encode_context`) and shared by all blocks.
 - `anchors_per_forward` blocks are decoded side by side in one forward; block i sees
-  keys [0, a_i) and its own B keys, in two exact parts (`model.block_attention`).
+  keys [0, a_i) and its own B keys, in two exact parts (`model.block_attention`), as
+  each layer's attention pattern allows (`ScoringConfig.attention`: "auto" is as vLLM
+  serves the drafter, `model.attention`).
+- A pruned draft vocabulary (`DFlashDrafter.vocab_ids`) is scored over its own target
+  ids: the LM head's rows of those ids (ascending, so ties go to the lower target id),
+  and a label outside it ends the streak there, as it can never be drafted.
 - The LM head never materialises [anchors, B-1, V]: `kernels.head_stats` streams over
   the vocabulary and keeps, per (anchor, depth), the log-sum-exp, the label's
   log-prob, rank and order, and the top-N log-probs. It is called once per task with
@@ -31,6 +36,7 @@ from tqdm.auto import tqdm
 from ..kernels.ddtree import ddtree_streaks_from_top
 from ..kernels.head_stats import head_stats
 from ..model import DFlashDrafter, TargetHead
+from ..model.attention import describe, resolve_attention
 from ..model.geometry import anchor_range, block_inputs
 from .aggregates import acceptance_curve, dense_tau, live_rounds
 from .config import ScoringConfig
@@ -160,14 +166,16 @@ def score_task(
     target_hidden = task.hidden[:context_len].to(device=device, dtype=dtype)[None]
     context = drafter.encode_context(target_hidden, torch.arange(context_len, device=device)[None])
     top_n = max(config.ddtree_budgets, default=0)
+    attention = resolve_attention(drafter.config, config.attention)
+    vocab_ids = drafter.vocab_ids
+    weight = head.lm_head.weight if vocab_ids is None else head.lm_head.weight[vocab_ids.to(device)]
     parts: dict[str, list[torch.Tensor]] = {}
     pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (drafts, labels, valid) per chunk
 
     def flush() -> None:
         drafts, labels, valid = (torch.cat(t) for t in zip(*pending))
         pending.clear()
-        stats = head_stats(drafts, head.lm_head.weight, labels, top_n, backend=config.backend,
-                           chunk_size=config.vocab_chunk)
+        stats = head_stats(drafts, weight, labels, top_n, backend=config.backend, chunk_size=config.vocab_chunk)
         for method, values in streaks_from_stats(stats, valid, config).items():
             parts.setdefault(method, []).append(values.cpu())
 
@@ -176,13 +184,24 @@ def score_task(
         span = anchors[start : start + plan.anchors_per_forward]  # a range: no host-device sync per chunk
         C, chunk = span[-1], torch.arange(span.start, span.stop, device=device)
         tokens, labels, valid = block_inputs(input_ids, chunk, block_size, drafter.mask_token_id)
-        hidden = drafter.decode_blocks([(k[:, :, :C], v[:, :, :C]) for k, v in context], head.embed_tokens(tokens).to(dtype), chunk)
+        if vocab_ids is not None:
+            labels, valid = draft_labels(labels, valid, vocab_ids.to(device))
+        hidden = drafter.decode_blocks([(k[:, :, :C], v[:, :, :C]) for k, v in context],
+                                       head.embed_tokens(tokens).to(dtype), chunk, attention)
         drafts = hidden.view(len(chunk), block_size, -1)[:, 1:].flatten(0, 1)
         if pending and sum(len(p[0]) for p in pending) + len(drafts) > plan.head_rows:
             flush()
         pending.append((drafts, labels.flatten(), valid))
     flush()
     return TaskStreaks(task.name, anchors[0], {m: torch.cat(v) for m, v in parts.items()})
+
+
+def draft_labels(labels: torch.Tensor, valid: torch.Tensor, vocab_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target-id labels as indices into a pruned draft vocabulary (`vocab_ids`, ascending);
+    a label outside it is no longer valid (the streak stops there: it can not be drafted)."""
+    index = torch.searchsorted(vocab_ids, labels).clamp_(max=vocab_ids.numel() - 1)
+    inside = vocab_ids[index] == labels
+    return torch.where(inside, index, 0), valid & inside
 
 
 def summarize(task: TaskStreaks, config: ScoringConfig, block_size: int) -> dict[str, dict]:
@@ -246,6 +265,9 @@ def score_drafter(
             stacklevel=2,
         )
     cache.check_compatible(drafter.config, block_size=block_size)
+    problems = drafter.head_problems(head.embed_tokens.weight, head.lm_head.weight)
+    if problems:
+        raise ValueError("; ".join(problems))
     device, dtype = config.resolved_device(), config.torch_dtype
     drafter = drafter.to(device=device, dtype=dtype).eval()
     head = head.to(device=device, dtype=dtype)
@@ -280,4 +302,5 @@ def score_drafter(
         peak_memory=torch.cuda.max_memory_allocated(device) if measure_peak else None,
         created=started,
         scorer_version=SCORER_VERSION,
+        attention=describe(resolve_attention(drafter.config, config.attention)),
     )
