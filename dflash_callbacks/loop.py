@@ -61,7 +61,7 @@ class LoopHost(Host):
     def loggers(self) -> list[Logger]:
         return [(getattr(fn, "__qualname__", type(fn).__name__), fn) for fn in self.evaluator.log]
 
-    def wandb_runs(self) -> list[tuple[Any, Callable[[dict, int], object]]]:
+    def wandb_runs(self) -> list[tuple[str, Any, Callable[[dict, int], object]]]:
         run = self.evaluator.wandb
         if run is None:  # the active run, if the script has started one (wandb is never imported here)
             module = sys.modules.get("wandb")
@@ -69,7 +69,7 @@ class LoopHost(Host):
         if run is None or run is False:
             return []
         rows = self._rows.setdefault(id(run), WandbRows(run))
-        return [(run, rows.log)]
+        return [("wandb", run, rows.log)]
 
     def set_metrics(self, metrics: dict[str, float]) -> None:
         self.evaluator.metrics = metrics

@@ -57,9 +57,10 @@ class LightningHost(Host):
         return [(type(logger).__name__, logger.log_metrics) for logger in self.trainer.loggers
                 if not isinstance(logger, WandbLogger)]
 
-    def wandb_runs(self) -> list[tuple[Any, Callable[[dict, int], object]]]:
+    def wandb_runs(self) -> list[tuple[str, Any, Callable[[dict, int], object]]]:
         """Each WandbLogger's run; a row holds the logger's own x axis too, at the report's step."""
-        return [(logger.experiment, lambda row, step, run=logger.experiment: run.log({**row, "trainer/global_step": step}))
+        return [("WandbLogger", logger.experiment,
+                 lambda row, step, run=logger.experiment: run.log({**row, "trainer/global_step": step}))
                 for logger in self.trainer.loggers if isinstance(logger, WandbLogger)]
 
     def set_metrics(self, metrics: dict[str, float]) -> None:

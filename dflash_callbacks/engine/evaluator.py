@@ -93,8 +93,9 @@ class Host:
         """Where metrics go (rank 0), as (name, log(metrics, step)), looked up at each report."""
         return []
 
-    def wandb_runs(self) -> list[tuple[Any, Callable[[dict, int], object]]]:
-        """The W&B runs that get the metrics, tables and curves: (run, how a row is written to it)."""
+    def wandb_runs(self) -> list[tuple[str, Any, Callable[[dict, int], object]]]:
+        """The W&B runs that get the metrics, tables and curves: (a name for errors, the run, how a row is
+        written to it)."""
         return []
 
     def set_metrics(self, metrics: dict[str, float]) -> None:

@@ -143,8 +143,8 @@ class Publisher:
                         f"{self.prefix}/errors": float(errors)})
         for name, log in self.loggers():
             self._guarded(name, report.step, lambda: log(metrics, report.step))
-        for run, log in self.wandb_runs():
-            self._guarded("wandb", report.step, lambda: self._log_wandb(run, log, report, baseline, metrics))
+        for name, run, log in self.wandb_runs():
+            self._guarded(name, report.step, lambda: self._log_wandb(run, log, report, baseline, metrics))
         return metrics
 
     def _guarded(self, name: str, step: int, log: Callable[[], object]) -> None:
