@@ -7,9 +7,9 @@ from importlib import import_module
 from .model import DFlashDrafter, DrafterConfig, TargetHead, load_drafter, save_drafter
 from .scoring import EvalReport, ScoringConfig, score_drafter
 
-_ADAPTERS = {  # imported on first use: the engine and the plain loop never load Lightning
+_ADAPTERS = {  # imported on first use: the engine and the plain loop never load Lightning or the Trainer
     "DrafterEarlyStopping": ".callbacks", "DrafterEvalCallback": ".callbacks", "TrailingBaselineStop": ".callbacks",
-    "DrafterEvaluator": ".loop",
+    "DrafterEvaluator": ".loop", "DrafterEvalTrainerCallback": ".hf",
 }
 
 
@@ -20,7 +20,8 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "DFlashDrafter", "DrafterConfig", "DrafterEarlyStopping", "DrafterEvalCallback", "DrafterEvaluator", "EvalReport",
-    "ScoringConfig", "TargetHead", "TrailingBaselineStop", "load_drafter", "save_drafter", "score_drafter",
+    "DFlashDrafter", "DrafterConfig", "DrafterEarlyStopping", "DrafterEvalCallback", "DrafterEvalTrainerCallback",
+    "DrafterEvaluator", "EvalReport", "ScoringConfig", "TargetHead", "TrailingBaselineStop", "load_drafter",
+    "save_drafter", "score_drafter",
 ]
 __version__ = "0.1.0"

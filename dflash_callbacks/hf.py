@@ -6,14 +6,24 @@
     with callback:                  # optional: a train() that raises keeps unscored snapshots for a resume
         trainer.train()
 
-The drafter is found on the Trainer's model by attribute (`drafter="drafter"`; None: the model is
-the drafter). Snapshots are taken at `state.global_step`, after the optimizer step; the copy has
-landed in `on_pre_optimizer_step`. A stop sets `control.should_training_stop` on every rank. Reports
-go to the active W&B run (the Trainer's `report_to="wandb"` starts one) and to `log=` functions.
-A resume (`trainer.train(resume_from_checkpoint=...)`) goes through the Trainer's own checkpoint:
-this callback's state is saved in `trainer_state.json` (it is an `ExportableState`) and read back at
-`on_train_begin`; leave `restore_callback_states_from_checkpoint` False (its re-creation of callbacks
-from their arguments would drop the stop objects).
+The hooks, and what the engine does in them:
+
+    on_init_end:              TrainingArguments(restore_callback_states_from_checkpoint=True) is refused
+    on_train_begin:           the drafter found on the model (`drafter="drafter"`; None: the model is the
+                              drafter), every input checked, then the run folder (a resume's: its state is
+                              read from the checkpoint's trainer_state.json)
+    on_pre_optimizer_step:    the snapshot's copy has landed before the optimizer writes the weights
+    on_step_end:              finished reports published; every `every_n_steps`, a snapshot of
+                              `state.global_step`; a stop sets `control.should_training_stop`. When training
+                              stops here (max_steps, the stop, a callback before this one), the last step's
+                              snapshot, before the Trainer loads the best model at the end
+    on_epoch_end:             the same, when a later callback stopped training (EarlyStoppingCallback)
+    on_train_end:             the last reports, then the run folder is released
+
+Reports go to the active W&B run (the Trainer's `report_to="wandb"` starts one; each report in a row of
+its own, and no row of the Trainer's lost) and to `log=` functions. This callback is an `ExportableState`:
+the Trainer saves its state (run id, history, counts, the stops') in each checkpoint's trainer_state.json,
+and `trainer.train(resume_from_checkpoint=...)` reopens that run's folder.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from transformers.trainer_callback import ExportableState
 
 from .engine.drafters import drafter_config_of, resolve_drafter, unwrap
 from .engine.evaluator import EvalEngine
+from .engine.publish import Subscriber
 from .engine.stop import StopPolicy
 from .loop import LoopHost
 from .model import DrafterConfig
@@ -50,10 +61,10 @@ class TrainerHost(LoopHost):
         return self.state.max_steps if self.state.max_steps and self.state.max_steps > 0 else None
 
     def ending(self) -> str | None:
-        if self.control.should_training_stop:
-            return "control.should_training_stop is already set"
         if self.state.max_steps and 0 < self.state.max_steps <= self.state.global_step:
             return f"max_steps={self.state.max_steps} reached"
+        if self.control.should_training_stop:
+            return "control.should_training_stop is already set"
         return None
 
 
@@ -65,6 +76,9 @@ class DrafterEvalTrainerCallback(TrainerCallback, ExportableState):
             or None when the model is the drafter.
         every_n_steps, stop, drafter_config, log, wandb: as DrafterEvaluator's.
         The other arguments are DrafterEvalCallback's; `dirpath` defaults to <output_dir>/<name>.
+
+    Attributes (every rank): `metrics` (the latest means, NaN before the first report), `history`,
+    `errors`, `skipped`, `should_stop`, `stop_reason`; on rank 0 also `reports`, `baseline_report`, `run`.
     """
 
     def __init__(
@@ -98,9 +112,10 @@ class DrafterEvalTrainerCallback(TrainerCallback, ExportableState):
                                  verbose, sync_every_n_steps)
         stops = [] if stop is None else [stop] if isinstance(stop, StopPolicy) else list(stop)
         if not all(isinstance(s, StopPolicy) for s in stops):
-            raise TypeError("stop must be a TrailingBaselineStop (a StopPolicy), a list of them, or None")
+            raise TypeError("stop must be a TrailingBaselineStop (a StopPolicy), a list of them, or None; got "
+                            f"{[type(s).__name__ for s in stops if not isinstance(s, StopPolicy)]}")
         for policy in stops:
-            self.engine.add_stop(policy)
+            self.engine.add_stop(policy)  # its monitor must be scored: checked now
         if not (drafter is None or isinstance(drafter, str) or callable(drafter)):
             raise TypeError("drafter must be an attribute path, a function model -> drafter, or None (the model)")
         if not (drafter_config is None or isinstance(drafter_config, (DrafterConfig, str, os.PathLike))):
@@ -110,36 +125,76 @@ class DrafterEvalTrainerCallback(TrainerCallback, ExportableState):
         if not all(callable(fn) for fn in self.log):
             raise TypeError("log must be a function fn(metrics, step) or a list of them")
         self.wandb = wandb
-        self.max_steps: int | None = None  # LoopHost reads these two
-        self.last_step: int | None = None
         self.metrics: dict[str, float] = {}
-        self.resume_state: dict | None = None  # set by the Trainer when it re-creates callbacks from their state
         self._module: nn.Module | None = None
         self._host: TrainerHost | None = None
         self._finished = False
 
-    # ------------------------------------------------------------------ state (trainer_state.json)
-    def state(self) -> dict:
-        return {"args": {}, "attributes": {"resume_state": {
-            "engine": self.engine.state_dict(), "stops": [p.state_dict() for p in self.engine.stops.policies]}}}
-
+    # ------------------------------------------------------------------ what the engine holds
     @property
     def history(self) -> list[dict]:
         return self.engine.history
-
-    @property
-    def reports(self):
-        return self.engine.reports
 
     @property
     def errors(self) -> int:
         return self.engine.errors
 
     @property
+    def skipped(self) -> int:
+        return self.engine.skipped
+
+    @property
+    def reports(self):
+        return self.engine.reports
+
+    @property
+    def baseline_report(self):
+        return self.engine.baseline_report
+
+    @property
     def run(self):
         return self.engine.run
 
+    @property
+    def should_stop(self) -> bool:
+        return self.engine.should_stop
+
+    @property
+    def stop_reason(self) -> str | None:
+        return next((p.stop_reason for p in self.engine.stops.policies if p.stop_reason), None)
+
+    def subscribe(self, fn: Subscriber) -> Callable[[], None]:
+        """Call `fn(report, baseline)` on rank 0 for every new report (see DrafterEvalCallback.subscribe)."""
+        return self.engine.subscribe(fn)
+
+    # ------------------------------------------------------------------ state (trainer_state.json)
+    def state(self) -> dict:
+        """What the Trainer saves in each checkpoint's trainer_state.json (primitives only). "args" is
+        empty: this callback is never re-created from it (see on_init_end)."""
+        return {"args": {}, "attributes": {"resume_state": {
+            "name": self.engine.name, "engine": self.engine.state_dict(),
+            "stops": [p.state_dict() for p in self.engine.stops.policies]}}}
+
+    def _saved_state(self, state) -> dict | None:
+        """This callback's state in a resumed checkpoint's trainer_state.json: the latest entry of its
+        name (with several callbacks of this class, the Trainer keeps a list and appends at each save)."""
+        entries = state.stateful_callbacks.get(type(self).__name__) or []
+        entries = entries if isinstance(entries, list) else [entries]
+        saved = [(e.get("attributes") or {}).get("resume_state") or {} for e in entries if isinstance(e, dict)]
+        mine = [s for s in saved if s.get("name") == self.engine.name]
+        return mine[-1] if mine else None
+
     # ------------------------------------------------------------------ hooks
+    def on_init_end(self, args, state, control, **kwargs):
+        """Refuse what would replace this callback: the Trainer's restore re-creates callbacks from their
+        saved arguments, and one made from none would have no cache, no target and no stop."""
+        if args.restore_callback_states_from_checkpoint:
+            raise ValueError(
+                f"{type(self).__name__} can not be re-created by TrainingArguments(restore_callback_states_from_"
+                "checkpoint=True) (the Trainer would build it from no arguments and drop this one); leave it False: "
+                "this callback restores its own state from the checkpoint's trainer_state.json on "
+                "trainer.train(resume_from_checkpoint=...)")
+
     def _drafter_of(self, model: nn.Module) -> nn.Module:
         if self.drafter is None:
             return unwrap(model)
@@ -151,15 +206,15 @@ class DrafterEvalTrainerCallback(TrainerCallback, ExportableState):
         self._module = self._drafter_of(model)
         config = drafter_config_of(self._module, self.drafter_config, type(self).__name__, model,
                                    self.drafter or "the model")
-        self.max_steps, self.last_step, self._finished = self._host.horizon(), None, False
-        self.engine.check(self._host, self._module, config, self.max_steps)
-        saved = self.resume_state or (state.stateful_callbacks.get(type(self).__name__) or {}).get("attributes", {}).get(
-            "resume_state")
-        if state.global_step > 0 and saved:
+        self._finished = False
+        self.engine.check(self._host, self._module, config, self._host.horizon())
+        for policy in self.engine.stops.policies:
+            policy.reset()  # nothing of an earlier train() with these stops; a resume loads its own below
+        saved = self._saved_state(state) if state.global_step > 0 else None
+        if saved is not None:
             self.engine.load_state_dict(saved["engine"])
-            for policy, policy_state in zip(self.engine.stops.policies, saved.get("stops", [])):
+            for policy, policy_state in zip(self.engine.stops.policies, saved["stops"]):
                 policy.load_state_dict(policy_state)
-        self.resume_state = None
         self.engine.start(self._host, self._module)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
@@ -167,13 +222,17 @@ class DrafterEvalTrainerCallback(TrainerCallback, ExportableState):
 
     def on_step_end(self, args, state, control, **kwargs):
         self._host.state, self._host.control = state, control
-        self.last_step = state.global_step
         if self.engine.on_step(state.global_step, int(state.epoch or 0), self._module) is not None:
             control.should_training_stop = True
-        if control.should_training_stop or (state.max_steps and state.global_step >= state.max_steps):
-            self._finish(state)  # before the Trainer loads the best model at the end
+        if control.should_training_stop or 0 < state.max_steps <= state.global_step:
+            self._finish(state)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if control.should_training_stop:  # set after on_step_end (an EarlyStoppingCallback's on_evaluate)
+            self._finish(state)
 
     def _finish(self, state) -> None:
+        """The last step's snapshot, once: before the Trainer loads the best model at the end."""
         if not self._finished:
             self._finished = True
             self.engine.finish(state.global_step, int(state.epoch or 0), self._module)

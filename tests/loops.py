@@ -124,19 +124,24 @@ class _nothing:
 
 
 def hf_fit(world, out: Path, max_steps: int, callbacks: list, *, save_steps: int = 0, resume: str | None = None,
-           report_to: str = "none", seed: int = 0):
-    """A transformers Trainer run of `max_steps` steps in `out`; returns (trainer, model)."""
+           report_to: str = "none", seed: int = 0, **training_args):
+    """A transformers Trainer run of `max_steps` steps in `out`; returns (trainer, model). `training_args`
+    override the TrainingArguments; with an `eval_strategy`, the evaluation set is the cache's first 3
+    sequences."""
     from transformers import Trainer, TrainingArguments
 
     model = DrafterModel(world.config, world.target, seed=seed)
-    args = TrainingArguments(
-        output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=1, learning_rate=LR,
-        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, logging_steps=1000, report_to=report_to,
-        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
-        use_cpu=True, seed=seed, data_seed=seed, remove_unused_columns=False, disable_tqdm=True,
-        dataloader_num_workers=0, optim="adamw_torch",
-    )
+    args = TrainingArguments(**{
+        "output_dir": str(out), "max_steps": max_steps, "per_device_train_batch_size": 1,
+        "per_device_eval_batch_size": 1, "learning_rate": LR, "lr_scheduler_type": "constant", "warmup_steps": 0,
+        "weight_decay": 0.0, "logging_steps": 1000,
+        "report_to": report_to, "save_strategy": "steps" if save_steps else "no", "save_steps": save_steps or 500,
+        "use_cpu": True, "seed": seed, "data_seed": seed, "remove_unused_columns": False, "disable_tqdm": True,
+        "dataloader_num_workers": 0, "optim": "adamw_torch", **training_args,
+    })
+    evaluate = training_args.get("eval_strategy", "no") != "no"
     trainer = Trainer(model=model, args=args, train_dataset=Sequences(world.cache, max_steps * 4),
-                      data_collator=one, callbacks=callbacks)
+                      eval_dataset=Sequences(world.cache, 3) if evaluate else None, data_collator=one,
+                      callbacks=callbacks)
     trainer.train(resume_from_checkpoint=resume)
     return trainer, model

@@ -1,4 +1,4 @@
-"""The wheel ships conf/ (one copy, mapped by the build) and the toy assets, and an
+"""The wheel ships every module, conf/ (one copy, mapped by the build) and the toy assets, and an
 installed package finds its defaults and the coding10 task set there."""
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ def test_the_wheel_ships_conf_and_an_install_finds_it(tmp_path):
     assert shipped == sorted(f"dflash_callbacks/conf/{p.relative_to(REPO / 'conf')}"
                              for p in (REPO / "conf").rglob("*.yaml"))
     assert "dflash_callbacks/demos/toy/assets/target/model.safetensors" in names
+    modules = sorted(str(p.relative_to(REPO)) for p in (REPO / "dflash_callbacks").rglob("*.py"))
+    assert [m for m in modules if m not in names] == []  # every subpackage ships (the engine, the watcher)
     assert not any(n.startswith(("tests/", "tools/", "conf/")) for n in names)
 
     install = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",

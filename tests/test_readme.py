@@ -1,13 +1,16 @@
-"""The README's attach snippet is the example script, and the example runs as written; its Commands
+"""The README's attach snippet is the example script, and the examples run as written; its Commands
 section names every flag; its Guarantees table cites tests that exist."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -20,14 +23,43 @@ def test_the_attach_snippet_is_the_example_script():
     assert code.startswith(snippet.strip()), "the README's snippet and examples/attach_to_existing_run.py differ"
 
 
-def test_the_example_runs_as_written(tmp_path):
-    """In a fresh folder, as a user runs it; its run folder lands under runs/attach-example/dflash/."""
-    run = subprocess.run([sys.executable, str(REPO / "examples" / "attach_to_existing_run.py")], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=600, env={**os.environ, "WANDB_MODE": "offline"})
+@pytest.fixture(scope="module")
+def toy_world_folder(tmp_path_factory) -> Path:
+    """The examples' toy world (`toy_world` with its defaults), built once for every example here."""
+    from dflash_callbacks.demos.toy import toy_world
+
+    folder = tmp_path_factory.mktemp("examples") / "world"
+    toy_world(folder)
+    return folder
+
+
+def run_example(name: str, cwd: Path, world: Path) -> subprocess.CompletedProcess:
+    """examples/<name>.py as a user runs it, in a fresh folder whose runs/<example>/world is the toy world
+    already built (the script finds it and builds nothing)."""
+    example = {"attach_to_existing_run": "attach-example", "hf_trainer": "hf-example"}[name]
+    (cwd / "runs" / example).mkdir(parents=True)
+    (cwd / "runs" / example / "world").symlink_to(world, target_is_directory=True)
+    run = subprocess.run([sys.executable, str(REPO / "examples" / f"{name}.py")], cwd=cwd, capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "WANDB_MODE": "offline"})
     assert run.returncode == 0, run.stderr[-4000:]
+    return run
+
+
+def test_the_example_runs_as_written(tmp_path, toy_world_folder):
+    """As a user runs it; its run folder lands under runs/attach-example/dflash/."""
+    run = run_example("attach_to_existing_run", tmp_path, toy_world_folder)
     assert "3 reports in runs/attach-example/dflash/" in run.stdout
     (folder,) = (tmp_path / "runs" / "attach-example" / "dflash").iterdir()
     assert len((folder / "results.jsonl").read_text().splitlines()) == 3
+
+
+def test_the_hf_trainer_example_runs_as_written(tmp_path, toy_world_folder):
+    """examples/hf_trainer.py: a transformers Trainer with the callback; its run folder lands under
+    <output_dir>/dflash/ with a report every 20 of its 60 steps."""
+    run = run_example("hf_trainer", tmp_path, toy_world_folder)
+    assert "3 reports in runs/hf-example/dflash/" in run.stdout
+    (folder,) = (tmp_path / "runs" / "hf-example" / "dflash").iterdir()
+    assert [json.loads(line)["step"] for line in (folder / "results.jsonl").read_text().splitlines()] == [20, 40, 60]
 
 
 def test_every_cli_flag_is_in_the_commands_section():

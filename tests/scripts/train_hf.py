@@ -1,0 +1,63 @@
+"""A transformers Trainer run of the synthetic world's drafter with DrafterEvalTrainerCallback, run as a
+user runs a training script; the HF fault tests (tests/test_hf.py) start it as a subprocess and SIGKILL it:
+
+    python tests/scripts/train_hf.py --world W --root R --max-steps 100000 --every 2 --save-steps 3 \
+        [--step-sleep 0.02] [--no-baseline]
+
+`--world` is a folder made by `tests/synthetic.py:build_world` (tests/scripts/train_run.py `shared_world`).
+The Trainer writes its checkpoints to R/checkpoint-N/, the callback its run folder under R/dflash/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+TESTS = Path(__file__).resolve().parents[1]
+for folder in (TESTS, TESTS / "scripts"):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+
+import torch  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+from dflash_callbacks.hf import DrafterEvalTrainerCallback  # noqa: E402
+from loops import SCORING, hf_fit  # noqa: E402
+from train_run import world_paths  # noqa: E402
+
+
+class StepSleep(TrainerCallback):
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def on_step_end(self, args, state, control, **kwargs):
+        time.sleep(self.seconds)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world", type=Path, required=True)
+    p.add_argument("--root", type=Path, required=True)
+    p.add_argument("--max-steps", type=int, default=20)
+    p.add_argument("--every", type=int, default=2)
+    p.add_argument("--save-steps", type=int, default=0)
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--no-baseline", action="store_true")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    world = SimpleNamespace(**world_paths(args.world))
+    cb = DrafterEvalTrainerCallback(
+        cache=world.cache, target=world.target, baseline=None if args.no_baseline else world.baseline,
+        every_n_steps=args.every, scoring=SCORING, dirpath=args.root / "dflash", baseline_cache_dir=args.root / "bc",
+        wait_timeout=300, verbose=False)
+    callbacks = [cb] + ([StepSleep(args.step_sleep)] if args.step_sleep else [])
+    with cb:
+        hf_fit(world, args.root, args.max_steps, callbacks, save_steps=args.save_steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
