@@ -9,7 +9,7 @@ from Python, from a config file and from the command line.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +29,18 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def problems_of(*checks: Callable[[], object]) -> list[str]:
+    """The message of each check (a function of no arguments) that raises ValueError, in order:
+    for code that reports every problem at once, one line each."""
+    problems = []
+    for check in checks:
+        try:
+            check()
+        except ValueError as e:
+            problems.append(str(e))
+    return problems
+
+
 def check_int(name: str, value: Any, minimum: int, *, optional: bool = False) -> int | None:
     """`value` if it is an integer >= minimum (or None when optional), else ValueError."""
     if optional and value is None:
@@ -39,13 +51,16 @@ def check_int(name: str, value: Any, minimum: int, *, optional: bool = False) ->
     return value
 
 
-def check_int_list(name: str, value: Any, minimum: int) -> list[int]:
-    """A list (or tuple) of distinct integers >= minimum; a string or a single number is refused."""
+def check_int_list(name: str, value: Any, minimum: int, maximum: int | None = None) -> list[int]:
+    """A list (or tuple) of distinct integers >= minimum (and <= maximum when given); a string
+    or a single number is refused."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise ValueError(f"{name} must be a list of integers >= {minimum}, e.g. [4, 8]; got {value!r}")
     for item in value:
         if not is_int(item) or item < minimum:
             raise ValueError(f"{name} must be a list of integers >= {minimum}; got {item!r} in {list(value)!r}")
+        if maximum is not None and item > maximum:
+            raise ValueError(f"{name} must be at most {maximum}; got {item!r} in {list(value)!r}")
     if len(set(value)) != len(value):
         raise ValueError(f"{name} holds a value twice: {list(value)!r}")
     return list(value)

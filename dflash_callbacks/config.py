@@ -7,9 +7,10 @@
 constructor argument, with the signature's default, so a default is written once. The
 YAML in conf/ and the README's tables are held to them by tests. Unknown keys, wrong
 types and overrides that are not `key=value` are refused naming the key and the file, or
-the override it came from (a list given a scalar says how to write the list); impossible
-values by the callbacks' own validation, when the config is built, before any training
-starts. A user's config object is copied, never changed.
+the override it came from (a list given a scalar says how to write the list), all at once,
+one line each, with the values ScoringConfig refuses; the callbacks' other checks refuse
+theirs when the config is built, before any training starts. A user's config object is
+copied, never changed.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ import dataclasses
 import inspect
 import os
 import typing
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -62,57 +63,98 @@ class CallbacksConfig:
     stop: StopConfig = field(default_factory=StopConfig)
 
 
-def parse_overrides(overrides: list[str] | tuple) -> DictConfig:
-    for item in overrides:
-        if not isinstance(item, str) or "=" not in item or item.startswith("="):
-            raise ValueError(f"override {item!r} is not key=value (e.g. train.max_steps=300)")
-    return OmegaConf.from_dotlist(list(overrides))
+def field_type(schema: type, key: str) -> Any:
+    """The type of the dotted `key` of the dataclass `schema` (None for a key it lacks)."""
+    kind: Any = schema
+    for part in key.split("."):
+        kind = typing.get_type_hints(kind).get(part) if dataclasses.is_dataclass(kind) else None
+    return kind
 
 
 def is_list_key(schema: type, key: str) -> bool:
     """Whether the dotted `key` of the dataclass `schema` holds a list (or None or a list)."""
-    kind: Any = schema
-    for part in key.split("."):
-        kind = typing.get_type_hints(kind).get(part) if dataclasses.is_dataclass(kind) else None
+    kind = field_type(schema, key)
     return list in (typing.get_origin(kind), *map(typing.get_origin, typing.get_args(kind)))
 
 
-@contextmanager
-def naming(schema: type, where: str, item: str | None = None):
-    """OmegaConf's errors as one ValueError naming the key and where it came from: the file
-    (`where`), or the command-line override `item`."""
-    try:
-        yield
-    except OmegaConfBaseException as e:
-        key, message = getattr(e, "full_key", None), str(e).splitlines()[0]
-        if item is not None:
-            key, _, value = item.partition("=")
-            if is_list_key(schema, key) and not value.lstrip().startswith("["):
-                message = f"{key.split('.')[-1]} is a list: write {key}=[{value}]"
-            raise ValueError(f"override {item!r}: {message}") from None
-        raise ValueError(f"config key {key!r}{where}: {message}" if key else f"invalid config{where}: {message}") from None
+def settings(tree: dict, schema: type, prefix: str = ""):
+    """(dotted key, value) of each setting of a YAML mapping: a mapping under a key that holds a
+    config section is walked into; anything else is one setting."""
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and dataclasses.is_dataclass(field_type(schema, dotted)):
+            yield from settings(value, schema, f"{dotted}.")
+        else:
+            yield dotted, value
 
 
-def load_config(schema: type, path: str | os.PathLike | None = None, overrides: list[str] | tuple = ()) -> Any:
-    """`schema` defaults, then the YAML file, then `key=value` overrides; returns the
-    instantiated dataclass. Errors name the offending key and the file, or the override."""
+def nested(key: str, value: Any) -> dict:
+    """{"a": {"b": value}} for the dotted key "a.b"."""
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return value
+
+
+def load_config(schema: type, path: str | os.PathLike | None = None, overrides: list[str] | tuple = (),
+                values: dict | None = None) -> Any:
+    """`schema` defaults, then the YAML file, then `key=value` overrides, then `values` (typed
+    settings: a CLI's flags); returns the instantiated dataclass. Every problem is named at once,
+    one line each, in one ValueError: a setting OmegaConf refuses names its key and the file, or
+    its override; then each value the dataclasses' own checks refuse."""
     where = f" in {path}" if path is not None else ""
-    with naming(schema, where):
-        cfg = OmegaConf.structured(schema)
-        if path is not None:
+    cfg = OmegaConf.structured(schema)
+    problems: list[str] = []
+    refused: set[str] = set()  # keys whose setting was refused: not also named as unset
+
+    def merge(key: str, setting: dict | DictConfig, source: str, as_list: str | None) -> None:
+        """Merge one setting; a refused one is a problem naming `source` (`as_list`: how the
+        setting is written as a list, for a list key given something else)."""
+        nonlocal cfg
+        try:
+            cfg = OmegaConf.merge(cfg, setting)
+        except (OmegaConfBaseException, TypeError) as e:
+            message = str(e).splitlines()[0]
+            if isinstance(e, TypeError):  # OmegaConf's "Cannot merge incompatible container types"
+                message = f"{key} takes {'a list' if is_list_key(schema, key) else 'a value'}, not a mapping"
+            elif as_list is not None and is_list_key(schema, key):
+                message = f"{key.split('.')[-1]} is a list: write {as_list}"
+            problems.append(f"{source}: {message}")
+            refused.add(key)
+
+    if path is not None:
+        try:
             loaded = OmegaConf.load(path)
-            if not isinstance(loaded, DictConfig):
-                raise ValueError(f"config file {path} must hold a mapping of keys to values, not a list")
-            cfg = OmegaConf.merge(cfg, loaded)
-    parse_overrides(overrides)
-    for item in overrides:  # one at a time, so that an error names its override
-        with naming(schema, where, item):
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
-    with naming(schema, where):
-        missing = sorted(OmegaConf.missing_keys(cfg))
-        if missing:
-            raise ValueError(f"config{where} leaves required keys unset: {missing} (set them with key=value)")
-        return OmegaConf.to_object(cfg)
+        except yaml.YAMLError as e:
+            raise ValueError(f"config file {path} is not valid YAML: {' '.join(str(e).split())}") from None
+        if not isinstance(loaded, DictConfig):
+            raise ValueError(f"config file {path} must hold a mapping of keys to values, not a list")
+        for key, value in settings(OmegaConf.to_container(loaded, resolve=False), schema):
+            merge(key, nested(key, value), f"config key {key!r}{where}",
+                  None if isinstance(value, (list, dict)) else f"{key.split('.')[-1]}: [{value}]")
+    for item in overrides:  # one at a time, so that a problem names its override
+        if not isinstance(item, str) or "=" not in item or item.startswith("="):
+            problems.append(f"override {item!r} is not key=value (e.g. train.max_steps=300)")
+            continue
+        key, _, value = item.partition("=")
+        merge(key, OmegaConf.from_dotlist([item]), f"override {item!r}",
+              None if value.lstrip().startswith("[") else f"{key}=[{value}]")
+    for key, value in (values or {}).items():
+        merge(key, nested(key, value), f"{key}={value!r}", None)
+    try:
+        unset = set(OmegaConf.missing_keys(cfg))
+        if unset - refused:
+            problems.append(f"config{where} leaves required keys unset: {sorted(unset - refused)} (set them with key=value)")
+        if not unset:
+            config = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:  # e.g. an interpolation of a key that does not exist
+        key = getattr(e, "full_key", None)
+        problems.append(f"config key {key!r}{where}: {str(e).splitlines()[0]}" if key
+                        else f"invalid config{where}: {str(e).splitlines()[0]}")
+    except ValueError as e:  # the dataclasses' own checks (ScoringConfig's: every bad value, one line each)
+        problems += str(e).splitlines()
+    if problems:
+        raise ValueError("\n".join(problems))
+    return config
 
 
 def build_eval_callback(cfg: EvalConfig) -> DrafterEvalCallback:

@@ -64,13 +64,14 @@ def add_scoring_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def scoring_config(args: argparse.Namespace) -> ScoringConfig:
-    """--config (or the defaults), then the scoring flags given on the command line."""
+    """--config (or the defaults), then the scoring flags given on the command line; every bad
+    setting of both at once, one line each."""
     from ..config import load_config
 
     if args.config is not None and not args.config.is_file():
         raise UsageError(f"--config {args.config} is not a file: give a ScoringConfig YAML such as conf/scoring.yaml")
-    base = load_config(ScoringConfig, args.config) if args.config is not None else ScoringConfig()
-    return replace(base, **{key: getattr(args, flag) for flag, key in SCORING_FLAGS.items() if hasattr(args, flag)})
+    flags = {key: getattr(args, flag) for flag, key in SCORING_FLAGS.items() if hasattr(args, flag)}
+    return load_config(ScoringConfig, args.config, values=flags)
 
 
 BASELINE_CACHE_HELP = ("where baseline reports are cached (default $XDG_CACHE_HOME/dflash_callbacks/baselines, "

@@ -8,13 +8,26 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..checks import (
-    DTYPES, check_bool, check_choice, check_device, check_int, check_int_list, check_number, check_str_list,
+    DTYPES, check_bool, check_choice, check_device, check_int, check_int_list, check_number, check_str_list, problems_of,
 )
 from ..kernels.head_stats import BACKENDS
 from ..model.attention import RULES as ATTENTION_RULES
 from .methods import scored_methods
 
 MAX_DDTREE_BUDGET = 1024
+
+
+def check_tasks(tasks: object) -> None:
+    check_str_list("tasks", tasks, optional=True)
+    if tasks is not None and not tasks:
+        raise ValueError("tasks must be None (every task of the cache) or a non-empty list of task names")
+
+
+def check_device_name(device: object) -> None:
+    """The form of `device`; whether it exists here is checked before scoring starts."""
+    if not isinstance(device, str) or not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", device):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {device!r} "
+                         "(whether it exists here is checked before scoring starts)")
 
 
 @dataclass
@@ -35,26 +48,27 @@ class ScoringConfig:
     attention: str = "auto"  # the attention pattern inside a block: auto (as vLLM serves it) or a rule of model.attention
 
     def __post_init__(self) -> None:
-        self.ddtree_budgets = check_int_list("ddtree_budgets", self.ddtree_budgets, 1)
-        if any(n > MAX_DDTREE_BUDGET for n in self.ddtree_budgets):
-            raise ValueError(f"ddtree_budgets must be at most {MAX_DDTREE_BUDGET}; got {self.ddtree_budgets}")
-        self.topk = check_int_list("topk", self.topk, 1)
-        check_int("window", self.window, 1, optional=True)
-        check_int("block_size", self.block_size, 2, optional=True)
-        check_int("max_rounds", self.max_rounds, 1)
-        check_int("anchors_per_forward", self.anchors_per_forward, 1)
-        check_int("vocab_chunk", self.vocab_chunk, 1, optional=True)
-        self.tasks = check_str_list("tasks", self.tasks, optional=True)
-        if self.tasks is not None and not self.tasks:
-            raise ValueError("tasks must be None (every task of the cache) or a non-empty list of task names")
-        check_choice("backend", self.backend, BACKENDS)
-        check_choice("dtype", self.dtype, DTYPES)
-        check_number("max_memory_gib", self.max_memory_gib, above=0, optional=True)
-        check_bool("release_memory", self.release_memory)
-        check_choice("attention", self.attention, tuple(ATTENTION_RULES))
-        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
-            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {self.device!r} "
-                             "(whether it exists here is checked before scoring starts)")
+        """Every bad field at once, one line each (the CLIs print one `error:` line per line)."""
+        problems = problems_of(
+            lambda: check_int_list("ddtree_budgets", self.ddtree_budgets, 1, MAX_DDTREE_BUDGET),
+            lambda: check_int_list("topk", self.topk, 1),
+            lambda: check_int("window", self.window, 1, optional=True),
+            lambda: check_int("block_size", self.block_size, 2, optional=True),
+            lambda: check_int("max_rounds", self.max_rounds, 1),
+            lambda: check_tasks(self.tasks),
+            lambda: check_int("anchors_per_forward", self.anchors_per_forward, 1),
+            lambda: check_int("vocab_chunk", self.vocab_chunk, 1, optional=True),
+            lambda: check_choice("backend", self.backend, BACKENDS),
+            lambda: check_device_name(self.device),
+            lambda: check_choice("dtype", self.dtype, DTYPES),
+            lambda: check_number("max_memory_gib", self.max_memory_gib, above=0, optional=True),
+            lambda: check_bool("release_memory", self.release_memory),
+            lambda: check_choice("attention", self.attention, tuple(ATTENTION_RULES)),
+        )
+        if problems:
+            raise ValueError("\n".join(problems))
+        self.ddtree_budgets, self.topk = list(self.ddtree_budgets), list(self.topk)
+        self.tasks = None if self.tasks is None else list(self.tasks)
 
     @property
     def methods(self) -> list[str]:
