@@ -9,7 +9,9 @@ status 1, and `--debug` shows where.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
+import itertools
 import os
 import sys
 
@@ -29,8 +31,37 @@ COMMANDS = {
 USER_ERRORS = (ValueError, OSError)  # bad input: CacheError, PreflightError, UsageError, missing files, ...
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with an unknown option named first, and the option meant when one is close:
+    `score --cahce X` says that --cahce is unknown (did you mean --cache?), where argparse
+    says only that --cache is required."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        mine = args
+        if self._subparsers is not None:  # the options before the command's name; the command's parser checks the rest
+            mine = list(itertools.takewhile(lambda arg: arg.startswith("-"), args))
+        unknown = self.unknown_options(mine)
+        if unknown:
+            self.error(f"\n{self.prog}: error: ".join(unknown))
+        return super().parse_known_args(args, namespace)
+
+    def unknown_options(self, args: list[str]) -> list[str]:
+        """A line for each `--option` in `args` that this parser does not take (a prefix of one
+        that it takes is argparse's to judge)."""
+        known = [option for action in self._actions for option in action.option_strings if option.startswith("--")]
+        lines = []
+        for arg in args[: args.index("--")] if "--" in args else args:
+            name = arg.split("=", 1)[0]
+            if not name.startswith("--") or any(option.startswith(name) for option in known):
+                continue
+            close = difflib.get_close_matches(name, known, n=1)
+            lines.append(f"unrecognized argument {name}" + (f"; did you mean {close[0]}?" if close else ""))
+        return lines
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dflash-callbacks", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="dflash-callbacks", description=__doc__.split("\n\n")[0])
     debug = argparse.ArgumentParser(add_help=False)
     debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help="show the traceback of an error (also DFLASH_DEBUG=1)")

@@ -79,6 +79,8 @@ def check_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
 def check_target_folder(path: str | os.PathLike) -> Path:
     """A local transformers model folder (this package never downloads: no hub names)."""
     folder = Path(path)
+    if folder.is_file():
+        raise FileNotFoundError(f"target {folder} is a file: give the target model's folder (e.g. {folder.parent})")
     if not folder.is_dir():
         raise FileNotFoundError(f"target folder {folder} does not exist (a local transformers model folder is "
                                 "needed; nothing is downloaded)")

@@ -175,6 +175,8 @@ def validate_manifest(raw: Any, where: str) -> dict:
 def read_manifest(folder: str | os.PathLike) -> dict:
     folder = Path(folder)
     path = folder / MANIFEST
+    if folder.is_file():
+        raise FileNotFoundError(f"cache {folder} is a file: give the cache's folder (e.g. {folder.parent})")
     if not folder.is_dir():
         raise FileNotFoundError(f"no cache folder at {folder}")
     if not path.is_file():

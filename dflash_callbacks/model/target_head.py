@@ -118,6 +118,8 @@ class TargetHead(nn.Module):
 def _locate_head(target_path: str | os.PathLike) -> tuple[Path, dict[str, Path], str, str | None]:
     """(folder, file of every tensor, embedding key, LM head key or None when tied)."""
     folder = Path(target_path)
+    if folder.is_file():
+        raise FileNotFoundError(f"target {folder} is a file: give the target model's folder (e.g. {folder.parent})")
     if not folder.is_dir():
         raise FileNotFoundError(f"target folder {folder} does not exist")
     config = read_target_config(folder)

@@ -382,8 +382,8 @@ def run_watch(args: argparse.Namespace) -> int:
     if no_runs and args.once:
         raise UsageError(f"--dir {args.dir} holds no run folder{runs_hint(args.dir)}")
     watcher = open_watcher(args, log=lambda line: print(line, flush=True))
-    print(f"watch: scoring the snapshots of the runs in {args.dir} (every {args.poll_seconds:g} s; Ctrl-C stops)",
-          flush=True)
+    every = "once" if args.once else f"every {args.poll_seconds:g} s; Ctrl-C stops"
+    print(f"watch: scoring the snapshots of the runs in {args.dir} ({every})", flush=True)
     if not args.dir.is_dir():  # a watcher started before the training run that makes it
         print(f"watch: {args.dir} does not exist yet, waiting for a training run to create it (the callback's "
               "dirpath; if none will, check the path)", flush=True)
