@@ -28,7 +28,7 @@ def score_args(world, **kw) -> list[str]:
     args = {"--drafter": world.baseline, "--cache": world.cache, "--target": world.target, "--budgets": "4",
             "--device": "cpu"}
     args.update(kw)
-    return ["score"] + [str(x) for pair in args.items() for x in pair if x is not None]
+    return ["score"] + [str(x) for flag, value in args.items() if value is not None for x in (flag, value)]
 
 
 def fails(argv, capsys, *expected) -> str:
@@ -53,6 +53,48 @@ def test_score_mistakes_are_one_line_each(world, tmp_path, capsys):
     if not torch.cuda.is_available():
         fails(score_args(world, **{"--device": "cuda"}), capsys, "scoring.device='cuda', but CUDA is not available")
         fails(score_args(world, **{"--backend": "triton"}), capsys, "backend='triton' runs on CUDA devices only")
+
+
+def test_every_bad_scoring_value_is_one_error_line(world, tmp_path, capsys):
+    """All at once, from the flags and from --config alike, each named as the command line names it."""
+    err = fails(score_args(world, **{"--budgets": "0", "--topk": "0", "--window": "0"}), capsys)
+    assert err.splitlines() == ["error: ddtree_budgets must be a list of integers >= 1; got 0 in [0]",
+                                "error: topk must be a list of integers >= 1; got 0 in [0]",
+                                "error: window must be None or an integer >= 1; got 0"]
+    config = tmp_path / "scoring.yaml"
+    config.write_text("ddtree_budgets: 8\ntopk: 4\nmax_rounds: 0\nwindw: 3\n")
+    err = fails(score_args(world, **{"--config": config, "--budgets": None, "--window": "0"}), capsys)
+    assert err.splitlines() == [f"error: config key 'ddtree_budgets' in {config}: ddtree_budgets is a list: write ddtree_budgets: [8]",
+                                f"error: config key 'topk' in {config}: topk is a list: write topk: [4]",
+                                f"error: config key 'windw' in {config}: Key 'windw' not in 'ScoringConfig'. Did you mean: 'window'?",
+                                "error: window must be None or an integer >= 1; got 0",
+                                "error: max_rounds must be an integer >= 1; got 0"]
+
+
+def test_a_file_given_for_a_folder_is_named_a_file(world, capsys):
+    fails(score_args(world, **{"--target": world.target / "config.json", "--cache": world.cache / "manifest.json"}),
+          capsys, f"target {world.target / 'config.json'} is a file: give the target model's folder (e.g. {world.target})",
+          f"cache {world.cache / 'manifest.json'} is a file: give the cache's folder (e.g. {world.cache})")
+    err = fails(["extract", "--target", str(world.target / "config.json"), "--out", str(world.cache.parent / "c"),
+                 "--layer-ids", "1"], capsys, f"target {world.target / 'config.json'} is a file")
+    assert "does not exist" not in err
+
+
+def test_an_unknown_option_is_named_with_the_one_meant(capsys):
+    """argparse alone says `--cache` is required, and nothing of the `--cahce` that was given."""
+    for argv, expected in ((["score", "--cahce", "X"], ["unrecognized argument --cahce; did you mean --cache?"]),
+                           (["score", "--drafter", "d", "--cahce=X", "--tagret", "t", "--zzz"],
+                            ["unrecognized argument --cahce; did you mean --cache?",
+                             "unrecognized argument --tagret; did you mean --target?", "unrecognized argument --zzz"]),
+                           (["--debugg", "score"], ["unrecognized argument --debugg; did you mean --debug?"])):
+        with pytest.raises(SystemExit) as exit:
+            cli_main(argv)
+        assert exit.value.code == 2
+        errors = [line.split(" error: ", 1)[1] for line in capsys.readouterr().err.splitlines() if " error: " in line]
+        assert errors == expected
+    with pytest.raises(SystemExit):  # a prefix of an option is still argparse's to expand
+        cli_main(["score", "--budg", "4"])
+    assert "the following arguments are required: --drafter, --cache, --target" in capsys.readouterr().err
 
 
 def test_score_checks_the_baseline_and_the_output_folder_before_scoring_ours(world, tmp_path, capsys):
@@ -175,6 +217,7 @@ def test_watch_refuses_what_can_not_work_and_logs_what_it_scores(world, tmp_path
     assert cli_main([*base, "--dir", str(tmp_path / "runs"), "--once"]) == 0
     out = capsys.readouterr().out
     assert "watch: run-a step 3: live tau vanilla" in out
+    assert f"watch: scoring the snapshots of the runs in {tmp_path / 'runs'} (once)" in out and "Ctrl-C" not in out
     report = run.read_report(run.report_path(3))
     assert report.step == 3 and report.snapshot_id == run.snapshot_id(run.snapshot_path(3))
     assert (run.path / "watcher.json").is_file()  # the heartbeat of a run it scores
@@ -246,7 +289,7 @@ def test_watch_retries_a_failed_baseline(world, tmp_path):
 
 def test_score_reads_a_scoring_config_file_and_flags_win(world, tmp_path, capsys):
     config = tmp_path / "scoring.yaml"
-    config.write_text("ddtree_budgets: [2]\ntopk: [3]\ndevice: cuda:7\nmax_rounds: 5\n")
+    config.write_text("ddtree_budgets: [2]\ntopk: [3]\ndevice: cuda:7\nmax_rounds: 0\n")  # the flag fixes max_rounds
     args = score_args(world, **{"--config": config, "--json": tmp_path / "ours.json", "--max-rounds": 7,
                                 "--max-memory-gib": 4})
     assert cli_main(args + ["--release-memory"]) == 0

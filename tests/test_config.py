@@ -83,6 +83,55 @@ def test_an_override_typo_names_the_override_and_a_file_typo_the_file(tmp_path):
     assert cfg.eval.scoring.topk == [4]
 
 
+def test_every_problem_of_a_yaml_file_and_its_overrides_is_named_at_once(tmp_path):
+    """As the command line names them: a list key given a scalar says how to write the list, in
+    the file's own syntax; then each impossible value."""
+    path = tmp_path / "run.yaml"
+    path.write_text("eval:\n  cache: /c\n  every_n_train_step: 5\n  scoring:\n    ddtree_budgets: 8\n    tasks: fizzbuzz\n"
+                    "    max_rounds: 0\n    topk:\n      a: 1\nstop:\n  patience: x\n  grace_steps:\n    a: 1\n")
+    with pytest.raises(ValueError) as error:
+        load_config(CallbacksConfig, path, ["eval.scoring.topk=4", "stop.patiense=2"])
+    assert str(error.value).splitlines() == [
+        f"config key 'eval.every_n_train_step' in {path}: Key 'every_n_train_step' not in 'EvalConfig'. Did you mean: 'every_n_train_steps'?",
+        f"config key 'eval.scoring.ddtree_budgets' in {path}: ddtree_budgets is a list: write ddtree_budgets: [8]",
+        f"config key 'eval.scoring.tasks' in {path}: tasks is a list: write tasks: [fizzbuzz]",
+        f"config key 'eval.scoring.topk' in {path}: eval.scoring.topk takes a list, not a mapping",
+        f"config key 'stop.patience' in {path}: Value 'x' of type 'str' could not be converted to Integer",
+        f"config key 'stop.grace_steps' in {path}: Value '{{'a': 1}}' of type 'DictConfig' could not be converted to Integer",
+        "override 'eval.scoring.topk=4': topk is a list: write eval.scoring.topk=[4]",
+        "override 'stop.patiense=2': Key 'patiense' not in 'StopConfig'. Did you mean: 'patience'?",
+        f"config in {path} leaves required keys unset: ['eval.target'] (set them with key=value)",
+    ]
+    path.write_text("eval:\n  scoring:\n    max_rounds: 0\n    window: 0\n")
+    with pytest.raises(ValueError) as error:
+        load_config(CallbacksConfig, path, REQUIRED + ["eval.scoring.anchors_per_forward=0"])
+    assert str(error.value).splitlines() == ["window must be None or an integer >= 1; got 0",
+                                             "max_rounds must be an integer >= 1; got 0",
+                                             "anchors_per_forward must be an integer >= 1; got 0"]
+    path.write_text("eval:\n  scoring:\n    window: ${nope}\n")
+    with pytest.raises(ValueError, match=r"^config key 'eval.scoring.window' in .*: Interpolation key 'nope' not found$"):
+        load_config(CallbacksConfig, path, REQUIRED)
+    path.write_text("eval: [1\n")
+    with pytest.raises(ValueError, match=r"^config file .*run.yaml is not valid YAML: while parsing"):
+        load_config(CallbacksConfig, path, REQUIRED)
+
+
+def test_scoring_config_names_every_bad_field_at_once():
+    with pytest.raises(ValueError) as error:
+        ScoringConfig(ddtree_budgets=[4, 2048], topk="4", window=0, tasks=[], device="gpu", release_memory="yes")
+    assert str(error.value).splitlines() == [
+        "ddtree_budgets must be at most 1024; got 2048 in [4, 2048]",
+        "topk must be a list of integers >= 1, e.g. [4, 8]; got '4'",
+        "window must be None or an integer >= 1; got 0",
+        "tasks must be None (every task of the cache) or a non-empty list of task names",
+        "device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got 'gpu' (whether it exists here is checked before scoring starts)",
+        "release_memory must be true or false; got 'yes'",
+    ]
+    with pytest.raises(ValueError, match=r"^window must be None or an integer >= 1; got -1\nmax_rounds"):  # the callbacks too
+        DrafterEvalCallback(cache="c", target="t", scoring={"max_rounds": 0, "window": -1})
+    assert ScoringConfig(ddtree_budgets=(4, 8), tasks=("a",)).ddtree_budgets == [4, 8]
+
+
 # ---------------------------------------------------------------- one default, everywhere
 
 
