@@ -5,8 +5,7 @@
 
 import sys
 
-from dflash_callbacks.config import load_config
-from dflash_callbacks.demos.demo import DemoConfig, run_demo
+from dflash_callbacks.demos.demo import demo_config, run_demo
 
 if __name__ == "__main__":
-    run_demo(load_config(DemoConfig, None, sys.argv[1:]))
+    run_demo(demo_config(sys.argv[1:]))

@@ -8,9 +8,14 @@ the Python standard library. The demo
 3. trains a new drafter with a deliberately weak recipe (one layer, a low learning
    rate), with DrafterEvalCallback scoring snapshots in the background and
    TrailingBaselineStop stopping the run once it keeps trailing the baseline;
-4. prints a table per report, logs to W&B (offline by default) and to CSV, and writes
-   `OUT/live_tau.png`: live tau of ours against the baseline per method, with the stop
-   threshold and the stop step.
+4. prints one line per report (the monitored method against the baseline, the other
+   methods, and the stop's verdict) and the full table of the last report at the end, logs
+   to W&B (offline by default) and to CSV, and writes `OUT/live_tau.png`: live tau of ours
+   against the baseline per method, the monitored panel marked with the stop threshold,
+   the grace period and the projection, and the step of the report the stop acted on.
+
+Every setting is checked before anything is built or written (`check_demo`): a mistake costs
+no time and leaves nothing under `out`.
 
 Its settings are conf/demo.yaml over the callbacks' defaults; any key can be overridden
 as `key=value` (e.g. `train.max_steps=300`, `eval.every_n_train_steps=25`, `stop.patience=2`).
@@ -26,10 +31,17 @@ from pathlib import Path
 
 import torch
 
+from lightning.pytorch.callbacks import Callback
+
+from ..callbacks import DrafterEvalCallback, TrailingBaselineStop
+from ..checks import check_choice, check_int, check_number, problems_of
 from ..config import EvalConfig, StopConfig, build_eval_callback, build_stop_callback, load_config
 from ..paths import CONF_DIR
+from ..scoring.methods import Monitor
 from ..scoring.report import EvalReport, comparison_table
+from .plot import plot_live_tau
 from .toy.threads import torch_threads
+from .toy.world import TRAINING_PROMPT_LEN
 
 DEMO_YAML = CONF_DIR / "demo.yaml"
 WANDB_MODES = ("offline", "online", "disabled")
@@ -116,45 +128,120 @@ def resolve_world(cfg: DemoConfig) -> tuple[str, str, str | None]:
     return cache, target, baseline
 
 
-def plot_live_tau(reports: list[EvalReport], baseline: EvalReport | None, path: Path, *, title: str,
-                  stop=None) -> Path:
-    """One panel per method, one y-scale: ours per report, the baseline, the stop threshold
-    on the monitored method, and the step the run stopped at with its reason."""
-    import matplotlib
+def check_demo(cfg: DemoConfig) -> None:
+    """Every problem of the demo's settings at once, one line each, before anything is built or
+    written: the recipe, the W&B mode, the callbacks' arguments (their constructors' checks), the
+    monitor against the methods scored, and the folders given in place of `toy`."""
+    train = cfg.train
+    problems = problems_of(
+        lambda: check_choice("wandb", cfg.wandb, WANDB_MODES),
+        lambda: check_int("train.max_steps", train.max_steps, 1),
+        lambda: check_number("train.lr", train.lr, above=0),
+        lambda: check_int("train.layers", train.layers, 1),
+        lambda: check_int("train.block_size", train.block_size, 2),
+        lambda: check_int("train.blocks_per_sequence", train.blocks_per_sequence, 1),
+        lambda: check_int("train.batch_size", train.batch_size, 1),
+        lambda: check_int("train.sequences", train.sequences, 1),
+        lambda: check_int("train.seq_len", train.seq_len, TRAINING_PROMPT_LEN + 1),
+        lambda: check_int("train.seed", train.seed, 0),
+    )
+    if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
+        problems.append(f"out {cfg.out} is a file: give the folder the demo writes into")
+    for key in ("cache", "target", "baseline"):
+        value = getattr(cfg.eval, key)
+        if value not in (None, "toy") and not Path(value).exists():
+            problems.append(f"eval.{key} {value} does not exist: give a folder, or toy for the toy world's")
+    if cfg.eval.runner == "external":
+        problems.append("eval.runner='external' scores nothing without a `dflash-callbacks watch`, and the demo starts "
+                        "none: use thread or process")
+    eval_cb = stop_cb = None
+    try:
+        eval_cb = build_eval_callback(cfg.eval)
+    except (ValueError, TypeError) as e:
+        problems += [f"eval: {line}" for line in str(e).splitlines()]
+    try:
+        stop_cb = build_stop_callback(cfg.stop)
+    except (ValueError, TypeError) as e:
+        problems.append(f"stop: {e}")
+    if eval_cb is not None and stop_cb is not None:
+        method = Monitor.parse(stop_cb.monitor).method
+        if str(method) not in eval_cb.scored_methods():
+            where = {"ddtree": "eval.scoring.ddtree_budgets", "top": "eval.scoring.topk"}.get(method.kind)
+            problems.append(f"stop.monitor={cfg.stop.monitor!r}, but eval.scoring scores only {eval_cb.scored_methods()}: "
+                            f"monitor one of those, or add {method.n} to {where}")
+    if problems:
+        raise ValueError("\n".join(problems))
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    methods = reports[0].methods
-    fig, axes = plt.subplots(1, len(methods), figsize=(4 * len(methods), 3.6), squeeze=False, sharey=True)
-    steps = [r.step for r in reports]
-    monitored = stop.monitor.split("/")[0] if stop is not None else None
-    for ax, method in zip(axes[0], methods):
-        ax.plot(steps, [r.value(f"{method}/live") for r in reports], marker="o", label="ours")
-        if baseline is not None:
-            base = baseline.value(f"{method}/live")
-            ax.axhline(base, color="k", linestyle="--", label=f"baseline {base:.2f}")
-            if method == monitored and stop.monitor.endswith("/live"):
-                ax.axhline(stop.threshold(base), color="tab:red", linestyle=":",
-                           label=f"stop threshold ({stop.describe_threshold(base).split(' = ')[0]})")
-        if stop is not None and stop.stopped_step:
-            ax.axvline(stop.stopped_step, color="tab:red", alpha=0.6, label=f"stopped at step {stop.stopped_step}")
-        ax.set_title(f"{method} live tau")
-        ax.set_xlabel("training step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
-    axes[0][0].set_ylabel("tokens per target forward (tau)")
-    heading = title
-    if stop is not None and stop.stop_reason:
-        heading += "\n" + stop.stop_reason.split(": ", 1)[-1]
-    fig.suptitle(heading, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+class ReportLines(Callback):
+    """Prints one line per report: the monitored method against the baseline, the other methods,
+    and the stop's verdict; and keeps the step of the report the stop stopped training at.
+
+    Listed after the stop in `trainer.callbacks`: `setup` runs in that order, so this subscribes
+    after the stop and reads its verdict on each report."""
+
+    def __init__(self, source: DrafterEvalCallback, stop: TrailingBaselineStop | None):
+        self.source, self.stop = source, stop
+        self.stop_step: int | None = None  # the report the stop acted on
+        self.stop_reason: str | None = None  # ... and why
+        self._judged = None  # the stop's last decision, to tell a new one from the one before
+        self._unsubscribe = None
+        self._horizon = None
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage == "fit":
+            self._horizon = trainer.max_steps
+            self._unsubscribe = self.source.subscribe(self.show)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+
+    def show(self, report: EvalReport, baseline: EvalReport | None) -> None:
+        print(report_line(report, baseline, self.stop, self.verdict(report)), flush=True)
+
+    def verdict(self, report: EvalReport) -> str:
+        """The stop's verdict on `report`, in a few words."""
+        stop = self.stop
+        if stop is None:
+            return ""
+        if self.stop_step is not None:
+            return "scored after the stop"
+        decision, fresh = stop.last_decision, stop.last_decision is not self._judged
+        self._judged = decision
+        if not fresh:  # no baseline (or not a finite one) to judge against
+            return "not judged"
+        if report.step < stop.grace_steps:
+            return f"grace period (judged from step {stop.grace_steps})"
+        if not decision.stop:
+            return f"trailing {decision.wait_count}/{stop.patience}" if decision.wait_count else "not trailing"
+        projected = f", projected {decision.projected:.2f} by step {self._horizon}" if decision.projected is not None else ""
+        said = f"trailing {decision.wait_count}/{stop.patience}{projected}"
+        if not stop.stopped_step:  # action='warn', or training ends anyway
+            return f"{said}: would stop, " + ("but action='warn'" if stop.action == "warn" else "but training ends anyway")
+        self.stop_step, self.stop_reason = report.step, decision.reason
+        return f"{said}: stop"
+
+
+def report_line(report: EvalReport, baseline: EvalReport | None, stop: TrailingBaselineStop | None, verdict: str) -> str:
+    """`step  250 | ddtree@8 1.45 = 62% of the baseline's 2.36 | vanilla 1.19  ddtree@4 1.31 | trailing 1/3`:
+    the monitored number first, then every other method's live tau."""
+    monitor = Monitor.parse(stop.monitor) if stop is not None else None
+    parts = [f"step {report.step:>4}"]
+    if monitor is not None:
+        ours = report.value(monitor)
+        text = f"{monitor.method if monitor.aggregate == 'live' else monitor} {ours:.2f}"
+        if baseline is not None and str(monitor.method) in baseline.methods:
+            text += f" = {ours / baseline.value(monitor):.0%} of the baseline's {baseline.value(monitor):.2f}"
+        parts.append(text)
+    others = [m for m in report.methods if monitor is None or m != str(monitor.method)]
+    parts.append("  ".join(f"{m} {report.value(f'{m}/live'):.2f}" for m in others))
+    return " | ".join(parts + ([verdict] if verdict else []))
 
 
 def run_demo(cfg: DemoConfig) -> dict:
+    check_demo(cfg)
     with torch_threads(1):  # toy models: one intra-op thread for training, one core left for scoring
         return _run_demo(cfg)
 
@@ -163,9 +250,7 @@ def _run_demo(cfg: DemoConfig) -> dict:
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import CSVLogger
 
-    os.environ.setdefault("WANDB_SILENT", "true")  # the tables printed here say it all
-    if cfg.wandb not in WANDB_MODES:
-        raise ValueError(f"wandb must be one of {list(WANDB_MODES)}; got {cfg.wandb!r}")
+    os.environ.setdefault("WANDB_SILENT", "true")  # the lines printed here say it all
     started = time.time()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -174,11 +259,7 @@ def _run_demo(cfg: DemoConfig) -> dict:
     evaluation.dirpath = evaluation.dirpath or str(out / "dflash")
     evaluation.baseline_cache_dir = evaluation.baseline_cache_dir or str(out / "baseline-reports")
     eval_cb, stop_cb = build_eval_callback(evaluation), build_stop_callback(cfg.stop)
-
-    def show(report: EvalReport, baseline: EvalReport | None) -> None:
-        print("\n" + comparison_table(report, baseline) + "\n", flush=True)
-
-    eval_cb.subscribe(show)
+    lines = ReportLines(eval_cb, stop_cb)
     loggers = [CSVLogger(out, name="csv")]
     if cfg.wandb != "disabled":
         from lightning.pytorch.loggers import WandbLogger
@@ -188,7 +269,7 @@ def _run_demo(cfg: DemoConfig) -> dict:
     trainer = pl.Trainer(
         max_steps=cfg.train.max_steps, max_epochs=-(-cfg.train.max_steps // len(data)),  # "Epoch 4/9", not "4/-2"
         accelerator="cpu", logger=loggers,
-        callbacks=[eval_cb] + ([stop_cb] if stop_cb else []), enable_checkpointing=False,
+        callbacks=[eval_cb] + ([stop_cb] if stop_cb else []) + [lines], enable_checkpointing=False,
         enable_model_summary=False, log_every_n_steps=10, default_root_dir=str(out),
     )
     trainer.fit(toy_module(cfg.train), data)
@@ -199,13 +280,18 @@ def _run_demo(cfg: DemoConfig) -> dict:
     summary = {
         "steps": trainer.global_step, "max_steps": cfg.train.max_steps, "run": eval_cb.run_id,
         "reports": [r.step for r in eval_cb.reports], "stop_reason": getattr(stop_cb, "stop_reason", None),
-        "seconds": time.time() - started, "results": str(eval_cb.run.results_path), "errors": eval_cb.errors,
+        "stop_step": lines.stop_step, "seconds": time.time() - started, "results": str(eval_cb.run.results_path),
+        "errors": eval_cb.errors,
     }
     if eval_cb.reports:
+        last = max(eval_cb.reports, key=lambda r: r.step)
+        print("\n" + comparison_table(last, eval_cb.baseline_report) + "\n")
         title = f"demo run {eval_cb.run_id}: live tau of ours against the baseline ({len(eval_cb.reports)} reports)"
-        summary["plot"] = str(plot_live_tau(eval_cb.reports, eval_cb.baseline_report, out / "live_tau.png",
-                                            title=title, stop=stop_cb))
-    print(f"\ntrained {summary['steps']} of {cfg.train.max_steps} steps in {summary['seconds']:.0f} s; "
+        reason = f"stopped at step {lines.stop_step}: {lines.stop_reason}" if lines.stop_step is not None else None
+        summary["plot"] = str(plot_live_tau(eval_cb.reports, eval_cb.baseline_report, out / "live_tau.png", title=title,
+                                            stop=stop_cb, stop_step=lines.stop_step, stop_reason=reason,
+                                            horizon=cfg.train.max_steps))
+    print(f"trained {summary['steps']} of {cfg.train.max_steps} steps in {summary['seconds']:.0f} s; "
           f"{len(eval_cb.reports)} reports in {summary['results']}")
     if summary["stop_reason"]:
         print(summary["stop_reason"])

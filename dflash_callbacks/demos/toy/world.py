@@ -37,6 +37,7 @@ from .tokenizer import MASK_ID
 TOY_TARGET_DIR = Path(__file__).resolve().parent / "assets" / "target"
 TOY_LAYER_IDS = [1, 2]  # of the toy target's 4 decoder layers
 TOY_MAX_NEW_TOKENS = 96
+TRAINING_PROMPT_LEN = 64  # tokens of each chat request in the drafter's training data
 
 
 def toy_target_path() -> Path:
@@ -122,7 +123,7 @@ def build_toy_training_cache(
     n_sequences: int = 64,
     seq_len: int = 128,
     *,
-    prompt_len: int = 64,
+    prompt_len: int = TRAINING_PROMPT_LEN,
     batch_size: int = 16,
     seed: int = 0,
     progress: bool = True,
