@@ -1,10 +1,27 @@
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-import torch
+# No test writes to the home folder. Every place a tool writes there by default points into
+# this session's own folder instead: this package's baseline cache ($XDG_CACHE_HOME), W&B's
+# cache, settings, data and run folders, matplotlib's font cache and settings, Hugging Face's
+# cache, Triton's kernel cache, CUDA's JIT cache. Set before anything is imported (matplotlib
+# and huggingface_hub read theirs at import); subprocesses inherit it. `home_sandbox` removes it.
+HOME_SANDBOX = Path(tempfile.mkdtemp(prefix="dflash-tests-home-"))
+HOME_SETTINGS = {
+    "XDG_CACHE_HOME": "cache", "XDG_CONFIG_HOME": "config", "XDG_DATA_HOME": "data", "XDG_STATE_HOME": "state",
+    "WANDB_DIR": "wandb-runs", "WANDB_CACHE_DIR": "cache/wandb", "WANDB_CONFIG_DIR": "config/wandb",
+    "WANDB_DATA_DIR": "data/wandb", "MPLCONFIGDIR": "config/matplotlib", "HF_HOME": "cache/huggingface",
+    "TRITON_HOME": "triton", "CUDA_CACHE_PATH": "cache/nv",
+}
+os.environ.update({name: str(HOME_SANDBOX / folder) for name, folder in HOME_SETTINGS.items()})
 
-from fixtures_cache import *  # noqa: F401,F403  (toy world fixtures)
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from fixtures_cache import *  # noqa: E402,F401,F403  (toy world fixtures)
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -12,6 +29,13 @@ os.environ.setdefault("WANDB_SILENT", "true")
 torch.set_num_threads(1)
 
 ZLAB_TINY = Path(__file__).resolve().parent / "fixtures" / "zlab-tiny-full"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def home_sandbox() -> Iterator[Path]:
+    """The session's stand-in for the home folder (HOME_SETTINGS point into it); removed at the end."""
+    yield HOME_SANDBOX
+    shutil.rmtree(HOME_SANDBOX, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -45,12 +46,17 @@ def run_example(name: str, cwd: Path, world: Path) -> subprocess.CompletedProces
     return run
 
 
-def test_the_example_runs_as_written(tmp_path, toy_world_folder):
-    """As a user runs it; its run folder lands under runs/attach-example/dflash/."""
+def test_the_example_runs_as_written(tmp_path, toy_world_folder, home_sandbox):
+    """As a user runs it; its run folder lands under runs/attach-example/dflash/, and its baseline
+    report in the session's sandbox (conftest.py), never in the real home folder."""
+    started = time.time()
     run = run_example("attach_to_existing_run", tmp_path, toy_world_folder)
     assert "3 reports in runs/attach-example/dflash/" in run.stdout
     (folder,) = (tmp_path / "runs" / "attach-example" / "dflash").iterdir()
     assert len((folder / "results.jsonl").read_text().splitlines()) == 3
+    cached = [path.name for path in (home_sandbox / "cache" / "dflash_callbacks" / "baselines").glob("baseline-*.json")]
+    real = Path.home() / ".cache" / "dflash_callbacks" / "baselines"
+    assert cached and not [name for name in cached if (real / name).exists() and (real / name).stat().st_mtime >= started]
 
 
 def test_the_hf_trainer_example_runs_as_written(tmp_path, toy_world_folder):
