@@ -258,6 +258,32 @@ def test_demo_overrides_name_the_key(capsys):
     fails(["demo", "train.max_steps"], capsys, "override 'train.max_steps' is not key=value")
 
 
+def test_the_demo_checks_its_whole_config_before_building_anything(tmp_path, capsys):
+    """A monitor the demo does not score, and every other mistake with it, is named at once, in
+    seconds, and nothing is built or written under `out` (it ran 32 s and made csv/ first)."""
+    out = tmp_path / "out"
+    started = time.time()
+    err = fails(["demo", f"out={out}", "stop.monitor=ddtree@16/live"], capsys)
+    assert err.splitlines() == ["error: stop.monitor='ddtree@16/live', but eval.scoring scores only ['vanilla', "
+                                "'ddtree@4', 'ddtree@8', 'top@4']: monitor one of those, or add 16 to eval.scoring.ddtree_budgets"]
+    err = fails(["demo", f"out={out}", "stop.monitor=top@8/dense", "train.max_steps=0", "train.seq_len=64", "wandb=x",
+                 "eval.every_n_train_steps=0", f"eval.cache={tmp_path / 'nope'}", "eval.scoring.window=0"], capsys)
+    assert err.splitlines() == ["error: window must be None or an integer >= 1; got 0"]  # the config's values first
+    err = fails(["demo", f"out={out}", "stop.monitor=top@8/dense", "train.max_steps=0", "train.seq_len=64", "wandb=x",
+                 "eval.every_n_train_steps=0", f"eval.cache={tmp_path / 'nope'}", "eval.runner=external"], capsys)
+    assert err.splitlines() == [
+        "error: wandb must be one of ['offline', 'online', 'disabled']; got 'x'",
+        "error: train.max_steps must be an integer >= 1; got 0",
+        "error: train.seq_len must be an integer >= 65; got 64",
+        f"error: eval.cache {tmp_path / 'nope'} does not exist: give a folder, or toy for the toy world's",
+        "error: eval.runner='external' scores nothing without a `dflash-callbacks watch`, and the demo starts none: "
+        "use thread or process",
+        "error: eval: every_n_train_steps must be an integer >= 1; got 0",
+    ]
+    fails(["demo", f"out={out}", "stop.monitor=top@8/dense"], capsys, "or add 8 to eval.scoring.topk")
+    assert time.time() - started < 20 and not out.exists()
+
+
 def test_watch_retries_a_failed_baseline(world, tmp_path):
     """A baseline that fails to score (NaN weights) is an error file the run can read, and
     is tried again on the next poll: once it scores, its report replaces the error."""

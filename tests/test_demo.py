@@ -1,0 +1,129 @@
+"""The demo: one line per report with the stop's verdict, the full table once at the end, and a
+picture that reads at a glance (one stop step throughout, the monitored panel marked, the grace
+period shaded, the stop's projection drawn, a layout a laptop screen shows whole)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import shutil
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+from matplotlib.collections import PolyCollection
+from matplotlib.figure import Figure
+
+from dflash_callbacks.callbacks.stopping import fit_projection, projected_value
+from dflash_callbacks.config import build_stop_callback
+from dflash_callbacks.demos.demo import demo_config, run_demo
+from dflash_callbacks.demos.plot import draw_tau, live_tau_figure
+from dflash_callbacks.scoring.report import EvalReport, read_results
+
+MAX_STEPS = 400
+
+
+@pytest.fixture(scope="module")
+def demo_run(toy_cache_dir, toy_training_cache_dir, tmp_path_factory):
+    """A short demo on the session's toy caches: reports every 10 steps, judged from step 20, a stop
+    after 2 trailing reports (a threshold of the baseline + 0.5: the stop is certain, whenever the
+    reports arrive). Returns (its config, its summary, the lines it printed)."""
+    out = tmp_path_factory.mktemp("demo") / "out"
+    shutil.copytree(toy_training_cache_dir, out / "world" / "train-32x128")
+    cfg = demo_config([f"out={out}", "wandb=disabled", f"eval.cache={toy_cache_dir}", "train.sequences=32",
+                       "train.seq_len=128", f"train.max_steps={MAX_STEPS}", "eval.every_n_train_steps=10",
+                       "eval.max_pending=8", "eval.scoring.tasks=[fizzbuzz,trie,lru_cache]", "stop.grace_steps=20",
+                       "stop.patience=2", "stop.min_ratio=null", "stop.min_delta=0.5"])
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        summary = run_demo(cfg)
+    print(printed.getvalue())  # shown when a test fails
+    return cfg, summary, printed.getvalue().splitlines()
+
+
+def test_the_demo_prints_a_line_per_report_and_the_table_once(demo_run):
+    cfg, summary, printed = demo_run
+    reports = read_results(Path(summary["results"])).reports
+    stop_step = summary["stop_step"]
+    assert stop_step == 30 and summary["steps"] < MAX_STEPS  # the third report: 20 and 30 trail, 10 is in the grace period
+    lines = [line for line in printed if re.match(r"step +\d+ \| ", line)]
+    assert [int(line.split()[1]) for line in lines] == [r.step for r in reports]
+    for line, report in zip(lines, reports):
+        monitored = report.value("ddtree@8/live")
+        assert line.startswith(f"step {report.step:>4} | ddtree@8 {monitored:.2f} = "), line
+        assert f"| vanilla {report.value('vanilla/live'):.2f}  ddtree@4 " in line, line
+        verdict = line.rsplit(" | ", 1)[1]
+        if report.step < 20:
+            assert verdict == "grace period (judged from step 20)"
+        elif report.step < stop_step:
+            assert verdict == "trailing 1/2"
+        elif report.step == stop_step:
+            assert re.fullmatch(rf"trailing 2/2, projected \d+\.\d\d by step {MAX_STEPS}: stop", verdict), verdict
+        else:
+            assert verdict == "scored after the stop"
+    tables = [i for i, line in enumerate(printed) if line.startswith("| task |")]
+    assert len(tables) == 1 and tables[0] > printed.index(lines[-1])  # the full table, once, at the end
+    assert printed[tables[0] - 1].endswith(f"step {reports[-1].step}")
+    assert printed[-3:] == [f"trained {summary['steps']} of {MAX_STEPS} steps in {summary['seconds']:.0f} s; "
+                            f"{len(reports)} reports in {summary['results']}", summary["stop_reason"],
+                            f"live tau curves: {summary['plot']}"]
+    assert f"stopping at step {stop_step}:" in summary["stop_reason"]
+
+    # the PNG: a laptop screen shows it whole, and it is not a strip
+    height, width = matplotlib.image.imread(summary["plot"]).shape[:2]
+    assert width <= 1400 and height <= 900 and height >= 0.5 * width, (width, height)
+
+
+def test_the_picture_reads_at_a_glance(demo_run):
+    cfg, summary, _ = demo_run
+    reports = read_results(Path(summary["results"])).reports
+    (base_file,) = Path(cfg.out).glob("baseline-reports/baseline-*.json")
+    baseline = EvalReport.load(base_file)
+    stop = build_stop_callback(cfg.stop)
+    reason = "stopped at step 30: ddtree@8/live ... < baseline + 0.5"
+    fig = live_tau_figure(reports, baseline, title="demo", stop=stop, stop_step=30, stop_reason=reason,
+                          horizon=MAX_STEPS)
+    axes = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title() for ax in axes] == ["vanilla", "ddtree@4", "ddtree@8: monitored by the stop", "top@4"]
+    monitored = axes[2]
+    assert all(spine.get_linewidth() == 2 for spine in monitored.spines.values())
+
+    # one stop step: the title, and a line at step 30 on every panel, named the same
+    texts = [fig.get_suptitle()] + [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+    assert {int(s) for text in texts for s in re.findall(r"stop\w* at step (\d+)", text)} == {30}
+    for ax in axes:
+        (stop_line,) = [line for line in ax.get_lines() if line.get_label() == "stopped at step 30"]
+        assert list(stop_line.get_xdata()) == [30, 30]
+
+    # the grace period, shaded from 0 to grace_steps on the monitored panel only
+    def grace(ax):
+        return [p for p in ax.patches if p.get_label().startswith("grace period")]
+
+    (span,) = grace(monitored)
+    assert (span.get_x(), span.get_x() + span.get_width()) == (0, 20) and not any(grace(ax) for ax in axes if ax is not monitored)
+
+    # the stop's projection, from the reports it fitted (the last 5 up to step 30) out to the last step
+    (projection,) = [line for line in monitored.get_lines() if line.get_label().startswith("projection a+b*log(step)")]
+    judged = {r.step: r.value("ddtree@8/live") for r in reports if r.step <= 30}
+    a, b = fit_projection(list(judged), list(judged.values()))
+    xs, ys = projection.get_xdata(), projection.get_ydata()
+    assert (xs[0], xs[-1]) == (10, MAX_STEPS) and monitored.get_xlim()[1] >= MAX_STEPS
+    assert all(abs(y - projected_value(a, b, x)) < 1e-9 for x, y in zip(xs, ys))
+    assert f"({projected_value(a, b, MAX_STEPS):.2f} at step {MAX_STEPS})" in projection.get_label()
+    threshold = [line for line in monitored.get_lines() if line.get_label().startswith("stop threshold")]
+    assert threshold and threshold[0].get_ydata()[0] == pytest.approx(baseline.value("ddtree@8/live") + 0.5)
+
+    # legible: one legend, in 10-point type; a figure about 1100 px wide at the saved 100 dpi
+    assert len(fig.legends) == 1 and all(t.get_fontsize() >= 10 for t in fig.legends[0].get_texts())
+    assert 1000 <= fig.get_figwidth() * 100 <= 1400
+
+
+def test_a_line_takes_an_interval_band():
+    """The place an interval per number goes: lo/hi shade around the line."""
+    ax = Figure().subplots()
+    draw_tau(ax, [10, 20], [1.5, 1.7], label="ours", color="tab:blue")
+    assert not any(isinstance(c, PolyCollection) for c in ax.collections)
+    draw_tau(ax, [10, 20], [1.5, 1.7], lo=[1.4, 1.6], hi=[1.6, 1.8], label="ours", color="tab:blue")
+    (band,) = [c for c in ax.collections if isinstance(c, PolyCollection)]
+    assert band.get_paths()[0].get_extents().bounds == pytest.approx((10, 1.4, 10, 0.4))
