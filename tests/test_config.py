@@ -92,7 +92,8 @@ def test_every_problem_of_a_yaml_file_and_its_overrides_is_named_at_once(tmp_pat
     with pytest.raises(ValueError) as error:
         load_config(CallbacksConfig, path, ["eval.scoring.topk=4", "stop.patiense=2"])
     assert str(error.value).splitlines() == [
-        f"config key 'eval.every_n_train_step' in {path}: Key 'every_n_train_step' not in 'EvalConfig'. Did you mean: 'every_n_train_steps'?",
+        f"config key 'eval.every_n_train_step' in {path}: Key 'every_n_train_step' not in 'EvalConfig'. Did you mean one of: 'every_n_train_steps', "
+        "'sync_every_n_steps'?",
         f"config key 'eval.scoring.ddtree_budgets' in {path}: ddtree_budgets is a list: write ddtree_budgets: [8]",
         f"config key 'eval.scoring.tasks' in {path}: tasks is a list: write tasks: [fizzbuzz]",
         f"config key 'eval.scoring.topk' in {path}: eval.scoring.topk takes a list, not a mapping",

@@ -15,7 +15,7 @@ import pytest
 from matplotlib.collections import PolyCollection
 from matplotlib.figure import Figure
 
-from dflash_callbacks.callbacks.stopping import fit_projection, projected_value
+from dflash_callbacks.engine.stop import fit_projection, projected_value
 from dflash_callbacks.config import build_stop_callback
 from dflash_callbacks.demos.demo import demo_config, run_demo
 from dflash_callbacks.demos.plot import draw_tau, live_tau_figure

@@ -31,9 +31,7 @@ from pathlib import Path
 
 import torch
 
-from lightning.pytorch.callbacks import Callback
-
-from ..callbacks import DrafterEvalCallback, TrailingBaselineStop
+from ..callbacks import TrailingBaselineStop
 from ..checks import check_choice, check_int, check_number, problems_of
 from ..config import EvalConfig, StopConfig, build_eval_callback, build_stop_callback, load_config
 from ..paths import CONF_DIR
@@ -165,38 +163,24 @@ def check_demo(cfg: DemoConfig) -> None:
         problems.append(f"stop: {e}")
     if eval_cb is not None and stop_cb is not None:
         method = Monitor.parse(stop_cb.monitor).method
-        if str(method) not in eval_cb.scored_methods():
+        if str(method) not in eval_cb.scoring.methods:
             where = {"ddtree": "eval.scoring.ddtree_budgets", "top": "eval.scoring.topk"}.get(method.kind)
-            problems.append(f"stop.monitor={cfg.stop.monitor!r}, but eval.scoring scores only {eval_cb.scored_methods()}: "
+            problems.append(f"stop.monitor={cfg.stop.monitor!r}, but eval.scoring scores only {eval_cb.scoring.methods}: "
                             f"monitor one of those, or add {method.n} to {where}")
     if problems:
         raise ValueError("\n".join(problems))
 
 
-class ReportLines(Callback):
-    """Prints one line per report: the monitored method against the baseline, the other methods,
-    and the stop's verdict; and keeps the step of the report the stop stopped training at.
+class ReportLines:
+    """One line per report: the monitored method against the baseline, the other methods, and the
+    stop's verdict (subscribers hear of a report after the stops have judged it); and the step of
+    the report the stop stopped training at, with its reason."""
 
-    Listed after the stop in `trainer.callbacks`: `setup` runs in that order, so this subscribes
-    after the stop and reads its verdict on each report."""
-
-    def __init__(self, source: DrafterEvalCallback, stop: TrailingBaselineStop | None):
-        self.source, self.stop = source, stop
+    def __init__(self, stop: TrailingBaselineStop | None, horizon: int):
+        self.stop, self.horizon = stop, horizon
         self.stop_step: int | None = None  # the report the stop acted on
         self.stop_reason: str | None = None  # ... and why
         self._judged = None  # the stop's last decision, to tell a new one from the one before
-        self._unsubscribe = None
-        self._horizon = None
-
-    def setup(self, trainer, pl_module, stage: str) -> None:
-        if stage == "fit":
-            self._horizon = trainer.max_steps
-            self._unsubscribe = self.source.subscribe(self.show)
-
-    def teardown(self, trainer, pl_module, stage: str) -> None:
-        if self._unsubscribe is not None:
-            self._unsubscribe()
-            self._unsubscribe = None
 
     def show(self, report: EvalReport, baseline: EvalReport | None) -> None:
         print(report_line(report, baseline, self.stop, self.verdict(report)), flush=True)
@@ -216,10 +200,12 @@ class ReportLines(Callback):
             return f"grace period (judged from step {stop.grace_steps})"
         if not decision.stop:
             return f"trailing {decision.wait_count}/{stop.patience}" if decision.wait_count else "not trailing"
-        projected = f", projected {decision.projected:.2f} by step {self._horizon}" if decision.projected is not None else ""
+        projected = f", projected {decision.projected:.2f} by step {self.horizon}" if decision.projected is not None else ""
         said = f"trailing {decision.wait_count}/{stop.patience}{projected}"
-        if not stop.stopped_step:  # action='warn', or training ends anyway
-            return f"{said}: would stop, " + ("but action='warn'" if stop.action == "warn" else "but training ends anyway")
+        if stop.action == "warn":
+            return f"{said}: would stop, but action='warn'"
+        if stop.stop_reason is not None:  # the stop gives its reason at once only when it does not act
+            return f"{said}: would stop, but training ends anyway"
         self.stop_step, self.stop_reason = report.step, decision.reason
         return f"{said}: stop"
 
@@ -259,7 +245,8 @@ def _run_demo(cfg: DemoConfig) -> dict:
     evaluation.dirpath = evaluation.dirpath or str(out / "dflash")
     evaluation.baseline_cache_dir = evaluation.baseline_cache_dir or str(out / "baseline-reports")
     eval_cb, stop_cb = build_eval_callback(evaluation), build_stop_callback(cfg.stop)
-    lines = ReportLines(eval_cb, stop_cb)
+    lines = ReportLines(stop_cb, cfg.train.max_steps)
+    eval_cb.subscribe(lines.show)
     loggers = [CSVLogger(out, name="csv")]
     if cfg.wandb != "disabled":
         from lightning.pytorch.loggers import WandbLogger
@@ -269,7 +256,7 @@ def _run_demo(cfg: DemoConfig) -> dict:
     trainer = pl.Trainer(
         max_steps=cfg.train.max_steps, max_epochs=-(-cfg.train.max_steps // len(data)),  # "Epoch 4/9", not "4/-2"
         accelerator="cpu", logger=loggers,
-        callbacks=[eval_cb] + ([stop_cb] if stop_cb else []) + [lines], enable_checkpointing=False,
+        callbacks=[eval_cb] + ([stop_cb] if stop_cb else []), enable_checkpointing=False,
         enable_model_summary=False, log_every_n_steps=10, default_root_dir=str(out),
     )
     trainer.fit(toy_module(cfg.train), data)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from ..callbacks.stopping import MIN_PROJECTION_POINTS, PROJECTION_CURVE, TrailingBaselineStop, fit_projection, projected_value
+from ..engine.stop import MIN_PROJECTION_POINTS, PROJECTION_CURVE, StopPolicy, fit_projection, projected_value
 from ..scoring.methods import Monitor
 from ..scoring.report import EvalReport
 
@@ -47,7 +47,7 @@ def projection_points(reports: Sequence[EvalReport], key: str, window: int, unti
 
 
 def live_tau_figure(reports: Sequence[EvalReport], baseline: EvalReport | None, *, title: str,
-                    stop: TrailingBaselineStop | None = None, stop_step: int | None = None,
+                    stop: StopPolicy | None = None, stop_step: int | None = None,
                     stop_reason: str | None = None, horizon: int | None = None) -> Figure:
     """The figure: `stop_step` is the step of the report the stop acted on (None: it did not),
     `stop_reason` its explanation, `horizon` the last step training would have reached."""
@@ -101,7 +101,7 @@ def live_tau_figure(reports: Sequence[EvalReport], baseline: EvalReport | None, 
     return fig
 
 
-def draw_stop_rule(ax, reports: Sequence[EvalReport], baseline: EvalReport | None, stop: TrailingBaselineStop,
+def draw_stop_rule(ax, reports: Sequence[EvalReport], baseline: EvalReport | None, stop: StopPolicy,
                    stop_step: int | None, horizon: int | None) -> int:
     """On the monitored panel: the grace period, the threshold, and the projection; returns the
     last step drawn (the projection's horizon)."""
