@@ -1,15 +1,16 @@
+import atexit
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 # No test writes to the home folder. Every place a tool writes there by default points into
 # this session's own folder instead: this package's baseline cache ($XDG_CACHE_HOME), W&B's
 # cache, settings, data and run folders, matplotlib's font cache and settings, Hugging Face's
 # cache, Triton's kernel cache, CUDA's JIT cache. Set before anything is imported (matplotlib
-# and huggingface_hub read theirs at import); subprocesses inherit it. `home_sandbox` removes it.
+# and huggingface_hub read theirs at import); subprocesses inherit it. Removed when pytest exits.
 HOME_SANDBOX = Path(tempfile.mkdtemp(prefix="dflash-tests-home-"))
+atexit.register(lambda pid=os.getpid(): os.getpid() == pid and shutil.rmtree(HOME_SANDBOX, ignore_errors=True))  # not a fork's
 HOME_SETTINGS = {
     "XDG_CACHE_HOME": "cache", "XDG_CONFIG_HOME": "config", "XDG_DATA_HOME": "data", "XDG_STATE_HOME": "state",
     "WANDB_DIR": "wandb-runs", "WANDB_CACHE_DIR": "cache/wandb", "WANDB_CONFIG_DIR": "config/wandb",
@@ -32,10 +33,10 @@ ZLAB_TINY = Path(__file__).resolve().parent / "fixtures" / "zlab-tiny-full"
 
 
 @pytest.fixture(scope="session", autouse=True)
-def home_sandbox() -> Iterator[Path]:
-    """The session's stand-in for the home folder (HOME_SETTINGS point into it); removed at the end."""
-    yield HOME_SANDBOX
-    shutil.rmtree(HOME_SANDBOX, ignore_errors=True)
+def home_sandbox() -> Path:
+    """The session's stand-in for the home folder: every place in HOME_SETTINGS points into it."""
+    assert all(os.environ[name] == str(HOME_SANDBOX / folder) for name, folder in HOME_SETTINGS.items())
+    return HOME_SANDBOX
 
 
 @pytest.fixture(scope="session")
