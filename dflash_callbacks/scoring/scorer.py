@@ -32,8 +32,9 @@ from ..kernels.ddtree import ddtree_streaks_from_top
 from ..kernels.head_stats import head_stats
 from ..model import DFlashDrafter, TargetHead
 from ..model.geometry import anchor_range, block_inputs
-from .aggregates import acceptance_curve, dense_tau, live_rounds
+from .aggregates import acceptance_curve, dense_tau, encode_streaks, live_rounds
 from .config import ScoringConfig
+from .intervals import report_intervals
 from .methods import scored_methods
 from .report import SCORER_VERSION, EvalReport
 
@@ -184,7 +185,8 @@ def score_task(
 
 
 def summarize(task: TaskStreaks, config: ScoringConfig, block_size: int) -> dict[str, dict]:
-    """The report entry of one task: per method dense/live tau, curve, live rounds."""
+    """The report entry of one task: per method dense/live tau, curve, live rounds, and the
+    per-anchor streaks they come from (for the intervals)."""
     out = {}
     for method, values in task.streaks.items():
         rounds = live_rounds(values, task.first_anchor, config.max_rounds)
@@ -194,6 +196,7 @@ def summarize(task: TaskStreaks, config: ScoringConfig, block_size: int) -> dict
             "curve": acceptance_curve(values, block_size - 1),
             "live_rounds": rounds,
             "anchors": int(values.numel()),
+            "streaks": encode_streaks(values, block_size),
         }
     return out
 
@@ -226,7 +229,8 @@ def score_drafter(
     """Score `drafter` on every task of `cache` (a HiddenStateCache). The drafter and the
     head are moved to the configured device and dtype (in place). NaN or Inf anywhere on
     the way raises NonFiniteError naming the task; a set `cancel` event raises Cancelled
-    before the next task."""
+    before the next task. The report carries a 95% interval for every mean
+    (`intervals.report_intervals`), its time counted in `seconds`."""
     config = config or ScoringConfig()
     started, clock = time.time(), time.perf_counter()  # when (created) and how long (seconds)
     drafter_block = drafter.config.block_size
@@ -258,7 +262,7 @@ def score_drafter(
         except NonFiniteError as e:
             raise NonFiniteError(f"task {task_name!r}: {e}") from None
         tasks[task_name] = summarize(streaks, config, block_size)
-    return EvalReport(
+    report = EvalReport(
         drafter=name or "drafter",
         cache=_report_cache(cache, head),
         block_size=block_size,
@@ -267,8 +271,10 @@ def score_drafter(
         snapshot_id=snapshot_id,
         drafter_block_size=drafter_block,
         scoring=config.to_dict(),
-        seconds=time.perf_counter() - clock,
         peak_memory=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         created=started,
         scorer_version=SCORER_VERSION,
     )
+    report.intervals = report_intervals(report)
+    report.seconds = time.perf_counter() - clock
+    return report
