@@ -13,8 +13,8 @@ import torch
 
 from dflash_callbacks.scoring.aggregates import encode_streaks, live_rounds
 from dflash_callbacks.scoring.intervals import (
-    RESAMPLES, Estimate, Resampled, block_lengths, circular_block_sums, interval_below, paired_comparison,
-    report_intervals, resolution_warning, t_quantile, tasks_to_resolve,
+    RESAMPLES, Estimate, Resampled, block_lengths, circular_block_sums, interval_below, interval_metrics,
+    paired_comparison, report_intervals, resolution_warning, t_quantile, tasks_to_resolve,
 )
 from dflash_callbacks.scoring.report import EvalReport
 
@@ -72,7 +72,7 @@ def report_of(streaks: np.ndarray, block_size: int, max_rounds: int = 30, name: 
                       scoring={"max_rounds": max_rounds})
 
 
-def truths(model: Model, seed: int = 12345, tasks: int = 8000, max_rounds: int = 30) -> dict[str, float]:
+def truths(model: Model, seed: int = 12345, tasks: int = 5000, max_rounds: int = 30) -> dict[str, float]:
     """The population means (over task effects and text), by a large simulation: ours' dense and
     live mean tau and the ratios ours / baseline."""
     streaks = model.streaks(np.random.default_rng(seed), 1, tasks)[:, 0]  # [drafters, tasks, anchors]
@@ -82,10 +82,10 @@ def truths(model: Model, seed: int = 12345, tasks: int = 8000, max_rounds: int =
     return {"dense": dense[0], "live": live[0], "dense ratio": dense[0] / dense[1], "live ratio": live[0] / live[1]}
 
 
-def coverage(model: Model, reps: int, seed: int) -> dict[str, float]:
+def coverage(model: Model, reps: int, seed: int, naive_reps: int = 100) -> dict[str, float]:
     """How often the intervals of `reps` simulated caches hold the truth: ours' run-level mean
-    and the paired ratio (dense and live), and a naive i.i.d. bootstrap of the anchors, tasks
-    pooled, of ours' dense mean."""
+    and the paired ratio (dense and live), and, on the first `naive_reps`, a naive i.i.d.
+    bootstrap of the anchors, tasks pooled, of ours' dense mean."""
     truth = truths(model)
     rng = np.random.default_rng(seed)
     streaks = model.streaks(rng, reps)
@@ -99,11 +99,12 @@ def coverage(model: Model, reps: int, seed: int) -> dict[str, float]:
             hits[agg] += lo <= truth[agg] <= hi
             ratio = paired[f"vanilla/{agg}"]["mean"].ratio
             hits[f"{agg} ratio"] += ratio.lo <= truth[f"{agg} ratio"] <= ratio.hi
-        anchors = (streaks[0, rep] + 1.0).ravel()
-        naive = anchors[rng.integers(0, anchors.size, (RESAMPLES, anchors.size))].mean(axis=1)
-        lo, hi = np.quantile(naive, [0.025, 0.975])
-        hits["iid dense"] += lo <= truth["dense"] <= hi
-    return {k: v / reps for k, v in hits.items()}
+        if rep < naive_reps:
+            anchors = (streaks[0, rep] + 1.0).ravel()
+            naive = anchors[rng.integers(0, anchors.size, (RESAMPLES, anchors.size))].mean(axis=1)
+            lo, hi = np.quantile(naive, [0.025, 0.975])
+            hits["iid dense"] += lo <= truth["dense"] <= hi
+    return {k: v / (naive_reps if k == "iid dense" else reps) for k, v in hits.items()}
 
 
 def test_coverage_of_the_run_level_mean_and_the_paired_ratio_and_an_iid_bootstrap_under_covers():
@@ -132,7 +133,7 @@ def test_the_block_bootstrap_covers_a_tasks_mean_where_an_iid_one_does_not():
         length = int(block_lengths(series)[0])
         for name, size in (("block", length), ("iid", 1)):
             resampled = Resampled([(series[None], np.ones((1, len(series))))], [size], rng)
-            (one,) = resampled.per_task(lambda m: m[0], (1, model.block_size))
+            ((one,),) = resampled.per_task(lambda m: m, [(1, model.block_size)])
             hits[name] += one.lo <= truth <= one.hi
     assert hits["block"] / 300 > 0.8 and hits["iid"] / 300 < 0.6 and hits["block"] - hits["iid"] > 90, hits
 
@@ -335,3 +336,27 @@ def test_three_tasks_give_wider_intervals_than_ten_and_the_setup_warning_says_so
     warning = resolution_warning(three, "ddtree@8/live", 0.9)
     assert warning is not None and warning.startswith("the cache's 3 tasks can not resolve min_ratio=0.9 on ddtree@8/live")
     assert tasks_to_resolve(three, "ddtree@8/live", 0.9) > 10
+
+
+def test_the_logged_interval_keys_sit_beside_each_run_level_mean(toy_reports):
+    """interval_metrics: PREFIX/METHOD/AGG/mean_lo and _hi for ours, and with a baseline the
+    baseline's own and the paired delta's and ratio's, each around its mean; none for a report
+    written before intervals."""
+    baseline, _, worse = toy_reports
+    keys = interval_metrics("dflash", worse, baseline)
+    monitors = [f"{m}/{agg}" for m in worse.methods for agg in ("dense", "live")]
+    assert set(keys) == {f"dflash/{kind}{monitor}/mean_{end}" for kind in ("", "baseline/", "delta/", "ratio/")
+                         for monitor in monitors for end in ("lo", "hi")}
+    paired = paired_comparison(worse, baseline)
+    for monitor in monitors:
+        assert (keys[f"dflash/{monitor}/mean_lo"], keys[f"dflash/{monitor}/mean_hi"]) == worse.interval(monitor)
+        assert keys[f"dflash/{monitor}/mean_lo"] <= worse.value(monitor) <= keys[f"dflash/{monitor}/mean_hi"]
+        assert (keys[f"dflash/baseline/{monitor}/mean_lo"], keys[f"dflash/baseline/{monitor}/mean_hi"]) == \
+            baseline.interval(monitor)
+        ratio = paired[monitor]["mean"].ratio
+        assert (keys[f"dflash/ratio/{monitor}/mean_lo"], keys[f"dflash/ratio/{monitor}/mean_hi"]) == (ratio.lo, ratio.hi)
+        assert keys[f"dflash/delta/{monitor}/mean_lo"] < worse.value(monitor) - baseline.value(monitor) \
+            < keys[f"dflash/delta/{monitor}/mean_hi"]
+    assert set(interval_metrics("dflash", worse)) == {k for k in keys if k.count("/") == 3}
+    older = EvalReport.from_dict({**worse.to_dict(), "intervals": None})
+    assert interval_metrics("dflash", older, baseline) == {}

@@ -117,25 +117,25 @@ def block_lengths(series: np.ndarray) -> np.ndarray:
     runs = max(5, math.ceil(math.sqrt(math.log10(n))))
     max_lag = min(math.ceil(math.sqrt(n)) + runs, n - 1)
     longest = math.ceil(min(3 * math.sqrt(n), n / 3))
-    spectrum = np.fft.rfft(centred, 2 * n, axis=1)
-    cov = np.fft.irfft(spectrum * spectrum.conj(), 2 * n, axis=1)[:, : max_lag + 1] / n  # lags 0..max_lag
-    with np.errstate(divide="ignore", invalid="ignore"):
-        small = np.abs(cov[:, 1:] / cov[:, :1]) < 2 * math.sqrt(math.log10(n) / n)  # [:, k - 1]: lag k
-    ran = np.concatenate([np.zeros((rows, 1), dtype=np.int64), np.cumsum(small, axis=1)], axis=1)
-    quiet = ran[:, runs:] - ran[:, :-runs] == runs  # [:, m]: lags m+1..m+runs all small
-    big = ~small
-    # m: the lag after which the correlogram is negligible (else the last significant lag)
-    m = np.where(quiet.any(axis=1), quiet.argmax(axis=1), np.where(big.any(axis=1), max_lag - big[:, ::-1].argmax(axis=1), 0))
-    lags = np.maximum(np.minimum(2 * m, max_lag), 1)[:, None]
-    k = np.arange(1, max_lag + 1)[None]
-    flat_top = np.clip(2 * (1 - k / lags), 0, 1)  # 1 up to lag M / 2, then down to 0 at M = 2m
-    g = 2 * (flat_top * k * cov[:, 1:]).sum(axis=1)
-    spectral = cov[:, 0] + 2 * (flat_top * cov[:, 1:]).sum(axis=1)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        optimal = np.ceil((1.5 * g * g / spectral**2) ** (1 / 3) * n ** (1 / 3))
+    with np.errstate(all="ignore"):  # a constant row gives 0 / 0 here; it gets 1 at the end
+        spectrum = np.fft.rfft(centred, 2 * n, axis=1)
+        cov = np.fft.irfft(spectrum * spectrum.conj(), 2 * n, axis=1)[:, : max_lag + 1] / n  # lags 0..max_lag
+        small = np.abs(cov[:, 1:]) < 2 * math.sqrt(math.log10(n) / n) * cov[:, :1]  # [:, k - 1]: lag k insignificant
+        ran = np.concatenate([np.zeros((rows, 1), dtype=np.int64), np.cumsum(small, axis=1)], axis=1)
+        quiet = ran[:, runs:] - ran[:, :-runs] == runs  # [:, m]: lags m+1..m+runs all insignificant
+        big = ~small
+        # m: the lag after which the correlogram is negligible (else the last significant lag)
+        m = np.where(quiet.any(axis=1), quiet.argmax(axis=1),
+                     np.where(big.any(axis=1), max_lag - big[:, ::-1].argmax(axis=1), 0))
+        lags = np.maximum(np.minimum(2 * m, max_lag), 1)[:, None]
+        k = np.arange(1, max_lag + 1)[None]
+        flat_top = np.minimum(np.maximum(2 * (1 - k / lags), 0), 1)  # 1 up to lag M / 2, then down to 0 at M = 2m
+        g = 2 * (flat_top * k * cov[:, 1:]).sum(axis=1)
+        spectral = cov[:, 0] + 2 * (flat_top * cov[:, 1:]).sum(axis=1)
+        optimal = np.ceil(np.cbrt(1.5 * g * g / (spectral * spectral) * n))  # (2 G^2 / D)^(1/3) n^(1/3)
     # a long-range-correlated short series can give a spectral estimate <= 0: the longest blocks, to be safe
-    optimal = np.where(spectral > 0, np.nan_to_num(optimal, nan=1.0, posinf=longest), longest)
-    return np.where(varied, np.clip(optimal, 1, longest), 1).astype(np.int64)
+    optimal[~(spectral > 0)] = longest
+    return np.where(varied, np.minimum(np.maximum(optimal, 1), longest), 1).astype(np.int64)
 
 
 def circular_block_sums(series: np.ndarray, length: int, starts: np.ndarray) -> np.ndarray:
@@ -171,15 +171,16 @@ class Estimate:
         return f"{self.value:{form}} [{self.lo:{form}}, {self.hi:{form}}]"
 
 
-def _expanded(estimates: np.ndarray, resamples: np.ndarray, dfs: np.ndarray, bounds: tuple[float, float]) -> list[Estimate]:
+def _expanded(estimates: np.ndarray, resamples: np.ndarray, dfs: np.ndarray, bounds: np.ndarray) -> list[Estimate]:
     """Per row: the percentile interval of `resamples` [N, R], widened around `estimates` [N]
-    by t(df)/z (df < 1: not widened), within `bounds`."""
+    by t(df)/z (df < 1: not widened), within `bounds` [N, 2]."""
     tail = (1 - CONFIDENCE) / 2
     lo, hi = np.quantile(resamples, [tail, 1 - tail], axis=-1)
     z = NormalDist().inv_cdf(1 - tail)
     widen = np.array([t_quantile(1 - tail, int(df)) / z if df >= 1 else 1.0 for df in dfs])
-    lo = np.clip(estimates + widen * (lo - estimates), *bounds)
-    hi = np.clip(estimates + widen * (hi - estimates), *bounds)
+    low, high = np.asarray(bounds, dtype=np.float64).T
+    lo = np.clip(estimates + widen * (lo - estimates), low, high)
+    hi = np.clip(estimates + widen * (hi - estimates), low, high)
     return [Estimate(float(e), float(a), float(b)) for e, a, b in zip(estimates, lo, hi)]
 
 
@@ -208,11 +209,10 @@ class Resampled:
             length = min(length, n)
             self.blocks[t] = -(-n // length)
             starts = rng.integers(0, n, (self.blocks[t], resamples))
-            sums = circular_block_sums(values, length, starts)
             if counts.all():  # dense: every resample holds n anchors
-                self.within[:, t] = sums / n
+                self.within[:, t] = circular_block_sums(values, length, starts) / n
                 continue
-            taken = circular_block_sums(counts, length, starts)
+            sums, taken = np.split(circular_block_sums(np.concatenate([values, counts]), length, starts), 2)
             with np.errstate(divide="ignore", invalid="ignore"):  # a resample of blocks without a round: its task's mean
                 self.within[:, t] = np.where(taken > 0, sums / taken, self.means[:, t : t + 1])
         draws = rng.integers(0, count, (resamples, count))  # [R, T] the tasks drawn
@@ -221,23 +221,35 @@ class Resampled:
         self.between = drawn.mean(axis=2) - self.means.mean(axis=1, keepdims=True)  # [A, R]
         self.deviation = (self.within[:, draws, picks] - drawn).mean(axis=2)  # [A, R]
 
-    def run_level(self, statistic: Callable[[np.ndarray], np.ndarray], gradient: np.ndarray,
-                  bounds: tuple[float, float]) -> Estimate:
-        """`statistic` of the arms' run-level means (the mean over tasks; [A, ...] -> [...]) with
-        its interval; `gradient` [A] is the statistic's derivative at the estimate, which sets the
-        shrinkage of the between-task part (the module's doc)."""
-        count = self.means.shape[1]
+    def run_level(self, statistic: Callable[[np.ndarray], np.ndarray], gradients: np.ndarray,
+                  bounds: np.ndarray) -> list[Estimate]:
+        """S statistics of the arms' run-level means (the means over tasks; `statistic` maps
+        [A, ...] to [S, ...]) with their intervals; `gradients` [S, A] are their derivatives at
+        the estimate, which set each one's shrinkage of the between-task part (the module's doc);
+        `bounds` [S, 2] the legal range of each."""
+        count, size = self.means.shape[1], len(gradients)
         mean = self.means.mean(axis=1)
-        spread = (gradient @ self.means).var(ddof=1) if count > 1 else 0.0
-        noise = float(np.einsum("a,atr->tr", gradient, self.within).var(axis=1, ddof=1).mean())
-        shrink = math.sqrt(count / (count - 1) * (1 - noise / spread)) if count > 1 and spread > noise else 0.0
-        df = count - 1 if shrink > 0 else int((self.blocks - 1).sum())
-        resampled = statistic(mean[:, None] + shrink * self.between + self.deviation)
-        return _expanded(np.array([statistic(mean)]), resampled[None], np.array([df]), bounds)[0]
+        spread = (gradients @ self.means).var(axis=1, ddof=1) if count > 1 else np.zeros(size)
+        noise = np.einsum("sa,atr->str", gradients, self.within).var(axis=2, ddof=1).mean(axis=1)
+        if count > 1:  # the jackknife over tasks: s^2 / T for a mean, and a ratio's curvature besides
+            left_out = statistic((self.means.sum(axis=1, keepdims=True) - self.means) / (count - 1))
+            spread = np.maximum(spread, count * (count - 1) * left_out.var(axis=1))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            shrink = np.where(spread > noise, np.sqrt(count / max(count - 1, 1) * (1 - noise / spread)), 0.0)
+        shrink = shrink if count > 1 else np.zeros(size)
+        dfs = np.where(shrink > 0, count - 1, int((self.blocks - 1).sum()))
+        combined = mean[:, None, None] + shrink[None, :, None] * self.between[:, None] + self.deviation[:, None]
+        resampled = statistic(combined)[np.arange(size), np.arange(size)]  # statistic s of the arms shrunk for s
+        return _expanded(statistic(mean), resampled, dfs, bounds)
 
-    def per_task(self, statistic: Callable[[np.ndarray], np.ndarray], bounds: tuple[float, float]) -> list[Estimate]:
-        """`statistic` of each task's means with its interval (that task's within-task resamples)."""
-        return _expanded(statistic(self.means), statistic(self.within), self.blocks - 1, bounds)
+    def per_task(self, statistic: Callable[[np.ndarray], np.ndarray], bounds: np.ndarray) -> list[list[Estimate]]:
+        """The S statistics of each task's means with their intervals (that task's within-task
+        resamples): [S][T]."""
+        estimates, resampled = statistic(self.means), statistic(self.within)  # [S, T], [S, T, R]
+        size, count = estimates.shape
+        found = _expanded(estimates.ravel(), resampled.reshape(size * count, -1), np.tile(self.blocks - 1, size),
+                          np.repeat(np.asarray(bounds, dtype=np.float64), count, axis=0))
+        return [found[s * count : (s + 1) * count] for s in range(size)]
 
 
 def taus(report: EvalReport, task: str, method: str) -> np.ndarray:
@@ -276,23 +288,25 @@ def _resampled(arms: list[tuple[EvalReport, str]], tasks: list[str], seed: int, 
             for agg in AGGREGATES}
 
 
+def _same(means: np.ndarray) -> np.ndarray:
+    return means
+
+
 def report_intervals(report: EvalReport, resamples: int = RESAMPLES, seed: int = SEED) -> dict:
     """The intervals a report carries (`EvalReport.intervals`): {"confidence", "resamples",
     "seed", "mean": {METHOD: {AGG: [lo, hi]}}, "tasks": {TASK: {METHOD: {AGG: [lo, hi]}}}}.
     The methods of an aggregate are resampled alike (the same tasks and blocks)."""
     out = {"confidence": CONFIDENCE, "resamples": resamples, "seed": seed, "mean": {m: {} for m in report.methods},
            "tasks": {task: {m: {} for m in report.methods} for task in report.tasks}}
-    bounds, arms = (1.0, float(report.block_size)), np.eye(len(report.methods))
-    for aggregate, resampled in _resampled([(report, m) for m in report.methods], list(report.tasks), seed,
-                                           resamples).items():
-        for a, method in enumerate(report.methods):
-            def pick(means, a=a):
-                return means[a]
-
-            overall = resampled.run_level(pick, arms[a], bounds)
-            out["mean"][method][aggregate] = [overall.lo, overall.hi]
-            for task, one in zip(report.tasks, resampled.per_task(pick, bounds)):
-                out["tasks"][task][method][aggregate] = [one.lo, one.hi]
+    methods = report.methods
+    bounds = [(1.0, float(report.block_size))] * len(methods)
+    for aggregate, resampled in _resampled([(report, m) for m in methods], list(report.tasks), seed, resamples).items():
+        overall = resampled.run_level(_same, np.eye(len(methods)), bounds)
+        per_task = resampled.per_task(_same, bounds)
+        for a, method in enumerate(methods):  # 4 decimals: well inside the resampling's own error, half the bytes
+            out["mean"][method][aggregate] = [round(overall[a].lo, 4), round(overall[a].hi, 4)]
+            for task, one in zip(report.tasks, per_task[a]):
+                out["tasks"][task][method][aggregate] = [round(one.lo, 4), round(one.hi, 4)]
     return out
 
 
@@ -336,26 +350,27 @@ def paired_comparison(ours: EvalReport, other: EvalReport, resamples: int = RESA
                          "block size): a paired comparison needs the same anchors")
     top = float(max(ours.block_size, other.block_size))
     out: dict[str, dict[str, Comparison]] = {f"{m}/{agg}": {} for m in methods for agg in AGGREGATES}
-    arms = [(report, m) for m in methods for report in (ours, other)]
+    arms = [(report, m) for m in methods for report in (ours, other)]  # arm 2i: ours' method i, 2i + 1: the other's
+
+    def deltas_and_ratios(means: np.ndarray) -> np.ndarray:
+        return np.concatenate([means[0::2] - means[1::2], means[0::2] / means[1::2]])
+
+    count = len(methods)
+    bounds = [(1 - top, top - 1)] * count + [(1 / top, top)] * count
     for aggregate, resampled in _resampled(arms, tasks, seed, resamples).items():
         mean = resampled.means.mean(axis=1)
+        gradients = np.zeros((2 * count, 2 * count))
+        for i in range(count):
+            o, b = 2 * i, 2 * i + 1
+            gradients[i, [o, b]] = 1.0, -1.0
+            gradients[count + i, [o, b]] = 1 / mean[b], -mean[o] / mean[b] ** 2
+        overall = resampled.run_level(deltas_and_ratios, gradients, bounds)
+        per_task = resampled.per_task(deltas_and_ratios, bounds)
         for i, method in enumerate(methods):
-            o, b = 2 * i, 2 * i + 1  # ours' and the other's arm
-
-            def delta_of(m, o=o, b=b):
-                return m[o] - m[b]
-
-            def ratio_of(m, o=o, b=b):
-                return m[o] / m[b]
-
-            delta_gradient, ratio_gradient = np.zeros(len(mean)), np.zeros(len(mean))
-            delta_gradient[[o, b]] = 1.0, -1.0
-            ratio_gradient[[o, b]] = 1 / mean[b], -mean[o] / mean[b] ** 2
-            monitor, deltas, ratios = f"{method}/{aggregate}", (1 - top, top - 1), (1 / top, top)
-            out[monitor]["mean"] = Comparison(monitor, "mean", resampled.run_level(delta_of, delta_gradient, deltas),
-                                              resampled.run_level(ratio_of, ratio_gradient, ratios))
-            for task, d, r in zip(tasks, resampled.per_task(delta_of, deltas), resampled.per_task(ratio_of, ratios)):
-                out[monitor][task] = Comparison(monitor, task, d, r)
+            monitor = f"{method}/{aggregate}"
+            out[monitor]["mean"] = Comparison(monitor, "mean", overall[i], overall[count + i])
+            for task, delta, ratio in zip(tasks, per_task[i], per_task[count + i]):
+                out[monitor][task] = Comparison(monitor, task, delta, ratio)
     return out
 
 
