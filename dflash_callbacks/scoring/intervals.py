@@ -413,10 +413,11 @@ def resolution_warning(baseline: EvalReport, monitor: str, min_ratio: float) -> 
         return None
     lo, hi = baseline.interval(monitor)
     value = baseline.value(monitor)
+    larger = "e.g. `extract --tasks coding50`" if len(baseline.tasks) < 50 else "a task YAML of your own"
     return (f"the cache's {len(baseline.tasks)} tasks can not resolve min_ratio={min_ratio:g} on {monitor}: the "
             f"baseline's own 95% interval, {value:.2f} [{lo:.2f}, {hi:.2f}], is +-{50 * (hi - lo) / value:.0f}% of "
             f"its mean, wider than the {100 * (1 - min_ratio):.0f}% margin; about {needed} tasks would resolve it "
-            "(extract a larger task set, e.g. `--tasks coding50`); the stop still runs")
+            f"(a larger task set: {larger}); the stop still runs")
 
 
 def interval_metrics(prefix: str, report: EvalReport, baseline: EvalReport | None = None,
