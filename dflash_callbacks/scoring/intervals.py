@@ -61,8 +61,6 @@ RESAMPLES = 1000
 (their Monte Carlo error is about 4% of the interval's half-width, and the seed fixes it)."""
 SEED = 0
 
-VERDICTS = ("behind", "ahead", "not distinguishable")
-
 
 @lru_cache(maxsize=None)
 def t_quantile(p: float, df: int) -> float:
