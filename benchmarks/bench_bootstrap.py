@@ -62,9 +62,9 @@ def main() -> dict:
     score, own, pair = (statistics.median(x) for x in (scoring, intervals, paired))
     line = json.dumps({**report.to_dict(), "score_seconds": score}, allow_nan=False)
     streaks = sum(len(n["streaks"]) for t in report.tasks.values() for n in t.values())
+    anchors = sum(per_method[report.methods[0]]["anchors"] for per_method in report.tasks.values())
     figures = {
-        "tasks": len(report.tasks), "methods": report.methods, "anchors": sum(n["anchors"] for n in
-                                                                              (t[report.methods[0]] for t in report.tasks.values())),
+        "tasks": len(report.tasks), "methods": report.methods, "anchors": anchors,
         "resamples": RESAMPLES, "threads": args.threads, "repeats": args.repeats,
         "scoring_s": score, "report_intervals_s": own, "paired_comparison_s": pair,
         "report_intervals_share": own / (score - own), "paired_comparison_share": pair / (score - own),

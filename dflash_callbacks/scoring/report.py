@@ -230,7 +230,8 @@ def _check_shape(raw: dict) -> None:
         for method, numbers in per_method.items():
             if not isinstance(numbers, dict):
                 raise _bad(f"task {task!r}, {method}: not an object of {list(TASK_FIELDS)}")
-            _check_numbers(numbers, f"task {task!r}, {method}: ", raw["block_size"], raw.get("scoring", {}).get("max_rounds"))
+            _check_numbers(numbers, f"task {task!r}, {method}: ", raw["block_size"],
+                           raw.get("scoring", {}).get("max_rounds"))
     if raw.get("intervals") is not None:
         bare = [f"{task}/{m}" for task, per_method in tasks.items() for m, numbers in per_method.items()
                 if "streaks" not in numbers]
