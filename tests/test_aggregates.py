@@ -5,7 +5,9 @@ import random
 import pytest
 import torch
 
-from dflash_callbacks.scoring.aggregates import acceptance_curve, dense_tau, live_rounds, live_tau
+from dflash_callbacks.scoring.aggregates import (
+    acceptance_curve, decode_streaks, dense_tau, encode_streaks, live_rounds, live_tau, streak_width,
+)
 
 
 def test_hand_worked_example():
@@ -70,3 +72,27 @@ def test_property_against_plain_loops():
 def test_validation(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_the_streak_codec_round_trips_one_byte_an_anchor_and_refuses_what_is_not_one():
+    """encode_streaks: base-36 digits, as many per anchor as block_size - 1 needs (one up to
+    block size 36, two up to 1296, 13 at the largest legal block size); decode_streaks reads them
+    back exactly, against a plain int(digits, 36)."""
+    rng = random.Random(0)
+    for block_size in (2, 8, 16, 36, 37, 1296, 1297, 2**63 - 1):
+        top = min(block_size - 1, 10**6) if block_size < 2**62 else block_size - 1
+        values = [rng.randint(0, top) for _ in range(50)] + [0, block_size - 1]
+        text = encode_streaks(torch.tensor(values), block_size)
+        width = streak_width(block_size)
+        assert len(text) == width * len(values) and text == text.lower()
+        assert [int(text[i : i + width], 36) for i in range(0, len(text), width)] == values  # plain base 36
+        assert decode_streaks(text, block_size).tolist() == values
+    assert [streak_width(b) for b in (2, 36, 37, 1296, 1297, 2**63 - 1)] == [1, 1, 2, 2, 3, 13]
+    assert encode_streaks(torch.tensor([10, 9, 8, 7, 0]), 16) == "a9870"
+    for text, block_size, message in [("a9z", 16, "holds the streak 35, above block_size - 1 = 15"),
+                                      ("1 2", 16, "a character other than"), ("", 8, "not a non-empty string"),
+                                      ("0a1", 37, "2 per anchor"), ("é", 8, "not a non-empty string")]:
+        with pytest.raises(ValueError, match=message):
+            decode_streaks(text, block_size)
+    with pytest.raises(ValueError, match="at most block_size - 1 = 7; got 8"):
+        encode_streaks(torch.tensor([8]), 8)

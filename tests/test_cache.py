@@ -308,6 +308,22 @@ def test_coding10():
     assert "autocomplete" in next(t.prompt for t in tasks if t.name == "trie")
 
 
+def test_coding50_spans_languages_and_lengths():
+    """coding50: at least 50 requests written as users ask chat models for code, short and long,
+    in every language it names (the name's prefix), none of coding10's."""
+    tasks = load_tasks("coding50")
+    assert "coding50" in builtin_task_sets() and len(tasks) >= 50
+    languages = {}
+    for task in tasks:
+        languages.setdefault(task.name.split("_")[0], []).append(task)
+    assert set(languages) == {"py", "cpp", "rust", "go", "js", "ts", "sql", "sh", "java"}
+    assert all(len(found) >= 3 for lang, found in languages.items() if lang not in ("js", "ts"))
+    assert len(languages["js"] + languages["ts"]) >= 5
+    lengths = sorted(len(t.prompt) for t in tasks)
+    assert lengths[0] < 40 and lengths[-1] > 800 and sum(n < 120 for n in lengths) >= 10  # one-liners to specifications
+    assert not {t.name for t in tasks} & {t.name for t in load_tasks("coding10")}
+
+
 @pytest.mark.parametrize(
     "text, message",
     [
@@ -340,7 +356,7 @@ def test_task_file_and_unknown_set(tmp_path):
     path = tmp_path / "mine.yaml"
     path.write_text("tasks:\n  - name: hello\n    prompt: |\n      Say hello.\n")
     assert load_tasks(str(path)) == [Task("hello", "Say hello.")]
-    with pytest.raises(FileNotFoundError, match=r"unknown task set 'coding11': give a built-in name \(coding10\)"):
+    with pytest.raises(FileNotFoundError, match=r"unknown task set 'coding11': give a built-in name \(coding10, coding50\)"):
         load_tasks("coding11")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,8 @@ import torch
 
 from dflash_callbacks.cli import main as cli_main
 from dflash_callbacks.model import DrafterConfig
+from dflash_callbacks.scoring.intervals import paired_comparison
+from dflash_callbacks.scoring.report import EvalReport
 
 from synthetic import build_world
 
@@ -446,3 +449,39 @@ def test_a_report_the_watcher_can_not_write_is_retried_and_the_other_runs_go_on(
     assert watcher.scan_once() == 1  # a-blocked's report is written now, and was scored once
     assert [f.parent.parent.name for f in scored].count("a-blocked") == 1
     assert runs["a-blocked"].read_report(runs["a-blocked"].report_path(3)).step == 3
+
+
+def test_compare_prints_intervals_and_pairs_two_drafters(world, tmp_path, capsys):
+    """`score` and `compare` print every number as `mean [lo, hi]`; `compare` of two drafters'
+    reports (not only against the baseline) gives the paired interval of their difference and
+    a verdict."""
+    from dflash_callbacks import DFlashDrafter, save_drafter
+
+    assert cli_main(score_args(world, **{"--json": tmp_path / "a.json", "--topk": "2"})) == 0
+    out = capsys.readouterr().out
+    assert "[95% interval] over 3 tasks" in out and re.search(r"\| \*\*mean\*\* \| \d\.\d\d \[\d\.\d\d, \d\.\d\d\] \|", out)
+    other = DFlashDrafter(world.config)  # another drafter: a fresh one
+    other.reset_parameters(std=0.3)
+    save_drafter(tmp_path / "other", world.config, other.state_dict())
+    assert cli_main(score_args(world, **{"--drafter": tmp_path / "other", "--json": tmp_path / "b.json",
+                                         "--topk": "2"})) == 0
+    capsys.readouterr()
+    assert cli_main(["compare", str(tmp_path / "b.json"), str(tmp_path / "a.json")]) == 0
+    out = capsys.readouterr().out
+    ours, theirs = (EvalReport.load(tmp_path / name) for name in ("b.json", "a.json"))
+    paired = paired_comparison(ours, theirs)["vanilla/live"]["mean"]
+    assert f"| {paired.delta.show(sign=True)} | {paired.ratio.show(percent=True)} |" in out
+    assert f"vanilla live: {paired.ratio.show(percent=True)} of {theirs.drafter}, {paired.says(theirs.drafter)}" in out
+
+
+def test_compare_refuses_methods_that_differ_unless_force_which_says_what_it_drops(world, tmp_path, capsys):
+    """A method scored on one side only used to drop its columns silently, exit 0."""
+    assert cli_main(score_args(world, **{"--json": tmp_path / "a.json", "--topk": "2"})) == 0
+    assert cli_main(score_args(world, **{"--json": tmp_path / "fewer.json"})) == 0
+    capsys.readouterr()
+    fails(["compare", str(tmp_path / "fewer.json"), str(tmp_path / "a.json")], capsys,
+          f"refusing to compare: the methods differ (top@2 only in {tmp_path / 'a.json'})", "use --force")
+    assert cli_main(["compare", str(tmp_path / "fewer.json"), str(tmp_path / "a.json"), "--force"]) == 0
+    captured = capsys.readouterr()
+    assert "warning: dropping top@2: the table shows the methods both score" in captured.err
+    assert "top@2" not in captured.out and "ddtree@4" in captured.out

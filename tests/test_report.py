@@ -7,9 +7,11 @@ import json
 import math
 
 import pytest
+import torch
 
 from dflash_callbacks.cache.format import HiddenStateCache
 from dflash_callbacks.model.target_head import TargetHead, head_fingerprint
+from dflash_callbacks.scoring.aggregates import decode_streaks, encode_streaks
 from dflash_callbacks.scoring.config import ScoringConfig
 from dflash_callbacks.scoring.report import INT_MAX, EvalReport
 from dflash_callbacks.scoring.scorer import score_drafter
@@ -88,8 +90,17 @@ def test_a_task_named_mean_is_refused(raw):
         EvalReport.from_dict({**raw, "tasks": tasks})
 
 
+def before_streaks(raw: dict) -> dict:
+    """`raw` as a report written before scorer version 4: no streaks, no intervals."""
+    out = {**copy.deepcopy(raw), "scorer_version": 2, "intervals": None}
+    for task in out["tasks"].values():
+        for numbers in task.values():
+            numbers.pop("streaks")
+    return out
+
+
 def test_exact_boundaries_stay_legal_and_the_largest_legal_numbers_keep_the_mean_finite(raw):
-    edge = changed(raw, "seconds", 0)
+    edge = changed(before_streaks(raw), "seconds", 0)
     for name, task in edge["tasks"].items():
         for method, numbers in task.items():
             numbers.update(dense=1, live=float(B), curve=[1.0, 0.0, 1, 0, 0.5], live_rounds=[1, B, 3], anchors=1)
@@ -98,9 +109,37 @@ def test_exact_boundaries_stay_legal_and_the_largest_legal_numbers_keep_the_mean
     huge = changed(raw, "block_size", INT_MAX)  # the largest legal block size, every tau at its top
     for task in huge["tasks"].values():
         for numbers in task.values():
-            numbers.update(dense=INT_MAX, live=INT_MAX, live_rounds=[INT_MAX])
+            streaks = encode_streaks(torch.full((numbers["anchors"],), INT_MAX - 1), INT_MAX)  # 13 digits each
+            numbers.update(dense=INT_MAX, live=INT_MAX, live_rounds=[INT_MAX], streaks=streaks)
     means = EvalReport.from_dict(huge).mean
     assert all(math.isfinite(v) for per_method in means.values() for v in per_method.values())
+
+
+def test_the_streaks_and_intervals_are_checked_against_the_numbers_made_from_them(raw):
+    """A report keeps its per-anchor streaks for the intervals: the reader holds them to the
+    numbers they make (count, range, dense mean, live schedule) and the intervals to the
+    report's tasks, methods and tau range, naming the field."""
+    entry = raw["tasks"]["long"]["vanilla"]
+    streaks = decode_streaks(entry["streaks"], B)
+    assert len(streaks) == entry["anchors"] and entry["dense"] == pytest.approx(streaks.mean() + 1)
+    cases = [
+        ("tasks.long.vanilla.streaks", entry["streaks"][:-1] + "!", r"'streaks' holds a character other than"),
+        ("tasks.long.vanilla.streaks", entry["streaks"][:-1] + "6", r"'streaks' holds the streak 6, above block_size - 1 = 5"),
+        ("tasks.long.vanilla.streaks", entry["streaks"][:-1], rf"'streaks' holds {len(streaks) - 1} anchors; 'anchors' says {len(streaks)}"),
+        ("tasks.long.vanilla.streaks", "", r"'streaks' is not a non-empty string of base-36 digits, 1 per anchor"),
+        ("tasks.long.vanilla.dense", entry["dense"] + 1e-6, r"task 'long', vanilla: 'dense' is .*; the streaks' mean tau is"),
+        ("tasks.long.vanilla.live_rounds", entry["live_rounds"][:-1] + [entry["live_rounds"][-1] % B + 1],
+         rf"'live_rounds'\[{len(entry['live_rounds']) - 1}\] is .*; the live schedule over the streaks gives"),
+        ("tasks.long.vanilla.live_rounds", entry["live_rounds"][:1], r"'live_rounds' holds 1 rounds; the live schedule"),
+        ("intervals.mean.vanilla.live", [3.0, 2.0], r"'intervals.mean.vanilla.live' is \[3.0, 2.0\]: its low end is above"),
+        ("intervals.tasks.short.ddtree@4.dense", [1.0, B + 0.5], r"'intervals.tasks.short.ddtree@4.dense' hi is 6.5"),
+        ("intervals.mean", {"vanilla": raw["intervals"]["mean"]["vanilla"]}, r"'intervals.mean' does not hold the report's methods"),
+        ("intervals.seed", -1, r"'intervals.seed' is -1"),
+    ]
+    for path, value, message in cases:
+        with pytest.raises(ValueError, match=message):
+            EvalReport.from_dict(changed(raw, path, value))
+    assert EvalReport.from_dict(before_streaks(raw)).intervals is None  # a report from before still loads
 
 
 def test_a_report_written_before_the_target_was_recorded_still_loads(raw):

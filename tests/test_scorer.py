@@ -124,10 +124,14 @@ def test_report_shape_json_round_trip_and_table(world, tmp_path):
     again = EvalReport.load(tmp_path / "r.json")
     assert again.to_dict() == report.to_dict()
     table = comparison_table(report, again)
-    assert "| **mean** |" in table and "+0.00 | 100% |" in table
+    assert "| **mean** |" in table and "+0.00 [+0.00, +0.00] | 100% [100%, 100%] |" in table  # paired: no doubt
+    assert "vanilla live: 100% [100%, 100%] of the baseline, not distinguishable from the baseline" in table
     # one builder for the markdown table and W&B's: methods the baseline lacks are left out
-    fewer = EvalReport.from_dict({**report.to_dict(), "tasks": {
-        t: {m: v for m, v in entry.items() if m != "top@3"} for t, entry in report.to_dict()["tasks"].items()}})
+    raw = report.to_dict()
+    intervals = {**raw["intervals"], "mean": {m: v for m, v in raw["intervals"]["mean"].items() if m != "top@3"},
+                 "tasks": {t: {m: v for m, v in entry.items() if m != "top@3"} for t, entry in raw["intervals"]["tasks"].items()}}
+    fewer = EvalReport.from_dict({**raw, "intervals": intervals, "tasks": {
+        t: {m: v for m, v in entry.items() if m != "top@3"} for t, entry in raw["tasks"].items()}})
     columns, rows = comparison(report, fewer)
     assert not any(c.startswith("top@3") for c in columns) and len(rows) == 4
     assert rows[-1][:5] == ["mean", *[report.value("vanilla/live")] * 2, 0.0, 1.0]

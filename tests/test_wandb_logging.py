@@ -123,6 +123,9 @@ def test_keys_with_a_dot_keep_their_axis_and_best_value(tmp_path, monkeypatch):
     for step, report in zip((4, 8, 12), reports):
         report.step, report.snapshot_id = step, f"{step:016d}"
         report.tasks = {("py3.11" if task == "long" else task): v for task, v in report.tasks.items()}
+        report.intervals = None  # numbers edited by hand: no streaks for them to be checked against
+        for numbers in (n for per_method in report.tasks.values() for n in per_method.values()):
+            numbers.pop("streaks")
     reports[1].tasks["py3.11"]["vanilla"]["live"] += 0.5  # the best value is not the last one
     logger = WandbLogger(project="dflash-test", save_dir=str(tmp_path), offline=True)
     trainer = pl.Trainer(logger=logger, accelerator="cpu", enable_progress_bar=False, enable_model_summary=False)

@@ -256,7 +256,7 @@ def parse_layer_ids(text: str) -> list[int]:
 def add_extract_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help="local folder of the target model (transformers format)")
     parser.add_argument("--out", required=True, help="cache folder to create, or to finish after an interruption")
-    parser.add_argument("--tasks", default="coding10", help="built-in task set (coding10) or a task YAML file")
+    parser.add_argument("--tasks", default="coding10", help="built-in task set (coding10, coding50) or a task YAML file")
     layers = parser.add_mutually_exclusive_group(required=True)
     layers.add_argument("--layer-ids", type=parse_layer_ids, help="target layer ids to cache, e.g. 1,16,31")
     layers.add_argument(

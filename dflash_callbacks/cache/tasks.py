@@ -26,7 +26,8 @@ from ..paths import TASKS_DIR
 
 BUILTIN_DIR = TASKS_DIR
 TASK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
-RESERVED_TASK_NAMES = ("mean",)  # the run-level mean over tasks: PREFIX/METHOD/AGG/mean, the table's last row
+# the run-level mean over tasks (PREFIX/METHOD/AGG/mean, the table's last row) and its interval's ends (.../mean_lo, _hi)
+RESERVED_TASK_NAMES = ("mean", "mean_lo", "mean_hi")
 TASK_KEYS = ("name", "prompt")
 
 
@@ -36,7 +37,8 @@ def task_name_problem(name: str) -> str | None:
         return (f"task name {name!r} is not usable as a file name: use letters, digits, '_', '-' and '.', "
                 f"starting with a letter or digit")
     if name in RESERVED_TASK_NAMES:
-        return f"task name {name!r} is reserved for the mean over tasks; rename the task"
+        return (f"task name {name!r} is reserved for the mean over tasks ('mean', and its interval's ends 'mean_lo' "
+                "and 'mean_hi'); rename the task")
     return None
 
 

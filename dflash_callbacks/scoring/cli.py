@@ -1,7 +1,8 @@
 """`dflash-callbacks score` and `dflash-callbacks compare`.
 
 Both check every input before any work starts (`score` runs the same preflight as the
-callback, the baseline included), then print a per-task table.
+callback, the baseline included), then print a per-task table, every number with its 95%
+interval (`mean [lo, hi]`), delta and ratio paired, and a verdict per method.
 """
 
 from __future__ import annotations
@@ -165,10 +166,12 @@ def run_score(args: argparse.Namespace) -> int:
 
 def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("ours", type=Path, help="our report: a report JSON, or a run's results.jsonl (see --step)")
-    p.add_argument("baseline", type=Path, help="the baseline's report JSON")
+    p.add_argument("baseline", type=Path, help="the baseline's report JSON, or another drafter's report JSON (scored on "
+                                               "the same cache): delta and ratio are paired on the same anchors")
     p.add_argument("--step", type=int, default=None, help="with a results.jsonl: the step to compare (default: the last)")
     p.add_argument("--aggregate", choices=("live", "dense"), default="live")
-    p.add_argument("--force", action="store_true", help="compare even if the cache, target, block size, tasks or scoring fields differ")
+    p.add_argument("--force", action="store_true", help="compare even if the cache, target, block size, tasks, methods "
+                                                        "or scoring fields differ (what is dropped is said)")
 
 
 def load_ours(path: Path, step: int | None) -> EvalReport:
@@ -215,12 +218,21 @@ def load_baseline(path: Path) -> EvalReport:
 
 def run_compare(args: argparse.Namespace) -> int:
     ours, baseline = load_ours(args.ours, args.step), load_baseline(args.baseline)
-    # the table shows the methods both scored; anything else that changes numbers refuses
+    # anything that changes numbers refuses, a method scored on one side only included
     problems = replace(Basis.of_report(ours), methods=()).mismatches(baseline, f"the baseline {args.baseline}")
+    only_ours = [m for m in ours.methods if m not in baseline.methods]
+    only_theirs = [m for m in baseline.methods if m not in ours.methods]
+    if only_ours or only_theirs:
+        sides = [f"{', '.join(only_ours)} only in {args.ours}"] * bool(only_ours)
+        sides += [f"{', '.join(only_theirs)} only in {args.baseline}"] * bool(only_theirs)
+        problems.append(f"the methods differ ({'; '.join(sides)})")
     if problems and not args.force:
         raise UsageError("refusing to compare: " + "; ".join(problems) + " (use --force to compare anyway)")
     note = attention_difference(ours, baseline)
     for problem in problems + ([note] if note else []):
         print(f"warning: {problem}", file=sys.stderr)
-    print(comparison_table(ours, baseline, args.aggregate))
+    if only_ours or only_theirs:
+        print(f"warning: dropping {', '.join(only_ours + only_theirs)}: the table shows the methods both score",
+              file=sys.stderr)
+    print(comparison_table(ours, baseline, args.aggregate, other=baseline.drafter))
     return 0

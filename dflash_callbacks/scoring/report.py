@@ -5,6 +5,10 @@ below, holds a number that is not finite (anywhere, `extra` included) or a numbe
 its legal range (tau 1 to block_size, curve shares 0 to 1, counts and times >= 0, integers
 within int64), or a task named `mean` (the run-level mean), is refused with ValueError
 naming the task, method and field, so a damaged or foreign file is never logged as a score.
+The per-anchor streaks a report keeps for its intervals (`streaks`, see
+`aggregates.encode_streaks`) are checked against the numbers made from them: one per anchor,
+each 0 to block_size - 1, their mean tau the `dense` value, the live schedule over them the
+`live_rounds`; and each interval lies within 1 to block_size, low end first.
 """
 
 from __future__ import annotations
@@ -18,24 +22,28 @@ from typing import Any
 from ..cache.tasks import task_name_problem
 from ..checks import is_int
 from ..files import atomic_write
+from .aggregates import decode_streaks
+from .intervals import Estimate, paired_comparison
 from .methods import AGGREGATES, Method, Monitor
 
-TASK_FIELDS = ("dense", "live", "curve", "live_rounds", "anchors")
+TASK_FIELDS = ("dense", "live", "curve", "live_rounds", "anchors", "streaks")
 
 
-SCORER_VERSION = 3
+SCORER_VERSION = 4
 """The version of the numbers' definitions as this library computes them, bumped when a fix
 changes a report's numbers for the same inputs (2: a DDTree prefix whose score ties the
 budget's threshold is resolved as Algorithm 1 does; before, a confident drafter's
 `ddtree@N` streak could exceed N. 3: sliding layers attend inside the block as vLLM serves
 them, causal unless the config says otherwise, where they were bidirectional; a pruned draft
-vocabulary is scored over its own ids). A report of another version stands on another basis,
-and a cached baseline report of another version is scored again."""
+vocabulary is scored over its own ids. 4: reports carry the per-anchor streaks and a 95% interval
+for every mean, so a baseline cached without them is scored again). A report of another
+version stands on another basis, and a cached baseline report of another version is scored
+again."""
 
 
 @dataclass
 class EvalReport:
-    """Per task and method: {"dense", "live", "curve", "live_rounds", "anchors"}; tau units.
+    """Per task and method: {"dense", "live", "curve", "live_rounds", "anchors", "streaks"}; tau units.
 
     JSON shape: {"step", "snapshot_id", "drafter", "cache": {"path", "fingerprint", "target"},
     "block_size", "tasks": {TASK: {METHOD: {...}}}, "mean": {METHOD: {"dense", "live"}}, ...}.
@@ -46,7 +54,10 @@ class EvalReport:
     (None on the CPU); `created` the Unix time scoring started; `scorer_version` the
     SCORER_VERSION that computed the numbers (None in reports written before it was
     recorded); `attention` each drafter layer's attention pattern inside the block, as
-    scored (`model.attention`; None in reports written before it was recorded); `extra`
+    scored (`model.attention`; None in reports written before it was recorded); `intervals` the
+    95% interval of every mean (`intervals.report_intervals`: {"confidence", "resamples", "seed",
+    "mean": {METHOD: {AGG: [lo, hi]}}, "tasks": {TASK: {METHOD: {AGG: [lo, hi]}}}}; None in reports
+    written before scorer version 4); `extra`
     anything else.
     """
 
@@ -63,6 +74,7 @@ class EvalReport:
     created: float | None = None
     scorer_version: int | None = None
     attention: list[str] | None = None
+    intervals: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -89,6 +101,16 @@ class EvalReport:
         if task == "mean":
             return self.mean[method][monitor.aggregate]
         return self.tasks[task][method][monitor.aggregate]
+
+    def interval(self, monitor: str | Monitor, task: str = "mean") -> tuple[float, float]:
+        """`"ddtree@8/live"` -> the 95% interval (lo, hi) of the mean (or of one task's value)."""
+        monitor = Monitor.parse(monitor)
+        self.value(monitor, task)  # the same KeyError for a method the report does not hold
+        if self.intervals is None:
+            raise KeyError(f"the report of {self.drafter} carries no intervals (written before scorer version 4)")
+        where = self.intervals["mean"] if task == "mean" else self.intervals["tasks"][task]
+        lo, hi = where[str(monitor.method)][monitor.aggregate]
+        return lo, hi
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -216,13 +238,21 @@ def _check_shape(raw: dict) -> None:
         for method, numbers in per_method.items():
             if not isinstance(numbers, dict):
                 raise _bad(f"task {task!r}, {method}: not an object of {list(TASK_FIELDS)}")
-            _check_numbers(numbers, f"task {task!r}, {method}: ", raw["block_size"])
+            _check_numbers(numbers, f"task {task!r}, {method}: ", raw["block_size"],
+                           raw.get("scoring", {}).get("max_rounds"))
+    if raw.get("intervals") is not None:
+        bare = [f"{task}/{m}" for task, per_method in tasks.items() for m, numbers in per_method.items()
+                if "streaks" not in numbers]
+        if bare:
+            raise _bad(f"'intervals' without the streaks they come from ({', '.join(bare[:3])} keep none)")
+        _check_intervals(raw["intervals"], tasks, methods, raw["block_size"])
 
 
-def _check_numbers(numbers: dict, where: str, block_size: int) -> None:
+def _check_numbers(numbers: dict, where: str, block_size: int, max_rounds: Any = None) -> None:
     """One task's numbers of one method (DESIGN.md, "Aggregates per task"): tau = streak + 1 is
     1 to block_size at every anchor, so its means and each live round are too; the acceptance
-    curve holds shares (0 to 1) for depths 1 to block_size - 1."""
+    curve holds shares (0 to 1) for depths 1 to block_size - 1; and the streaks, where kept,
+    are the ones these numbers were made from."""
     for agg in AGGREGATES:
         _check_number(numbers.get(agg), f"{where}{agg!r}", 1, block_size)
     curve = numbers.get("curve", [])
@@ -236,6 +266,59 @@ def _check_numbers(numbers: dict, where: str, block_size: int) -> None:
     for i, tau in enumerate(rounds):
         _check_number(tau, f"{where}'live_rounds'[{i}]", 1, block_size, integer=True)
     _check_number(numbers.get("anchors"), f"{where}'anchors'", 1, integer=True, optional=True)
+    if "streaks" in numbers:
+        _check_streaks(numbers, where, block_size, max_rounds)
+
+
+def _check_streaks(numbers: dict, where: str, block_size: int, max_rounds: Any) -> None:
+    """`streaks` holds one streak per anchor, and `dense`, `live_rounds` and `live` follow from them."""
+    try:
+        streaks = decode_streaks(numbers["streaks"], block_size)
+    except ValueError as e:
+        raise _bad(f"{where}'streaks' {e}") from None
+    if numbers.get("anchors") != len(streaks):
+        raise _bad(f"{where}'streaks' holds {len(streaks)} anchors; 'anchors' says {numbers.get('anchors')}")
+    if not math.isclose(numbers["dense"], float(streaks.mean()) + 1, rel_tol=1e-9):
+        raise _bad(f"{where}'dense' is {numbers['dense']!r}; the streaks' mean tau is {float(streaks.mean()) + 1!r}")
+    rounds, anchor = numbers.get("live_rounds", []), 0
+    for i, tau in enumerate(rounds):
+        if anchor >= len(streaks) or tau != streaks[anchor] + 1:
+            raise _bad(f"{where}'live_rounds'[{i}] is {tau}; the live schedule over the streaks "
+                       + ("has ended there" if anchor >= len(streaks) else f"gives {int(streaks[anchor]) + 1}"))
+        anchor += tau
+    if is_int(max_rounds) and (len(rounds) > max_rounds or (anchor < len(streaks) and len(rounds) < max_rounds)):
+        raise _bad(f"{where}'live_rounds' holds {len(rounds)} rounds; the live schedule over the streaks, at most "
+                   f"max_rounds={max_rounds}, has {'fewer' if len(rounds) > max_rounds else 'more'}")
+    if rounds and not math.isclose(numbers["live"], sum(rounds) / len(rounds), rel_tol=1e-9):
+        raise _bad(f"{where}'live' is {numbers['live']!r}; the mean of 'live_rounds' is {sum(rounds) / len(rounds)!r}")
+
+
+def _check_intervals(intervals: Any, tasks: dict, methods: list[str], block_size: int) -> None:
+    """`intervals` is {"confidence", "resamples", "seed", "mean", "tasks"} over the report's own
+    tasks and methods, each interval [lo, hi] with 1 <= lo <= hi <= block_size."""
+    if not isinstance(intervals, dict) or set(intervals) != {"confidence", "resamples", "seed", "mean", "tasks"}:
+        raise _bad("'intervals' is not an object of 'confidence', 'resamples', 'seed', 'mean' and 'tasks'")
+    _check_number(intervals["confidence"], "'intervals.confidence'", 0, 1)
+    _check_number(intervals["resamples"], "'intervals.resamples'", 1, integer=True)
+    _check_number(intervals["seed"], "'intervals.seed'", 0, integer=True)
+    where_all = {"mean": intervals["mean"]}
+    if not isinstance(intervals["tasks"], dict) or sorted(intervals["tasks"]) != sorted(tasks):
+        raise _bad(f"'intervals.tasks' does not hold the report's tasks {sorted(tasks)}")
+    where_all.update({f"tasks.{task}": per_method for task, per_method in intervals["tasks"].items()})
+    for where, per_method in where_all.items():
+        if not isinstance(per_method, dict) or sorted(per_method) != sorted(methods):
+            raise _bad(f"'intervals.{where}' does not hold the report's methods {methods}")
+        for method, per_agg in per_method.items():
+            if not isinstance(per_agg, dict) or sorted(per_agg) != sorted(AGGREGATES):
+                raise _bad(f"'intervals.{where}.{method}' is not an object of {list(AGGREGATES)}")
+            for agg, pair in per_agg.items():
+                name = f"'intervals.{where}.{method}.{agg}'"
+                if not isinstance(pair, list) or len(pair) != 2:
+                    raise _bad(f"{name} is not a pair [lo, hi]")
+                for end, value in zip(("lo", "hi"), pair):
+                    _check_number(value, f"{name} {end}", 1, block_size)
+                if pair[0] > pair[1]:
+                    raise _bad(f"{name} is {pair}: its low end is above its high end")
 
 
 @dataclass
@@ -301,20 +384,40 @@ def comparison(ours: EvalReport, baseline: EvalReport | None = None, aggregate: 
     return columns, rows
 
 
-def comparison_table(ours: EvalReport, baseline: EvalReport | None = None, aggregate: str = "live") -> str:
-    """`comparison` as a markdown table (ratios in percent, the mean row in bold)."""
+def comparison_table(ours: EvalReport, baseline: EvalReport | None = None, aggregate: str = "live",
+                     other: str = "the baseline") -> str:
+    """`comparison` as a markdown table (ratios in percent, the mean row in bold), each number
+    with its 95% interval, `mean [lo, hi]`, where the reports carry them (delta and ratio paired:
+    `intervals.paired_comparison`), then a line per method with the run-level ratio and the
+    verdict against `other` (how the verdict names the other report)."""
     columns, rows = comparison(ours, baseline, aggregate)
-    ratios = {i for i, c in enumerate(columns) if c.endswith(" ratio")}
-    deltas = {i for i, c in enumerate(columns) if c.endswith(" delta")}
+    kept = ours.intervals is not None and (baseline is None or baseline.intervals is not None)
+    paired, unpaired = {}, []
+    if kept and baseline is not None:
+        try:
+            paired = paired_comparison(ours, baseline)
+        except ValueError as e:  # compared with --force across caches: the numbers, without paired intervals
+            unpaired.append(f"(delta and ratio without intervals: {e})")
 
-    def cell(i: int, x) -> str:
-        if i == 0:
-            return f"**{x}**" if x == "mean" else x
-        return f"{100 * x:.0f}%" if i in ratios else f"{x:+.2f}" if i in deltas else f"{x:.2f}"
+    def cell(column: str, task: str, x) -> str:
+        method, _, part = column.rsplit(" ", 2)
+        monitor = f"{method}/{aggregate}"
+        percent, sign = part == "ratio", part == "delta"
+        if kept and part in ("ours", "baseline"):
+            return Estimate(x, *(ours if part == "ours" else baseline).interval(monitor, task)).show()
+        if kept and monitor in paired:
+            return getattr(paired[monitor][task], part).show(percent=percent, sign=sign)
+        return f"{100 * x:.0f}%" if percent else f"{x:+.2f}" if sign else f"{x:.2f}"
 
     header = [c.replace(f" {aggregate} ", " ") for c in columns]  # the title names the aggregate
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(cell(i, x) for i, x in enumerate(row)) + " |" for row in rows]
+    for row in rows:
+        name = f"**{row[0]}**" if row[0] == "mean" else row[0]
+        lines.append("| " + " | ".join([name] + [cell(c, row[0], x) for c, x in zip(columns[1:], row[1:])]) + " |")
     title = f"{aggregate} tau (tokens per target forward, 1 to {ours.block_size}; higher is better)"
     title += f", block size {ours.block_size}" + (f", step {ours.step}" if ours.step is not None else "")
-    return title + "\n" + "\n".join(lines)
+    if kept:
+        title += f"; [95% interval] over {len(ours.tasks)} tasks"
+    verdicts = [f"{monitor.split('/')[0]} {aggregate}: {found['mean'].ratio.show(percent=True)} of {other}, "
+                f"{found['mean'].says(other)}" for monitor, found in paired.items() if monitor.endswith(f"/{aggregate}")]
+    return "\n".join([title, *lines, *verdicts, *unpaired])

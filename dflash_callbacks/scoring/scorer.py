@@ -38,8 +38,9 @@ from ..kernels.head_stats import head_stats
 from ..model import DFlashDrafter, TargetHead
 from ..model.attention import describe, resolve_attention
 from ..model.geometry import anchor_range, block_inputs
-from .aggregates import acceptance_curve, dense_tau, live_rounds
+from .aggregates import acceptance_curve, dense_tau, encode_streaks, live_rounds
 from .config import ScoringConfig
+from .intervals import report_intervals
 from .methods import scored_methods
 from .report import SCORER_VERSION, EvalReport
 
@@ -205,7 +206,8 @@ def draft_labels(labels: torch.Tensor, valid: torch.Tensor, vocab_ids: torch.Ten
 
 
 def summarize(task: TaskStreaks, config: ScoringConfig, block_size: int) -> dict[str, dict]:
-    """The report entry of one task: per method dense/live tau, curve, live rounds."""
+    """The report entry of one task: per method dense/live tau, curve, live rounds, and the
+    per-anchor streaks they come from (for the intervals)."""
     out = {}
     for method, values in task.streaks.items():
         rounds = live_rounds(values, task.first_anchor, config.max_rounds)
@@ -215,6 +217,7 @@ def summarize(task: TaskStreaks, config: ScoringConfig, block_size: int) -> dict
             "curve": acceptance_curve(values, block_size - 1),
             "live_rounds": rounds,
             "anchors": int(values.numel()),
+            "streaks": encode_streaks(values, block_size),
         }
     return out
 
@@ -248,7 +251,8 @@ def score_drafter(
     """Score `drafter` on every task of `cache` (a HiddenStateCache). The drafter and the
     head are moved to the configured device and dtype (in place). NaN or Inf anywhere on
     the way raises NonFiniteError naming the task; a set `cancel` event raises Cancelled
-    before the next task.
+    before the next task. The report carries a 95% interval for every mean
+    (`intervals.report_intervals`), its time counted in `seconds`.
 
     torch counts one peak of allocated memory per device for the whole process: only a
     scorer that `owns_process` (nothing else uses the device here) resets it and reports
@@ -289,7 +293,7 @@ def score_drafter(
         except NonFiniteError as e:
             raise NonFiniteError(f"task {task_name!r}: {e}") from None
         tasks[task_name] = summarize(streaks, config, block_size)
-    return EvalReport(
+    report = EvalReport(
         drafter=name or "drafter",
         cache=_report_cache(cache, head),
         block_size=block_size,
@@ -304,3 +308,6 @@ def score_drafter(
         scorer_version=SCORER_VERSION,
         attention=describe(resolve_attention(drafter.config, config.attention)),
     )
+    report.intervals = report_intervals(report)
+    report.seconds = time.perf_counter() - clock
+    return report
