@@ -45,9 +45,10 @@ class TrailingBaselineStop(StopPolicy, Callback):
         action: str = "stop",
         verbose: bool = True,
         eval_callback: str | None = None,
+        confidence: float | None = 0.95,
     ) -> None:
         StopPolicy.__init__(self, monitor, min_ratio, min_delta, patience, grace_steps, projection,
-                            projection_window, action, verbose)
+                            projection_window, action, verbose, confidence)
         Callback.__init__(self)
         if eval_callback is not None and not isinstance(eval_callback, str):
             raise ValueError(f"`eval_callback` must be the name of a DrafterEvalCallback or None; got {eval_callback!r}")

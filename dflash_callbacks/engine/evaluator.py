@@ -49,13 +49,15 @@ from ..scoring.config import ScoringConfig
 from ..scoring.methods import AGGREGATES
 from ..scoring.report import EvalReport
 from ..scoring.service import ServiceSpec, preflight
-from .publish import Logger, Publisher, Subscriber, metric_keys, summary_line
+from ..scoring.intervals import resolution_warning
+from .publish import Logger, Publisher, Subscriber, metric_keys, summary_line, versus_record
 from .run_folder import RunFolder, new_run_id
-from .runners import RUNNERS, BackgroundRunner, BaselineOutcome, Job, SnapshotOutcome, is_non_finite
+from .runners import RUNNERS, BackgroundRunner, BaselineOutcome, Job, SnapshotOutcome, is_non_finite, versus_baseline
 from .snapshot import StagingPool, capture, is_sharded
 from .stop import Moment, StopPolicy, Stops
 
 BUSY_POLICIES = ("skip", "queue")
+MEAN_KEYS = ("/mean", "/mean_lo", "/mean_hi")  # the run-level keys the host's metrics hold
 ON_ERROR = ("warn", "raise")
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
 
@@ -116,6 +118,12 @@ class Host:
     def warn(self, text: str) -> None:
         if self.rank == 0:
             warnings.warn(text, UserWarning, stacklevel=3)
+
+
+def history_entry(report: EvalReport, versus: dict | None) -> dict:
+    """What the history keeps of a report: its step, its run-level means and, with a baseline, their
+    comparison with it (`versus_record`: the stops judge on its intervals, also after a resume)."""
+    return {"step": report.step, "mean": report.mean, **({"versus": versus} if versus else {})}
 
 
 def should_snapshot(step: int, every_n_steps: int) -> bool:
@@ -297,7 +305,7 @@ class EvalEngine:
         return {
             "run_id": self.run_id,
             "basis": self._basis.to_dict() if self.run_id else None,  # what the history was scored on
-            "history": [{"step": h["step"], "mean": h["mean"]} for h in self.history],
+            "history": [dict(h) for h in self.history],
             "errors": self.errors,
             "skipped": self.skipped,
         }
@@ -407,8 +415,8 @@ class EvalEngine:
         for line in found.results.skipped:
             self.host.warn(f"{self.name}: {self.run.results_path} {line}; skipped")
         if found.results.reports:
-            self.history = sorted({r.step: {"step": r.step, "mean": r.mean} for r in found.results.reports}.values(),
-                                  key=lambda h: h["step"])
+            self.history = sorted({r.step: history_entry(r, r.extra.get("versus_baseline"))
+                                   for r in found.results.reports}.values(), key=lambda h: h["step"])
         self._recovered, self._rejected = [], []
         for report in found.unread_reports:  # a watcher's: it may have scored on another basis
             problems = self._basis.mismatches(report, f"the watcher's report of step {report.step}")
@@ -426,12 +434,12 @@ class EvalEngine:
 
     def mean_keys(self) -> list[str]:
         """Every run-level mean key a report of this evaluator publishes (with a baseline: its
-        value, the delta and the ratio too)."""
+        value, the delta and the ratio too), with its interval's `_lo` and `_hi`."""
         keys = []
         for method in self.scored_methods:
             for agg in AGGREGATES:
                 keys += list(metric_keys(self.name, method, agg, "mean", 0.0, 1.0 if self.has_baseline() else None))
-        return keys
+        return [key + end for key in keys for end in ("", "_lo", "_hi")]
 
     def _start_metrics(self) -> None:
         """Every mean key, before any report: NaN, a placeholder (a monitor of ours is never missing,
@@ -630,6 +638,7 @@ class EvalEngine:
             self._baseline_settled = True
             if outcome.error is None:
                 self.baseline_report = outcome.report
+                self._warn_unresolvable()
                 if self._metrics_restored:
                     self._restore_metrics()  # a resume, nothing newer yet: now with the baseline's keys
             self._publish_recovered()  # older than anything polled after the baseline
@@ -643,14 +652,25 @@ class EvalEngine:
                 self._metrics_restored = False
             self._fail(f"step {outcome.step} failed: {outcome.error}")
         else:
-            self._publish(outcome.report, outcome.seconds)
+            self._publish(outcome.report, outcome.seconds, outcome.versus)
+
+    def _warn_unresolvable(self) -> None:
+        """Once the baseline's report is in hand: a stop whose threshold this cache is too small to ever
+        resolve (the baseline's own interval wider than the margin) is said, in one line. It still runs."""
+        if self.baseline_report is None or self.baseline_report.intervals is None:
+            return
+        for policy in self.stops.policies:
+            if policy.confidence is not None and policy.min_ratio is not None:
+                line = resolution_warning(self.baseline_report, policy.monitor, policy.min_ratio)
+                if line is not None:
+                    self.host.warn(f"{type(policy).__name__}: {line}")
 
     def _keep(self, outcome) -> None:
         """An outcome on disk without logging it (training is failing)."""
         if isinstance(outcome, BaselineOutcome):
             self.baseline_report = outcome.report or self.baseline_report
         elif outcome.report is not None:
-            self._publisher.record_report(outcome.report, outcome.seconds)
+            self._publisher.record_report(outcome.report, outcome.seconds, outcome.versus)
         else:
             self._record_outcome(outcome)
 
@@ -661,39 +681,45 @@ class EvalEngine:
             self._publish(self._recovered.pop(0), None)
 
     def _is_mean(self, key: str) -> bool:
-        """A mean of ours (or its delta or ratio); not the baseline's."""
-        return key.startswith(f"{self.name}/") and key.endswith("/mean") and not key.startswith(f"{self.name}/baseline/")
+        """A run-level mean of ours (or its delta or ratio, or their intervals); not the baseline's."""
+        return (key.startswith(f"{self.name}/") and key.endswith(MEAN_KEYS)
+                and not key.startswith(f"{self.name}/baseline/"))
 
     def _record_outcome(self, outcome: SnapshotOutcome) -> None:
         self._publisher.record({"step": outcome.step, "snapshot_id": outcome.snapshot_id,
                                 "error": outcome.error, "seconds": outcome.seconds})
 
-    def _publish(self, report: EvalReport, seconds: float | None) -> None:
+    def _publish(self, report: EvalReport, seconds: float | None, versus: dict | None = None) -> None:
+        """`versus`: the report against the baseline (the runner's; made here for a report a watcher
+        left, recovered on resume)."""
         seconds = report.seconds if seconds is None else seconds
-        metrics = self._publisher.publish(report, self.baseline_report, seconds, self.errors)
+        versus = versus or versus_baseline(report, self.baseline_report)
+        metrics = self._publisher.publish(report, self.baseline_report, seconds, self.errors, versus)
         if metrics is None:
             return  # refused: an error line, nothing logged
         self._metrics_restored = False  # the metrics hold newer numbers now
-        self._set_metrics(report.step, {k: v for k, v in metrics.items() if k.endswith("/mean")})
-        entry = {"step": report.step, "mean": report.mean}
+        self._set_metrics(report.step, {k: v for k, v in metrics.items() if k.endswith(MEAN_KEYS)})
+        entry = history_entry(report, versus_record(versus) if versus else None)
         self._add_history(entry)
         self._outgoing.append(entry)
         self.reports.append(report)
         if self.verbose:
             self.host.info(summary_line(self.name, report, self.baseline_report))
-        self._notify(report)
+        self._notify(report, versus)
 
     def _add_history(self, entry: dict) -> None:
         self.history = sorted([h for h in self.history if h["step"] != entry["step"]] + [entry],
                               key=lambda h: h["step"])
 
-    def _notify(self, report: EvalReport) -> None:
-        """The stops decide, then every subscriber gets the report; one that raises is a failure."""
+    def _notify(self, report: EvalReport, versus: dict | None = None) -> None:
+        """The stops decide (with the paired comparison of their monitor), then every subscriber gets
+        the report; one that raises is a failure."""
         ending = self.host.ending() or ("the run is closing" if self._closing else None)
         now = Moment(step=self._step if self._step is not None else int(report.step), horizon=self.host.horizon(),
                      ending=ending)
-        listeners = [(policy, lambda r, b, p=policy: self.stops.judge(p, r, b, now, self.host.info, self.host.warn,
-                                                                       self.name)) for policy in self.stops.policies]
+        listeners = [(policy, lambda r, b, p=policy: self.stops.judge(
+            p, r, b, now, self.host.info, self.host.warn, self.name, (versus or {}).get(p.monitor, {}).get("mean")))
+            for policy in self.stops.policies]
         listeners += [(fn, fn) for fn in list(self._subscribers)]
         for who, call in listeners:
             try:

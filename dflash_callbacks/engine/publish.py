@@ -18,13 +18,16 @@ TASK a task name or `mean`):
     PREFIX/delta/{method}/{AGG}/{TASK}    ours - baseline
     PREFIX/ratio/{method}/{AGG}/{TASK}    ours / baseline
     PREFIX/baseline/{method}/{AGG}/{TASK} the baseline (logged with every report)
+    .../mean_lo, .../mean_hi              the 95% interval of each run-level mean, delta and ratio
+                                          (deltas and ratios paired with the baseline: scoring/intervals.py)
     PREFIX/step                           the snapshot's step (the x axis in W&B)
     PREFIX/score_seconds                  time from the snapshot to its report
     PREFIX/errors                         failed evaluations so far
 W&B also gets, per report, a table of the live aggregate per task (PREFIX/live_table),
 one acceptance-curve plot per method (ours and the baseline: the share of anchors whose
-streak reaches each depth, mean over tasks), and, once, the cache fingerprint and block
-sizes in the run config.
+streak reaches each depth, mean over tasks), one band plot per method (PREFIX/band/METHOD:
+the live mean of ours and of the baseline at every report so far, each with its 95%
+interval), and, once, the cache fingerprint and block sizes in the run config.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from ..scoring.intervals import interval_metrics
 from ..scoring.methods import AGGREGATES
 from ..scoring.report import EvalReport, comparison, ratio
 from .run_folder import ResultsRecordError, ResultsWriteError, RunFolder
@@ -60,6 +64,18 @@ def report_metrics(prefix: str, report: EvalReport, baseline: EvalReport | None)
                 base = baseline.value(f"{method}/{agg}", task) if compared else None
                 out.update(metric_keys(prefix, method, agg, task, report.value(f"{method}/{agg}", task), base))
     return {k: v for k, v in out.items() if not math.isnan(v)}
+
+
+def versus_record(versus: dict) -> dict:
+    """The run-level comparison with the baseline, as results.jsonl keeps it:
+    {METHOD/AGG: {"delta": [value, lo, hi], "ratio": [value, lo, hi], "verdict": ...}}."""
+    out = {}
+    for monitor, per_task in versus.items():
+        mean = per_task["mean"]
+        out[monitor] = {"delta": [round(x, 6) for x in (mean.delta.value, mean.delta.lo, mean.delta.hi)],
+                        "ratio": [round(x, 6) for x in (mean.ratio.value, mean.ratio.lo, mean.ratio.hi)],
+                        "verdict": mean.verdict}
+    return out
 
 
 def wandb_name(key: str) -> str:
@@ -97,6 +113,7 @@ class Publisher:
         self.loggers, self.wandb_runs = loggers, wandb_runs
         self.unsaved: list[dict] = []  # records whose append failed, retried first
         self._wandb_defined: dict[int, set[str]] = {}  # per W&B run: the keys define_metric has seen
+        self._bands: dict[str, list[tuple]] = {}  # per method: (step, ours, lo, hi, baseline, lo, hi) of each report
 
     def record(self, record: dict | None) -> bool:
         """Append a results.jsonl line (earlier failed ones first; None: only retry those);
@@ -118,10 +135,12 @@ class Publisher:
             self.unsaved.pop(0)
         return written
 
-    def record_report(self, report: EvalReport, score_seconds: float) -> bool:
-        """Append the report's results.jsonl line. A report the reader would refuse is an
-        error line instead (and a failure): False, and none of its numbers may be logged."""
-        record = {**report.to_dict(), "score_seconds": score_seconds}
+    def record_report(self, report: EvalReport, score_seconds: float, versus: dict | None = None) -> bool:
+        """Append the report's results.jsonl line (with `versus`, its run-level comparison with the
+        baseline: `versus_record`). A report the reader would refuse is an error line instead (and a
+        failure): False, and none of its numbers may be logged."""
+        record = {**report.to_dict(), "score_seconds": score_seconds,
+                  **({"versus_baseline": versus_record(versus)} if versus else {})}
         try:
             EvalReport.from_dict(record)  # what the reader would refuse is never logged
         except ValueError as e:
@@ -133,12 +152,14 @@ class Publisher:
         return True
 
     def publish(self, report: EvalReport, baseline: EvalReport | None, score_seconds: float,
-                errors: int) -> dict[str, float] | None:
-        """Record, then log to every logger at the report's step; returns what was logged (None,
-        and nothing logged, for a refused report)."""
-        if not self.record_report(report, score_seconds):
+                errors: int, versus: dict | None = None) -> dict[str, float] | None:
+        """Record, then log to every logger at the report's step (`versus`: the paired comparison
+        with the baseline, for the intervals of the deltas and ratios); returns what was logged
+        (None, and nothing logged, for a refused report)."""
+        if not self.record_report(report, score_seconds, versus):
             return None
         metrics = report_metrics(self.prefix, report, baseline)
+        metrics.update(interval_metrics(self.prefix, report, baseline if versus else None, versus))
         metrics.update({f"{self.prefix}/step": float(report.step), f"{self.prefix}/score_seconds": score_seconds,
                         f"{self.prefix}/errors": float(errors)})
         for name, log in self.loggers():
@@ -191,7 +212,30 @@ class Publisher:
             extras[f"{p}/curve/{method}"] = wandb.plot.line_series(
                 xs=depths, ys=ys, keys=keys, xname="depth (draft tokens)",
                 title=f"{method}: share of anchors accepting at least d tokens, step {report.step}")
+        extras.update(self._band_plots(report, baseline))
         log({**metrics, **extras}, report.step)
+
+    def _band_plots(self, report: EvalReport, baseline: EvalReport | None) -> dict:
+        """PREFIX/band/METHOD: the live mean of ours and of the baseline at every report so far, each
+        with its 95% interval (lo and hi as lines of their own: W&B's line plots draw no band)."""
+        import wandb
+
+        if report.intervals is None:
+            return {}
+        plots = {}
+        for method in report.methods:
+            monitor = f"{method}/live"
+            compared = baseline is not None and baseline.intervals is not None and method in baseline.methods
+            base = (baseline.value(monitor), *baseline.interval(monitor)) if compared else (None, None, None)
+            rows = [r for r in self._bands.get(method, []) if r[0] != report.step]
+            self._bands[method] = rows = sorted(rows + [(report.step, report.value(monitor), *report.interval(monitor),
+                                                         *base)])
+            columns = ["ours", "ours 95% lo", "ours 95% hi"] + (["baseline", "baseline 95% lo", "baseline 95% hi"]
+                                                                 if compared else [])
+            plots[f"{self.prefix}/band/{method}"] = wandb.plot.line_series(
+                xs=[r[0] for r in rows], ys=[[r[1 + i] for r in rows] for i in range(len(columns))], keys=columns,
+                xname="step", title=f"{method}/live: ours and the baseline, each with its 95% interval")
+        return plots
 
 
 class WandbRows:

@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..checks import check_bool, check_choice, check_int, check_number
+from ..scoring.intervals import CONFIDENCE
 from ..scoring.methods import Monitor
 
 if TYPE_CHECKING:
+    from ..scoring.intervals import Comparison
     from ..scoring.report import EvalReport
 
 ACTIONS = ("stop", "warn")
@@ -90,8 +92,10 @@ class StopPolicy:
 
     A report *trails* when ``ours < threshold(baseline)``, where ``threshold`` is ``min_ratio * baseline``
     (ratio mode) or ``baseline + min_delta`` (delta mode), both on the monitored number of the two reports
-    (mean over tasks). Equal to the threshold (up to float rounding) is not trailing; a non-finite ``ours``
-    trails.
+    (mean over tasks), and, with ``confidence`` (the default), only when the whole 95% interval of the
+    ratio (delta) against the baseline, paired on the same anchors, lies below ``min_ratio`` (``min_delta``):
+    a gap the cache can not tell from noise never counts. Equal to the threshold (up to float rounding) is
+    not trailing; a non-finite ``ours`` trails.
 
     Args:
         monitor: ``METHOD/AGGREGATE``: METHOD is ``vanilla``, ``ddtree@N`` or ``top@K``; AGGREGATE is
@@ -120,6 +124,10 @@ class StopPolicy:
             training ends anyway (the last step reached: the report of the last snapshot; or another
             callback stopped training) only warns, whatever the action.
         verbose: log a status line for every report that does not stop training.
+        confidence: 0.95 (the intervals the reports carry) or None: judge the point values alone, as
+            before intervals. A report without an interval (scored before scorer version 4) is judged by
+            its value. Once the baseline's report is in hand, a cache too small to ever resolve
+            ``min_ratio`` (the baseline's own interval wider than the margin) is said in one line.
 
     Attributes:
         history: ``[(step, value), ...]`` of our monitored value, sorted by step.
@@ -141,6 +149,7 @@ class StopPolicy:
         projection_window: int = 5,
         action: str = "stop",
         verbose: bool = True,
+        confidence: float | None = CONFIDENCE,
     ) -> None:
         self.monitor = validate_monitor(monitor)
         if min_ratio is not None and min_delta is not None:
@@ -159,11 +168,16 @@ class StopPolicy:
         self.projection_window = check_int("`projection_window`", projection_window, MIN_PROJECTION_POINTS)
         self.action = check_choice("`action`", action, ACTIONS)
         self.verbose = check_bool("`verbose`", verbose)
+        if confidence is not None and confidence != CONFIDENCE:
+            raise ValueError(f"`confidence` must be {CONFIDENCE} (the intervals the reports carry) or None (the point "
+                             f"values alone); got {confidence!r}")
+        self.confidence = confidence
         self.reset()
 
     def reset(self) -> None:
         """The state of a run that has seen nothing yet (a resume then loads its checkpoint's)."""
         self.history: list[tuple[int, float]] = []
+        self.bounds: dict[int, float] = {}  # step -> the upper end of the ratio's (delta's) interval
         self.wait_count = 0
         self.stop_reason: str | None = None
         self.stopped_step = 0
@@ -192,30 +206,53 @@ class StopPolicy:
             return f"baseline {baseline_value:.2f} {sign} {abs(self.min_delta):g} = {thr:.2f}"
         return f"{self.min_ratio:g} x baseline {baseline_value:.2f} = {thr:.2f}"
 
+    def trails(self, value: float, upper: float | None, baseline_value: float) -> bool:
+        """Whether one report trails: ``is_trailing`` on its value and, with ``confidence``, the upper end
+        of its ratio's (delta's) interval, ``upper``, below ``min_ratio`` (``min_delta``) too. ``upper``
+        None (a report without an interval) leaves the value alone to judge."""
+        if not self.is_trailing(value, baseline_value):
+            return False
+        if self.confidence is None or upper is None or not math.isfinite(value):
+            return True
+        limit = self.min_ratio if self.min_delta is None else self.min_delta
+        return upper < limit and not math.isclose(upper, limit, rel_tol=1e-9, abs_tol=1e-12)
+
     def decide(
-        self, history: Sequence[Sequence[float]], baseline_value: float, max_steps: int | None = None
+        self, history: Sequence[Sequence[float]], baseline_value: float, max_steps: int | None = None,
+        bounds: dict[int, float] | None = None,
     ) -> Decision:
-        """Decide from ``history`` (``(step, value)`` pairs) against ``baseline_value``.
+        """Decide from ``history`` (``(step, value)`` pairs) against ``baseline_value``; ``bounds`` maps a
+        step to the upper end of its ratio's (delta's) interval (``confidence``: see ``trails``).
 
         ``max_steps`` is the projection horizon (``None`` or ``<= 0``: unknown). Pure: reads only the
         constructor settings.
         """
+        bounds = bounds or {}
         ordered = sorted((int(s), float(v)) for s, v in history)
         eligible = [(s, v) for s, v in ordered if s >= self.grace_steps]
         if not eligible:
             return Decision(False, f"no report at or after grace_steps={self.grace_steps} yet")
         thr = self.threshold(baseline_value)
         wait = 0
-        for _, value in reversed(eligible):
-            if not self.is_trailing(value, baseline_value):
+        for step, value in reversed(eligible):
+            if not self.trails(value, bounds.get(step), baseline_value):
                 break
             wait += 1
         last_step, last_value = eligible[-1]
         if wait == 0:
+            upper = bounds.get(last_step)
+            if self.is_trailing(last_value, baseline_value) and self.confidence is not None and upper is not None:
+                kind, limit = ("ratio", self.min_ratio) if self.min_delta is None else ("delta", self.min_delta)
+                return Decision(False, f"{self.monitor} {last_value:.2f} < {self.describe_threshold(baseline_value)}, "
+                                       f"but the {kind}'s 95% interval reaches {upper:.2f} >= {limit:g}: not "
+                                       "distinguishable from the threshold at this cache size, not trailing")
             return Decision(
                 False, f"{self.monitor} {last_value:.2f} >= {self.describe_threshold(baseline_value)}: not trailing"
             )
         trailing = f"{self.monitor} {last_value:.2f} < {self.describe_threshold(baseline_value)}"
+        if self.confidence is not None and bounds.get(last_step) is not None:
+            kind = "ratio" if self.min_delta is None else "delta"
+            trailing += f" (the {kind}'s 95% interval reaches {bounds[last_step]:.2f})"
         if wait < self.patience:
             return Decision(False, f"{trailing}: trailing {wait}/{self.patience} reports", wait)
         trailing += f" for {wait} reports in a row (steps {eligible[-wait][0]}-{last_step})"
@@ -248,11 +285,14 @@ class StopPolicy:
     # ----- following a run ---------------------------------------------------------------------------
 
     def on_report(self, report: EvalReport, baseline: EvalReport | None, now: Moment,
-                  info: Callable[[str], None], warn: Callable[[str], None], prefix: str = "dflash") -> str | None:
-        """Record ``report`` and decide (rank 0, on the training thread). Returns the reason to stop
+                  info: Callable[[str], None], warn: Callable[[str], None], prefix: str = "dflash",
+                  versus: Comparison | None = None) -> str | None:
+        """Record ``report`` and decide (rank 0, on the training thread); ``versus`` is its paired
+        comparison with the baseline on this monitor (for ``confidence``). Returns the reason to stop
         training with, or None. Without a baseline the value is recorded but nothing is decided (said once)."""
         step = now.step if report.step is None else int(report.step)
-        self.record(step, self.read(report, "report"))
+        upper = None if versus is None else versus.ratio.hi if self.min_delta is None else versus.delta.hi
+        self.record(step, self.read(report, "report"), upper)
         if self.stop_reason and self.stopped_step and now.ending:
             return None  # a report of the final snapshot after our stop: recorded, the reason stands
         if baseline is None:
@@ -265,7 +305,7 @@ class StopPolicy:
             warn(f"{type(self).__name__}: the baseline's {self.monitor} is {base}, not judging step {step}")
             return None
 
-        decision = self.decide(self.history, base, now.horizon)
+        decision = self.decide(self.history, base, now.horizon, self.bounds)
         self.last_decision = decision
         self.wait_count = decision.wait_count
         if not decision.stop:
@@ -295,18 +335,27 @@ class StopPolicy:
                 f"{e.args[0]}"
             ) from e
 
-    def record(self, step: int, value: float) -> None:
+    def record(self, step: int, value: float, upper: float | None = None) -> None:
         self.history = sorted([(s, v) for s, v in self.history if s != step] + [(step, value)])
+        self.bounds.pop(step, None)
+        if upper is not None:
+            self.bounds[step] = upper
 
     def load_history(self, history: list[dict]) -> None:
-        """This run's reports so far (``[{"step", "mean": {method: {aggregate: value}}}]``, a resume's
-        rebuilt from results.jsonl): the monitored value of each."""
+        """This run's reports so far (``[{"step", "mean": {method: {aggregate: value}}, "versus": ...}]``,
+        a resume's rebuilt from results.jsonl): the monitored value of each, and its interval's upper end."""
         monitor = Monitor.parse(self.monitor)
-        self.history = [(int(h["step"]), float(h["mean"][str(monitor.method)][monitor.aggregate])) for h in history]
+        kind = "ratio" if self.min_delta is None else "delta"
+        self.history, self.bounds = [], {}
+        for h in history:
+            versus = (h.get("versus") or {}).get(self.monitor)
+            self.record(int(h["step"]), float(h["mean"][str(monitor.method)][monitor.aggregate]),
+                        None if versus is None else float(versus[kind][2]))
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "history": [[s, v] for s, v in self.history],
+            "bounds": [[s, u] for s, u in sorted(self.bounds.items())],
             "wait_count": self.wait_count,
             "stopped_step": self.stopped_step,
             "stop_reason": self.stop_reason,
@@ -316,6 +365,7 @@ class StopPolicy:
         """Restore the history and counters. A stop that was decided but had not reached every rank is
         not restored: resuming is a deliberate choice to go on, and the next trailing report decides again."""
         self.history = [(int(s), float(v)) for s, v in state_dict["history"]]
+        self.bounds = {int(s): float(u) for s, u in state_dict.get("bounds", [])}  # none before intervals
         self.wait_count = int(state_dict["wait_count"])
         self.stopped_step = int(state_dict["stopped_step"])
         self.stop_reason = state_dict["stop_reason"]
@@ -344,9 +394,10 @@ class Stops:
             self.policies.remove(policy)
 
     def judge(self, policy: StopPolicy, report: EvalReport, baseline: EvalReport | None, now: Moment,
-              info: Callable[[str], None], warn: Callable[[str], None], prefix: str) -> None:
+              info: Callable[[str], None], warn: Callable[[str], None], prefix: str,
+              versus: Comparison | None = None) -> None:
         """`policy` records the report and decides (rank 0); the first stop decided waits for delivery."""
-        reason = policy.on_report(report, baseline, now, info, warn, prefix)
+        reason = policy.on_report(report, baseline, now, info, warn, prefix, versus)
         if reason is not None and self.pending is None:
             self.pending = (self.policies.index(policy), reason)
 
