@@ -35,6 +35,7 @@ from ..callbacks import TrailingBaselineStop
 from ..checks import check_choice, check_int, check_number, problems_of
 from ..config import EvalConfig, StopConfig, build_eval_callback, build_stop_callback, load_config
 from ..paths import CONF_DIR
+from ..scoring.intervals import paired_comparison
 from ..scoring.methods import Monitor
 from ..scoring.report import EvalReport, comparison_table
 from .plot import plot_live_tau
@@ -219,7 +220,12 @@ def report_line(report: EvalReport, baseline: EvalReport | None, stop: TrailingB
         ours = report.value(monitor)
         text = f"{monitor.method if monitor.aggregate == 'live' else monitor} {ours:.2f}"
         if baseline is not None and str(monitor.method) in baseline.methods:
-            text += f" = {ours / baseline.value(monitor):.0%} of the baseline's {baseline.value(monitor):.2f}"
+            if report.intervals is not None and baseline.intervals is not None:
+                ratio = paired_comparison(report, baseline)[str(monitor)]["mean"]
+                text += f" = {ratio.ratio.show(percent=True)} of the baseline's {baseline.value(monitor):.2f}, " \
+                        f"{ratio.verdict}"
+            else:
+                text += f" = {ours / baseline.value(monitor):.0%} of the baseline's {baseline.value(monitor):.2f}"
         parts.append(text)
     others = [m for m in report.methods if monitor is None or m != str(monitor.method)]
     parts.append("  ".join(f"{m} {report.value(f'{m}/live'):.2f}" for m in others))

@@ -61,11 +61,16 @@ def live_tau_figure(reports: Sequence[EvalReport], baseline: EvalReport | None, 
     right = max(steps)  # the last step drawn
     for ax, method in zip(axes, methods):
         monitored = monitor is not None and str(monitor.method) == method
-        # an interval per number goes to draw_tau and draw_level as lo=, hi= (arrays over the reports; the baseline's bounds)
-        draw_tau(ax, steps, [r.value(f"{method}/live") for r in reports], label="ours", color=OURS)
+        key = f"{method}/live"
+        bands = all(r.intervals is not None for r in reports)  # reports of scorer version 4 and later
+        draw_tau(ax, steps, [r.value(key) for r in reports], label="ours (95% interval shaded)" if bands else "ours",
+                 color=OURS, lo=[r.interval(key)[0] for r in reports] if bands else None,
+                 hi=[r.interval(key)[1] for r in reports] if bands else None)
         if baseline is not None and method in baseline.methods:
-            base = baseline.value(f"{method}/live")
-            draw_level(ax, base, label="baseline", color=BASELINE)
+            base = baseline.value(key)
+            lo, hi = baseline.interval(key) if baseline.intervals is not None else (None, None)
+            draw_level(ax, base, lo=lo, hi=hi, label="baseline" if lo is None else "baseline (95% interval shaded)",
+                       color=BASELINE)
             ax.annotate(f"baseline {base:.2f}", (1, base), xycoords=("axes fraction", "data"), xytext=(-4, 4),
                         textcoords="offset points", ha="right", fontsize=9)
         if monitored and monitor.aggregate == "live":
