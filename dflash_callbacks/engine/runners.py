@@ -34,10 +34,14 @@ import threading
 import time
 import traceback
 import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from ..files import file_version
+from ..model import DrafterConfig
 from ..scoring.basis import Basis
 from ..scoring.report import EvalReport
 from ..scoring.scorer import Cancelled, NonFiniteError
@@ -59,13 +63,17 @@ baseline drafter folder may be a snapshot, whose report names its id)."""
 
 @dataclass
 class Job:
-    """One snapshot to score: in memory (`snapshot`, written first when snapshots are kept)
-    or already on disk (`folder`: left unscored by a killed run, found on resume)."""
+    """One snapshot to score: in memory (`snapshot`, written first when snapshots are kept),
+    already on disk (`folder`: left unscored by a killed run, found on resume), or a checkpoint
+    outside the run folder (`folder`, a trainer's folder or file, and `read`, which reads it
+    when the job runs: `watch --checkpoints`; thread runner only), reported as `step` and
+    `snapshot_id`."""
 
     step: int
     snapshot_id: str
     snapshot: Snapshot | None = None
     folder: Path | None = None
+    read: Callable[[], tuple[DrafterConfig, Mapping[str, torch.Tensor]]] | None = None
 
 
 @dataclass(kw_only=True)
@@ -125,6 +133,10 @@ class ThreadScorer:
         if job.snapshot is not None:
             s = job.snapshot
             return service.score(s.config, s.state, step=s.step, snapshot_id=s.snapshot_id, cancel=self.cancel)
+        if job.read is not None:
+            config, state = job.read()
+            return service.score(config, state, step=job.step, snapshot_id=job.snapshot_id, name=str(job.folder),
+                                 cancel=self.cancel)
         return service.score_folder(job.folder, cancel=self.cancel)
 
     def close(self) -> None:
@@ -517,7 +529,7 @@ class BackgroundRunner:
             outcome = SnapshotOutcome(step=job.step, snapshot_id=job.snapshot_id, report=report)
         except Cancelled:
             outcome = SnapshotOutcome(step=job.step, snapshot_id=job.snapshot_id, error=f"not scored: {self._cancel_reason}",
-                                      on_disk=job.folder is not None and job.folder.is_dir())
+                                      on_disk=job.folder is not None and job.folder.exists())
         except Exception as e:
             outcome = SnapshotOutcome(step=job.step, snapshot_id=job.snapshot_id, error=describe(e))
         finally:
