@@ -181,8 +181,8 @@ def test_a_sigkilled_watcher_restarted_scores_nothing_twice_and_loses_nothing(wo
                       "--patience", "5", "--monitor", "ddtree@4/live", "--wandb-project", "dflash-watch", baseline=True)
     proc = spawn_watcher(args, log)
     try:
-        wait_for(lambda: (out / "results.jsonl").is_file() and len((out / "results.jsonl").read_text().splitlines()) >= 2,
-                 proc, log)
+        results_path = out / "results.jsonl"
+        wait_for(lambda: results_path.is_file() and len(results_path.read_text().splitlines()) >= 2, proc, log)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -209,7 +209,8 @@ def test_a_sigkilled_watcher_restarted_scores_nothing_twice_and_loses_nothing(wo
     # min_ratio 5: every report trails; the fifth in a row (counted across the kill) stops, and stands
     stop = json.loads((out / "STOP.json").read_text())
     assert stop["stop"] is True and stop["monitor"] == "ddtree@4/live"
-    assert "stopping at step 10: ddtree@4/live" in stop["reason"] and "5 reports in a row (steps 2-10)" in stop["reason"]
+    assert "stopping at step 10: ddtree@4/live" in stop["reason"]
+    assert "5 reports in a row (steps 2-10)" in stop["reason"]
     assert f"watch: STOP: {stop['reason']} (written to {out / 'STOP.json'})" in again
     assert "dflash: stopping at step 12" in again and again.count("watch: STOP") == 1
     assert RunFolder(out).about()["wandb_id"] == wandb_id
@@ -266,11 +267,13 @@ def test_bad_input_is_one_line_each_before_any_scoring(world, tmp_path, capsys):
     err = fails([*base, "--settle-seconds", "-1", "--state-key", "draft_state_dict", "--step-pattern", "step_(\\d+",
                  "--wandb-name", "x", "--patience", "2"], capsys)
     for text in ("--settle-seconds must be finite numbers >= 0", "give the drafter's config.json with --drafter-config",
-                 "--step-pattern 'step_(\\\\d+' is not a regular expression", "--wandb-name and --wandb-group name a run",
+                 "--step-pattern 'step_(\\\\d+' is not a regular expression",
+                 "--wandb-name and --wandb-group name a run",
                  "--patience set the stop, which compares with the baseline: give --baseline"):
         assert text in err
     assert len(err.splitlines()) == 5
-    fails([*base, "--drafter-config", str(world.baseline)], capsys, "--state-file and --drafter-config go with --state-key")
+    fails([*base, "--drafter-config", str(world.baseline)], capsys,
+          "--state-file and --drafter-config go with --state-key")
 
     # a torch checkpoint without the state key: the keys it has are named
     torch_root = tmp_path / "torch"
@@ -294,7 +297,8 @@ def test_bad_input_is_one_line_each_before_any_scoring(world, tmp_path, capsys):
     assert cli_main([*base, "--once", "--settle-seconds", "0"]) == 0
     capsys.readouterr()
     fails([*base, "--once", "--settle-seconds", "0", "--budgets", "8"], capsys,
-          f"--out {root / 'dflash-eval'} holds reports scored with no ddtree@8", "watch with its settings, or give another --out")
+          f"--out {root / 'dflash-eval'} holds reports scored with no ddtree@8",
+          "watch with its settings, or give another --out")
     fails([*base, "--once", "--out", str(root / "checkpoint-2" / "config.json")], capsys, "is a file")
     assert sorted(results(root / "dflash-eval")[0]) == [2]
 
@@ -321,17 +325,18 @@ def specforge_world(tmp_path: Path) -> tuple[Path, Path]:
 def test_specforge_torch_checkpoints_equal_score_on_their_hf_export(tmp_path, capsys):
     """SpecForge's own `training_state.pt` (weights under draft_state_dict), in its checkpoint folder
     layout, and the same weights saved by a DDP-wrapped, compiled trainer (prefixed keys) as a bare
-    file: each report equals `dflash-callbacks score` on SpecForge's own HF export of them."""
+    file whose name's last integer is not its step (--step-pattern): each report equals
+    `dflash-callbacks score` on SpecForge's own HF export of them."""
     target, cache = specforge_world(tmp_path)
     root = tmp_path / "checkpoints"
     shutil.copytree(SPECFORGE / "checkpoints", root)
     (root / "run-latest").write_text("run-step10")  # SpecForge's pointer file: no step, not a checkpoint
     state = torch.load(root / "run-step10" / "training_state.pt", map_location="cpu", weights_only=True)
     torch.save({"draft_state_dict": {f"module._orig_mod.{k}": v for k, v in state["draft_state_dict"].items()}},
-               root / "step20.pt")
+               root / "step20-v2.pt")
     args = ["watch", "--checkpoints", str(root), "--cache", str(cache), "--target", str(target), "--device", "cpu",
             "--state-key", "draft_state_dict", "--drafter-config", str(SPECFORGE / "draft_config.json"),
-            "--settle-seconds", "0", "--once"]
+            "--step-pattern", r"step(\d+)", "--settle-seconds", "0", "--once"]
     assert cli_main(args) == 0, capsys.readouterr().err
     reports, errors = results(root / "dflash-eval")
     assert sorted(reports) == [10, 20] and not errors
@@ -342,4 +347,5 @@ def test_specforge_torch_checkpoints_equal_score_on_their_hf_export(tmp_path, ca
     for report in reports.values():
         assert_same(report, reference)
     assert reports[10].drafter == str(root / "run-step10" / "training_state.pt")
+    assert reports[20].drafter == str(root / "step20-v2.pt")
     assert reports[10].value("vanilla/live") >= 1.0

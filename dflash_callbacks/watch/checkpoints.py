@@ -141,8 +141,9 @@ def drafter_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
 
 def config_differences(reference: DrafterConfig, config: DrafterConfig) -> list[str]:
     """The fields (all but `extra`) where `config` differs from `reference`."""
-    return [f"{f.name} {getattr(config, f.name)!r} (the run's: {getattr(reference, f.name)!r})"
-            for f in fields(DrafterConfig) if f.name != "extra" and getattr(config, f.name) != getattr(reference, f.name)]
+    names = [f.name for f in fields(DrafterConfig) if f.name != "extra"]
+    return [f"{name} {getattr(config, name)!r} (the run's: {getattr(reference, name)!r})" for name in names
+            if getattr(config, name) != getattr(reference, name)]
 
 
 @dataclass
@@ -199,10 +200,11 @@ class Checkpoints:
         return {step: paths[0] for step, paths in found.items()}
 
     def files(self, source: Path) -> list[Path]:
-        """Every file of the checkpoint (what settles): the folder's, or the torch file's own folder's."""
-        folder = source if self.state_key is None else source.parent if source.parent != self.root else None
-        if folder is None:
+        """Every file of the checkpoint (what settles): the HF folder's, the checkpoint folder's that holds
+        the state file, or the torch file in DIR itself."""
+        if self.state_key is not None and source.parent == self.root:
             return [source] if source.is_file() else []
+        folder = source if self.state_key is None else source.parent
         return sorted(p for p in folder.rglob("*") if p.is_file())
 
     def fingerprint(self, source: Path) -> str | None:
@@ -343,10 +345,12 @@ class CheckpointWatcher:
         self.settings = s = settings
         self.root, self.out, self.settle = args.checkpoints, s["out"], s["settle_seconds"]
         self.poll_seconds, self.idle_exit, self.once = args.poll_seconds, args.idle_exit, args.once
-        self.spec = ServiceSpec(cache=str(args.cache), target=str(args.target),
-                                baseline=None if args.baseline is None else str(args.baseline),
-                                scoring=scoring_config(args).to_dict(),
-                                baseline_cache_dir=None if args.baseline_cache_dir is None else str(args.baseline_cache_dir))
+        self.spec = ServiceSpec(
+            cache=str(args.cache), target=str(args.target),
+            baseline=None if args.baseline is None else str(args.baseline),
+            scoring=scoring_config(args).to_dict(),
+            baseline_cache_dir=None if args.baseline_cache_dir is None else str(args.baseline_cache_dir),
+        )
         self.checkpoints = Checkpoints(self.root, s["step_pattern"], s["state_key"], s["state_file"], s["config"],
                                        self.out)
         self.host = WatchHost(s["max_steps"])
@@ -379,7 +383,8 @@ class CheckpointWatcher:
         rest with the first checkpoint."""
         c = self.checkpoints
         if c.config is not None:
-            c.drafter = Drafter(c.config, drafter_shapes(c.config), f"--drafter-config {self.settings['drafter_config']}")
+            given = f"--drafter-config {self.settings['drafter_config']}"
+            c.drafter = Drafter(c.config, drafter_shapes(c.config), given)
         problems = []
         for step, source in sorted(c.find().items()):
             if c.unfinished(source) or (step in self.done and c.drafter is not None):
@@ -415,10 +420,12 @@ class CheckpointWatcher:
         try:
             self.engine.start(self.host, None, run_id=self.out.name)
         except RunFolderBusy as e:
-            raise UsageError(f"--out {self.out}: {e}; another watcher writes there: stop it or give another --out") from None
+            raise UsageError(f"--out {self.out}: {e}; another watcher writes there: stop it or give another "
+                             "--out") from None
         self.started = True
         try:
-            self.engine.run.update_about({"checkpoints": str(self.root.resolve()), "state_key": self.checkpoints.state_key})
+            self.engine.run.update_about({"checkpoints": str(self.root.resolve()),
+                                          "state_key": self.checkpoints.state_key})
             if self.settings["wandb_project"] is not None:
                 self.host.wandb_run = self.start_wandb()
         except BaseException:
@@ -548,18 +555,21 @@ def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `watch --checkpoints` that `watch --dir` does not take."""
     d = DEFAULTS
     p.add_argument("--checkpoints", type=Path, default=None,
-                   help="the folder a trainer saves its checkpoints into: score each new one (no change to the trainer)")
+                   help="the folder a trainer saves its checkpoints into: score each new one (no change to the "
+                        "trainer)")
     g = p.add_argument_group("watch --checkpoints DIR", argument_default=argparse.SUPPRESS)
     g.add_argument("--out", type=Path, help="the run folder of the reports (results.jsonl, run.json, STOP.json); "
                                             "default DIR/dflash-eval")
     g.add_argument("--state-key", help="read torch checkpoint files, the drafter's state dict under this key "
                                        "(SpecForge: draft_state_dict); default: HF-format drafter folders")
-    g.add_argument("--state-file", help=f"with --state-key: the file read in a checkpoint folder (default {d['state_file']})")
+    g.add_argument("--state-file", help="with --state-key: the file read in a checkpoint folder "
+                                        f"(default {d['state_file']})")
     g.add_argument("--drafter-config", type=Path, help="with --state-key: the drafter's config.json (or its folder)")
     g.add_argument("--step-pattern", help="a regular expression whose first group (or match) is the step in a "
                                           "checkpoint's name (default: the name's last integer)")
     g.add_argument("--settle-seconds", type=float, help="a checkpoint without the trainer's completion marker is "
-                                                        f"complete once its files are unchanged this long (default {d['settle_seconds']:g})")
+                                                        "complete once its files are unchanged this long "
+                                                        f"(default {d['settle_seconds']:g})")
     g.add_argument("--wandb-project", help="log the reports to this W&B project (default: no W&B)")
     g.add_argument("--wandb-name", help="the W&B run's name")
     g.add_argument("--wandb-group", help="the W&B group, e.g. the training run's, to see both together")
@@ -567,10 +577,13 @@ def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-ratio", type=float, help="the stop: trailing means ours < this x baseline (default 0.9)")
     g.add_argument("--min-delta", type=float, help="the stop: or ours < baseline + this (give one of the two)")
     g.add_argument("--patience", type=int, help=f"the stop: consecutive trailing reports (default {d['patience']})")
-    g.add_argument("--grace-steps", type=int, help="the stop: reports before this step are never decided on (default 0)")
+    g.add_argument("--grace-steps", type=int, help="the stop: reports before this step are never decided on "
+                                                   "(default 0)")
     g.add_argument("--projection", action="store_true", help="the stop: only when a log fit stays below the threshold")
-    g.add_argument("--projection-window", type=int, help=f"the stop: reports the fit uses (default {d['projection_window']})")
-    g.add_argument("--action", choices=ACTIONS, help="the stop: 'stop' writes STOP.json, 'warn' only prints (default stop)")
+    g.add_argument("--projection-window", type=int,
+                   help=f"the stop: reports the fit uses (default {d['projection_window']})")
+    g.add_argument("--action", choices=ACTIONS,
+                   help="the stop: 'stop' writes STOP.json, 'warn' only prints (default stop)")
     g.add_argument("--max-steps", type=int, help="the training's last step: the projection's horizon; a report there "
                                                  "only warns (training ends anyway)")
 
@@ -584,7 +597,8 @@ def checkpoint_settings(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(f"--checkpoints {root} is not a folder" + (" (it does not exist)" if not root.exists() else "")
                          + ": give the folder your trainer saves its checkpoints into")
     problems = []
-    if not all(x is None or (math.isfinite(x) and x >= 0) for x in (args.poll_seconds, args.idle_exit, s["settle_seconds"])):
+    seconds = (args.poll_seconds, args.idle_exit, s["settle_seconds"])
+    if not all(x is None or (math.isfinite(x) and x >= 0) for x in seconds):
         problems.append("--poll-seconds, --idle-exit and --settle-seconds must be finite numbers >= 0")
     if s["state_key"] is None and given & {"state_file", "drafter_config"}:
         problems.append("--state-file and --drafter-config go with --state-key (torch checkpoint files); an HF-format "
