@@ -622,13 +622,14 @@ class EvalEngine:
             else:  # training is failing: keep every outcome on disk, log nothing
                 left = []
                 for outcome in runner.poll():
-                    if getattr(outcome, "on_disk", False):  # no error line: a resume scores it, as after a kill
-                        left.append(outcome.step)
+                    if getattr(outcome, "on_disk", None):  # no error line: a resume scores it, as after a kill
+                        left.append(outcome)
                     else:
                         self._keep(outcome)
                 if left:
-                    self.host.warn(f"{self.name}: {reason}: the snapshots of steps {left} are left on disk, not "
-                                   "scored; a resume scores them")
+                    where = ", ".join(sorted({str(o.on_disk.parent) for o in left}))
+                    self.host.warn(f"{self.name}: {reason}: the snapshots of steps {[o.step for o in left]} are in "
+                                   f"{where}, not scored; a resume from a checkpoint scores them")
             self._publisher.record(None)
         finally:
             self.run.unlock()

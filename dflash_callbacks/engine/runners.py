@@ -87,7 +87,7 @@ class Outcome:
 class SnapshotOutcome(Outcome):
     step: int
     snapshot_id: str
-    on_disk: bool = False  # cancelled or abandoned with its snapshot written: a resume can still score it
+    on_disk: Path | None = None  # cancelled or abandoned with its snapshot (or checkpoint) here: a resume scores it
 
 
 @dataclass(kw_only=True)
@@ -451,10 +451,15 @@ class BackgroundRunner:
                 ready.append(self._outbox.get_nowait())
             handed = {o.step for o in ready if isinstance(o, SnapshotOutcome)}
             ready += [SnapshotOutcome(step=step, snapshot_id=snapshot_id, error=f"not scored: {reason}",
-                                      on_disk=self.run.snapshot_id(self.run.snapshot_path(step)) == snapshot_id)
+                                      on_disk=self._written(step, snapshot_id))
                       for step, snapshot_id in sorted(self._pending.items()) if step not in handed]
             for outcome in ready:
                 self._outbox.put(outcome)
+
+    def _written(self, step: int, snapshot_id: str) -> Path | None:
+        """The snapshot folder of this step and id, when it is on disk."""
+        folder = self.run.snapshot_path(step)
+        return folder if self.run.snapshot_id(folder) == snapshot_id else None
 
     def _put(self, outcome: Outcome) -> None:
         with self._lock:
@@ -529,7 +534,7 @@ class BackgroundRunner:
             outcome = SnapshotOutcome(step=job.step, snapshot_id=job.snapshot_id, report=report)
         except Cancelled:
             outcome = SnapshotOutcome(step=job.step, snapshot_id=job.snapshot_id, error=f"not scored: {self._cancel_reason}",
-                                      on_disk=job.folder is not None and job.folder.exists())
+                                      on_disk=job.folder if job.folder is not None and job.folder.exists() else None)
         except Exception as e:
             outcome = SnapshotOutcome(step=job.step, snapshot_id=job.snapshot_id, error=describe(e))
         finally:
