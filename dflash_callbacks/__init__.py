@@ -4,6 +4,7 @@ over one evaluation engine (`dflash_callbacks.engine`)."""
 
 from importlib import import_module
 
+from .engine.stop import StopPolicy  # TrailingBaselineStop's rule without Lightning (plain loops, transformers)
 from .model import DFlashDrafter, DrafterConfig, TargetHead, load_drafter, save_drafter
 from .scoring import EvalReport, ScoringConfig, score_drafter
 
@@ -21,7 +22,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "DFlashDrafter", "DrafterConfig", "DrafterEarlyStopping", "DrafterEvalCallback", "DrafterEvalTrainerCallback",
-    "DrafterEvaluator", "EvalReport", "ScoringConfig", "TargetHead", "TrailingBaselineStop", "load_drafter",
+    "DrafterEvaluator", "EvalReport", "ScoringConfig", "StopPolicy", "TargetHead", "TrailingBaselineStop", "load_drafter",
     "save_drafter", "score_drafter",
 ]
 __version__ = "0.1.0"

@@ -471,7 +471,7 @@ def test_compare_prints_intervals_and_pairs_two_drafters(world, tmp_path, capsys
     ours, theirs = (EvalReport.load(tmp_path / name) for name in ("b.json", "a.json"))
     paired = paired_comparison(ours, theirs)["vanilla/live"]["mean"]
     assert f"| {paired.delta.show(sign=True)} | {paired.ratio.show(percent=True)} |" in out
-    assert f"vanilla live: {paired.ratio.show(percent=True)} of {theirs.drafter}, {paired.says(theirs.drafter)}" in out
+    assert f"vanilla live: {paired.ratio.show(percent=True)} of {theirs.drafter}, {paired.says('it')}" in out
 
 
 def test_compare_refuses_methods_that_differ_unless_force_which_says_what_it_drops(world, tmp_path, capsys):

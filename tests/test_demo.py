@@ -27,14 +27,15 @@ MAX_STEPS = 400
 @pytest.fixture(scope="module")
 def demo_run(toy_cache_dir, toy_training_cache_dir, tmp_path_factory):
     """A short demo on the session's toy caches: reports every 10 steps, judged from step 20, a stop
-    after 2 trailing reports (a threshold of the baseline + 0.5: the stop is certain, whenever the
-    reports arrive). Returns (its config, its summary, the lines it printed)."""
+    after 2 trailing reports (a threshold of the baseline + 0.5 on the point values: the stop is certain,
+    whenever the reports arrive; three tasks can not resolve it with intervals). Returns (its config, its
+    summary, the lines it printed)."""
     out = tmp_path_factory.mktemp("demo") / "out"
     shutil.copytree(toy_training_cache_dir, out / "world" / "train-32x128")
     cfg = demo_config([f"out={out}", "wandb=disabled", f"eval.cache={toy_cache_dir}", "train.sequences=32",
                        "train.seq_len=128", f"train.max_steps={MAX_STEPS}", "eval.every_n_train_steps=10",
                        "eval.max_pending=8", "eval.scoring.tasks=[fizzbuzz,trie,lru_cache]", "stop.grace_steps=20",
-                       "stop.patience=2", "stop.min_ratio=null", "stop.min_delta=0.5"])
+                       "stop.patience=2", "stop.min_ratio=null", "stop.min_delta=0.5", "stop.confidence=null"])
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         summary = run_demo(cfg)
@@ -64,7 +65,7 @@ def test_the_demo_prints_a_line_per_report_and_the_table_once(demo_run):
             assert verdict == "scored after the stop"
     tables = [i for i, line in enumerate(printed) if line.startswith("| task |")]
     assert len(tables) == 1 and tables[0] > printed.index(lines[-1])  # the full table, once, at the end
-    assert printed[tables[0] - 1].endswith(f"step {reports[-1].step}")
+    assert f", step {reports[-1].step};" in printed[tables[0] - 1]  # the title: the last report, its intervals
     assert printed[-3:] == [f"trained {summary['steps']} of {MAX_STEPS} steps in {summary['seconds']:.0f} s; "
                             f"{len(reports)} reports in {summary['results']}", summary["stop_reason"],
                             f"live tau curves: {summary['plot']}"]

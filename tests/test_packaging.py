@@ -39,3 +39,17 @@ def test_the_wheel_ships_conf_and_an_install_finds_it(tmp_path):
     module, conf, tasks = json.loads(run.stdout)
     assert module.startswith(str(tmp_path / "site")) and conf == str(tmp_path / "site" / "dflash_callbacks" / "conf")
     assert tasks == 10
+
+
+def test_the_engine_and_the_plain_loop_import_no_training_framework():
+    """Only the adapters import the frameworks they adapt: the engine, the plain-loop evaluator, the
+    scoring service (the process worker's import path) and the checkpoint watcher load neither
+    Lightning nor the transformers Trainer (the drafter keeps its transformers building blocks)."""
+    code = ("import sys; import dflash_callbacks.engine, dflash_callbacks.loop, dflash_callbacks.scoring.service, "
+            "dflash_callbacks.watch.checkpoints, dflash_callbacks.engine.runners; "
+            "from dflash_callbacks import DrafterEvaluator; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning') "
+            "or m in ('transformers.trainer', 'transformers.trainer_callback')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -78,11 +78,13 @@ class Basis:
 
 
 def attention_difference(ours: EvalReport, theirs: EvalReport) -> str | None:
-    """A line saying how the two drafters' layers attended inside the block, when they differ
-    (two architectures, or reports of before it was recorded); None when they agree."""
-    if ours.attention == theirs.attention:
+    """A line saying how the two drafters' layers attended inside the block, when their kinds of
+    layer differ (two architectures, or reports of before it was recorded); None when they agree
+    (the same patterns, whatever the number of layers)."""
+    kinds = lambda a: None if a is None else sorted(set(a))  # noqa: E731
+    if kinds(ours.attention) == kinds(theirs.attention):
         return None
-    show = lambda a: "unrecorded" if a is None else "; ".join(a)  # noqa: E731
+    show = lambda a: "unrecorded" if a is None else "; ".join(kinds(a))  # noqa: E731
     return (f"the drafters attend differently inside the block (ours: {show(ours.attention)}; the baseline: "
             f"{show(theirs.attention)}): each is scored as it is served, but they are not one architecture")
 

@@ -419,5 +419,5 @@ def comparison_table(ours: EvalReport, baseline: EvalReport | None = None, aggre
     if kept:
         title += f"; [95% interval] over {len(ours.tasks)} tasks"
     verdicts = [f"{monitor.split('/')[0]} {aggregate}: {found['mean'].ratio.show(percent=True)} of {other}, "
-                f"{found['mean'].says(other)}" for monitor, found in paired.items() if monitor.endswith(f"/{aggregate}")]
+                f"{found['mean'].says('it')}" for monitor, found in paired.items() if monitor.endswith(f"/{aggregate}")]
     return "\n".join([title, *lines, *verdicts, *unpaired])

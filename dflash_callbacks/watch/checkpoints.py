@@ -66,6 +66,8 @@ MARKER = "trainer_state.json"
 """The transformers Trainer's `_save_checkpoint` writes it after the model files (and after the
 optimizer, scheduler and RNG states): a checkpoint folder holding it is complete."""
 STOP_FILE = "STOP.json"
+WANDB_HELD_SECONDS = 60.0
+"""How long a restarted watcher waits for the W&B run a killed one held (its service outlives it a while)."""
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 LAST_INTEGER = re.compile(r"(\d+)(?!.*\d)")
 SHARD_NAME = re.compile(r"-(\d+)-of-(\d+)\.safetensors\Z")
@@ -430,13 +432,21 @@ class CheckpointWatcher:
 
         s, about = self.settings, self.engine.run.about()
         run_id = about.get("wandb_id") or uuid.uuid4().hex[:12]
-        try:
-            run = wandb.init(project=s["wandb_project"], name=s["wandb_name"], group=s["wandb_group"], id=run_id,
-                             resume="allow", dir=str(self.out), job_type="dflash-eval",
-                             config={"dflash_watch": {"checkpoints": str(self.root.resolve()), "out": str(self.out)}})
-        except Exception as e:
-            raise UsageError(f"W&B could not start a run: {type(e).__name__}: {e} (run `wandb login`, or set "
-                             "WANDB_MODE=offline)") from None
+        deadline = time.monotonic() + WANDB_HELD_SECONDS
+        while True:
+            try:
+                run = wandb.init(project=s["wandb_project"], name=s["wandb_name"], group=s["wandb_group"], id=run_id,
+                                 resume="allow", dir=str(self.out), job_type="dflash-eval",
+                                 config={"dflash_watch": {"checkpoints": str(self.root.resolve()), "out": str(self.out)}})
+                break
+            except Exception as e:
+                if "in use" in str(e) and time.monotonic() < deadline:  # a killed watcher's W&B service still holds it
+                    print(f"watch: W&B run {run_id} is still held (a killed watcher's service?); trying again",
+                          flush=True)
+                    time.sleep(2.0)
+                    continue
+                raise UsageError(f"W&B could not start a run: {type(e).__name__}: {e} (run `wandb login`, or set "
+                                 "WANDB_MODE=offline)") from None
         self.engine.run.update_about({"wandb_id": run_id})
         return run
 
@@ -501,8 +511,9 @@ class CheckpointWatcher:
 
     def run(self) -> int:
         mode = f"--state-key {self.checkpoints.state_key!r}" if self.checkpoints.state_key else "HF drafter folders"
-        print(f"watch: scoring the checkpoints in {self.root} ({mode}) into {self.out} (every "
-              f"{self.poll_seconds:g} s, complete after {self.settle:g} s unchanged; Ctrl-C stops)", flush=True)
+        every = "once" if self.once else f"every {self.poll_seconds:g} s"
+        print(f"watch: scoring the checkpoints in {self.root} ({mode}) into {self.out} ({every}, complete after "
+              f"{self.settle:g} s unchanged{'' if self.once else '; Ctrl-C stops'})", flush=True)
         last_work = time.monotonic()
         if self.once:
             self.scan()
