@@ -25,8 +25,9 @@ COMMANDS = {
               "score a drafter folder (and a baseline) on a cache; print the per-task table"),
     "compare": ("dflash_callbacks.scoring.cli", "add_compare_arguments", "run_compare",
                 "compare a report (or a step of results.jsonl) with the baseline's report"),
-    "watch": ("dflash_callbacks.watch.runs", "add_watch_arguments", "run_watch",
-              "score the snapshots training runs write (DrafterEvalCallback(runner='external'))"),
+    "watch": ("dflash_callbacks.watch.cli", "add_watch_arguments", "run_watch",
+              "score the snapshots training runs write (--dir: DrafterEvalCallback(runner='external')) or the "
+              "checkpoints a trainer saves (--checkpoints)"),
 }
 USER_ERRORS = (ValueError, OSError)  # bad input: CacheError, PreflightError, UsageError, missing files, ...
 

@@ -198,7 +198,8 @@ def test_trailing_baseline_stop_stops_the_trainer_at_the_expected_step_with_its_
     trainer, _ = hf_fit(world, tmp_path / "out", 40, [cb, Settle(cb)])
     assert trainer.state.global_step == 5 and stop.stopped_step == 5 and cb.should_stop
     assert re.fullmatch(r"dflash: stopping at step 4: ddtree@4/live \d\.\d\d < 10 x baseline \d\.\d\d = \d+\.\d\d "
-                        r"for 2 reports in a row \(steps 2-4\)", stop.stop_reason), stop.stop_reason
+                        r"\(the ratio's 95% interval reaches \d\.\d\d\) for 2 reports in a row \(steps 2-4\)",
+                        stop.stop_reason), stop.stop_reason
     assert cb.stop_reason == stop.stop_reason
     assert [r["step"] for r in records(tmp_path / "d")] == [2, 4, 5]
     assert_clean(tmp_path / "d", cb.reports)

@@ -280,6 +280,8 @@ def test_the_stop_and_setup_helpers():
     line = resolution_warning(baseline, "vanilla/dense", 1 - half / 2)
     assert line.startswith("the cache's 10 tasks can not resolve min_ratio=") and f"about {needed} tasks" in line
     assert "\n" not in line and line.endswith("the stop still runs")
+    # a threshold at or above the baseline leaves no margin to measure (it looped for ever, growing a cache)
+    assert tasks_to_resolve(baseline, "vanilla/dense", 1.0) is None and resolution_warning(baseline, "vanilla/dense", 10) is None
 
 
 # ----- the toy world ---------------------------------------------------------------------------------

@@ -223,7 +223,7 @@ def test_wrapper_prefixes_are_stripped_and_said_and_only_tensors_are_read(tmp_pa
                         f"its {len(plain)} tensor names"]
         assert all(torch.equal(drafter.state_dict()[k], v) for k, v in expected.items())
     shutil.copy(case / STATE, tmp_path / "state.pt")
-    with pytest.raises(ValueError, match=r"has no 'model'; it holds \['draft_state_dict', 'epoch'"):
+    with pytest.raises(ValueError, match=r"has no 'model'; its keys are \['draft_state_dict', 'epoch'"):
         read_checkpoint(tmp_path / "state.pt", "model")
     torch.save({"draft_state_dict": {"fc.weight": NotATensor()}}, tmp_path / "code.pt")
     with pytest.raises(ValueError, match="is not a torch checkpoint that loads with weights_only=True"):

@@ -16,6 +16,11 @@ a few points of its loop:
     finish(step, epoch, drafter)              every rank, once training is over: the last step's snapshot
     close(wait, reason, publish)              rank 0: the last reports, then the run folder is released
 
+Without a training loop (`watch --checkpoints`, which scores the checkpoints a trainer saves),
+`check` takes the drafter's config and tensor shapes instead of a live drafter, `start` opens
+the run folder, `submit(job)` scores a checkpoint in the background and `poll()` publishes
+what is finished and returns a stop's reason.
+
 The engine reads the training process and never writes to it: the only global state it
 touches is what the host is asked to log and the stop it returns. Scoring builds every
 tensor with an explicit dtype and device, and never draws from the global RNG.
@@ -136,6 +141,22 @@ def check_path(name: str, value: Any, optional: bool = False) -> Path | None:
     if not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"{name} must be a path (str or os.PathLike); got {type(value).__name__}")
     return Path(value)
+
+
+def basis_changes(basis: Basis, run: RunFolder, recorded: dict | None = None) -> list[str]:
+    """How `basis` differs from what the reports of `run` stand on: `recorded` (a resume's
+    checkpoint's, its history's; the folder may be gone and recreated), run.json's, else, with
+    neither recorded, its first report's. Empty: the same basis (or nothing to compare with)."""
+    bases = []
+    for raw in (recorded, run.about().get("basis")):
+        try:
+            bases.append(Basis.from_dict(raw))
+        except (TypeError, ValueError, AttributeError):  # none recorded (an older run), or damaged
+            pass
+    if not bases:
+        reports = run.read_results().reports
+        bases = [Basis.of_report(reports[0])] if reports else []
+    return next((changed for other in bases if (changed := basis.differences(other))), [])
 
 
 def scoring_copy(scoring: ScoringConfig | Mapping | None, device: str | None) -> ScoringConfig:
@@ -266,10 +287,17 @@ class EvalEngine:
             self.host.warn(f"{type(policy).__name__}: {self.name!r} has no baseline, so {policy.monitor} is recorded "
                            "but never judged and training is never stopped; give the evaluator baseline=...")
 
+    @property
+    def basis(self) -> Basis:
+        """What every report of this run stands on (after `check`)."""
+        return self._basis
+
     # ------------------------------------------------------------------ before training
-    def check(self, host: Host, drafter: nn.Module, config: DrafterConfig, max_steps: int | None = None) -> None:
+    def check(self, host: Host, drafter: nn.Module | None, config: DrafterConfig, max_steps: int | None = None,
+              shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
         """Every rank, before training: the drafter, cache, target, scoring config, device and
-        baseline fit together, or PreflightError lists every problem."""
+        baseline fit together, or PreflightError lists every problem. Without a live drafter
+        (a watcher of checkpoints), `shapes` gives its tensors' shapes."""
         self.host = host
         self._config = config
         self._pin_device(drafter)
@@ -279,7 +307,9 @@ class EvalEngine:
             scoring=self.scoring.to_dict(),
             baseline_cache_dir=None if self.baseline_cache_dir is None else str(self.baseline_cache_dir),
         )
-        self._shapes = {k: tuple(v.shape) for k, v in drafter.state_dict().items()}
+        if shapes is None:
+            shapes = {k: v.shape for k, v in drafter.state_dict().items()}
+        self._shapes = {k: tuple(v) for k, v in shapes.items()}
         self._basis = preflight(self._spec, config, self._shapes)
         if max_steps is not None and 0 < max_steps < self.every_n_steps:
             host.warn(f"{self.name}: {self.cadence}={self.every_n_steps} is more than max_steps={max_steps}: no "
@@ -287,12 +317,12 @@ class EvalEngine:
                                                             else "") + f"; set {self.cadence}= to a cadence that fits the run")
         self._restored, self._started = None, False
 
-    def _pin_device(self, drafter: nn.Module) -> None:
+    def _pin_device(self, drafter: nn.Module | None) -> None:
         """The thread runner scores on a definite CUDA device (its thread would otherwise take
         device 0): the drafter's, or this process's current one."""
         if self.runner_kind != "thread" or self.scoring.device not in ("auto", "cuda") or not torch.cuda.is_available():
             return
-        devices = {p.device for p in drafter.parameters() if p.device.type == "cuda"}
+        devices = {p.device for p in drafter.parameters() if p.device.type == "cuda"} if drafter is not None else set()
         index = next(iter(devices)).index if len(devices) == 1 else torch.cuda.current_device()
         self.scoring = dataclasses.replace(self.scoring, device=f"cuda:{index}")
 
@@ -311,16 +341,18 @@ class EvalEngine:
         }
 
     # ------------------------------------------------------------------ start
-    def start(self, host: Host, drafter: nn.Module) -> None:
+    def start(self, host: Host, drafter: nn.Module | None, run_id: str | None = None) -> None:
         """Every rank, once per run, before the first step: rank 0 opens this run's folder (a fresh
-        one, or the resumed run's), recovers what a killed run left, starts the runner."""
+        one, named `run_id` or a new sortable id; or the resumed run's), recovers what a killed run
+        left, starts the runner. Without a live drafter (None: a watcher of checkpoints), no staging
+        buffers are made."""
         if self._started:
             return
         self._started = True
         self.host = host
         self._fresh(self._restored)
         if host.rank == 0:
-            self._open(drafter)
+            self._open(drafter, run_id)
         if host.world_size > 1:
             self.run_id = host.broadcast(self.run_id)  # every rank's state_dict names the run
         self._start_metrics()
@@ -348,7 +380,7 @@ class EvalEngine:
         self._closing = False
         self.stops.pending = None  # a stop of an earlier run that never reached every rank
 
-    def _open(self, drafter: nn.Module) -> None:
+    def _open(self, drafter: nn.Module | None, fresh_id: str | None) -> None:
         root = self.dirpath or self.host.default_dirpath(self.name)
         watcher_baseline = (str(self.baseline_source.resolve())  # read by a watcher started elsewhere
                             if self.baseline_source and self.baseline_source.is_dir() else None)
@@ -369,7 +401,7 @@ class EvalEngine:
                 self.run.update_about(about)
                 jobs = self._recover()
         if self.run is None:
-            self.run_id = new_run_id()
+            self.run_id = fresh_id or new_run_id()
             self.run = RunFolder.create(root, self.run_id, about)
             self.host.info(f"{self.name}: new run {self.run_id}, writing to {self.run.path}")
         self._publisher = Publisher(self.name, self.run, self._fail, self.host.loggers, self.host.wandb_runs)
@@ -384,25 +416,15 @@ class EvalEngine:
         self._runner = BackgroundRunner(self.runner_kind, self._spec, self.run, self.keep_last, self._basis)
         for job in jobs:
             self._runner.submit(job)
-        if not is_sharded(drafter):
+        if drafter is not None and not is_sharded(drafter):
             self._pool = StagingPool(1 if self.busy == "skip" else self.max_pending)
             state = {k: v.detach() for k, v in drafter.state_dict().items()}
             pin = any(t.is_cuda for t in state.values())
             threading.Thread(target=self._pool.allocate, args=(state, pin), name="dflash-staging", daemon=True).start()
 
     def _basis_changes(self) -> list[str]:
-        """How this resume's basis differs from the resumed run's: the checkpoint's (its history's; the
-        folder may be gone and recreated), run.json's, else, with neither recorded, its first report's."""
-        bases = []
-        for recorded in (self._restored.get("basis"), self.run.about().get("basis")):
-            try:
-                bases.append(Basis.from_dict(recorded))
-            except (TypeError, ValueError, AttributeError):  # none recorded (an older run), or damaged
-                pass
-        if not bases:
-            reports = self.run.read_results().reports
-            bases = [Basis.of_report(reports[0])] if reports else []
-        return next((changed for basis in bases if (changed := self._basis.differences(basis))), [])
+        """How this resume's basis differs from the resumed run's (see `basis_changes`)."""
+        return basis_changes(self._basis, self.run, self._restored.get("basis"))
 
     def _recover(self) -> list[Job]:
         """A resume: the history from results.jsonl, the watcher reports a killed run never
@@ -576,6 +598,26 @@ class EvalEngine:
             self._take(step, epoch, drafter, skip, sharded)
         self.copy_landed()
 
+    # ------------------------------------------------------------------ without a training loop
+    def submit(self, job: Job) -> None:
+        """Rank 0, after `start`: score `job` in the background (a checkpoint a watcher found, read
+        when the job runs); its outcome is published by `poll` like a snapshot's."""
+        if self._runner is None:
+            raise RuntimeError(f"{self.name}: submit() comes after start() and before close()")
+        if job.read is not None and self.runner_kind != "thread":
+            raise ValueError(f"a job read by a function is scored by the thread runner; this engine's is {self.runner_kind!r}")
+        self._taken.add(job.step)
+        self._runner.submit(job)
+
+    def poll(self) -> str | None:
+        """Rank 0, without a training loop: publish every finished outcome (results.jsonl first,
+        then the loggers, the metrics and the stops); the reason of a stop decided since, or None."""
+        self._drain()
+        reason = self.stops.deliver(self.stops.take(), self.history[-1]["step"] if self.history else 0)
+        if reason is not None:
+            self._stopped = True
+        return reason
+
     # ------------------------------------------------------------------ the end
     @property
     def pending(self) -> int:
@@ -602,13 +644,14 @@ class EvalEngine:
             else:  # training is failing: keep every outcome on disk, log nothing
                 left = []
                 for outcome in runner.poll():
-                    if getattr(outcome, "on_disk", False):  # no error line: a resume scores it, as after a kill
-                        left.append(outcome.step)
+                    if getattr(outcome, "on_disk", None):  # no error line: a resume scores it, as after a kill
+                        left.append(outcome)
                     else:
                         self._keep(outcome)
                 if left:
-                    self.host.warn(f"{self.name}: {reason}: the snapshots of steps {left} are in "
-                                   f"{self.run.snapshots_dir}, not scored; a resume from a checkpoint scores them")
+                    where = ", ".join(sorted({str(o.on_disk.parent) for o in left}))
+                    self.host.warn(f"{self.name}: {reason}: the snapshots of steps {[o.step for o in left]} are in "
+                                   f"{where}, not scored; a resume from a checkpoint scores them")
             self._publisher.record(None)
         finally:
             self.run.unlock()

@@ -34,12 +34,14 @@ import threading
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..files import file_version
+from ..model import DFlashDrafter
 from ..scoring.basis import Basis
 from ..scoring.intervals import paired_comparison
 from ..scoring.report import EvalReport
@@ -62,13 +64,17 @@ baseline drafter folder may be a snapshot, whose report names its id)."""
 
 @dataclass
 class Job:
-    """One snapshot to score: in memory (`snapshot`, written first when snapshots are kept)
-    or already on disk (`folder`: left unscored by a killed run, found on resume)."""
+    """One snapshot to score: in memory (`snapshot`, written first when snapshots are kept),
+    already on disk (`folder`: left unscored by a killed run, found on resume), or a checkpoint
+    outside the run folder (`folder`, a trainer's folder or file, and `read`, which reads it
+    when the job runs: `watch --checkpoints`; thread runner only), reported as `step` and
+    `snapshot_id`."""
 
     step: int
     snapshot_id: str
     snapshot: Snapshot | None = None
     folder: Path | None = None
+    read: Callable[[], DFlashDrafter] | None = None
 
 
 @dataclass(kw_only=True)
@@ -82,7 +88,7 @@ class Outcome:
 class SnapshotOutcome(Outcome):
     step: int
     snapshot_id: str
-    on_disk: bool = False  # cancelled or abandoned with its snapshot written: a resume can still score it
+    on_disk: Path | None = None  # cancelled or abandoned with its snapshot (or checkpoint) here: a resume scores it
     versus: dict | None = None  # the report against the baseline (intervals.paired_comparison), made off the training thread
 
 
@@ -129,6 +135,9 @@ class ThreadScorer:
         if job.snapshot is not None:
             s = job.snapshot
             return service.score(s.config, s.state, step=s.step, snapshot_id=s.snapshot_id, cancel=self.cancel)
+        if job.read is not None:
+            return service.score_loaded(job.read(), step=job.step, snapshot_id=job.snapshot_id, name=str(job.folder),
+                                        cancel=self.cancel)
         return service.score_folder(job.folder, cancel=self.cancel)
 
     def close(self) -> None:
@@ -463,10 +472,15 @@ class BackgroundRunner:
                 ready.append(self._outbox.get_nowait())
             handed = {o.step for o in ready if isinstance(o, SnapshotOutcome)}
             ready += [SnapshotOutcome(step=step, snapshot_id=snapshot_id, error=f"not scored: {reason}",
-                                      on_disk=self.run.snapshot_id(self.run.snapshot_path(step)) == snapshot_id)
+                                      on_disk=self._written(step, snapshot_id))
                       for step, snapshot_id in sorted(self._pending.items()) if step not in handed]
             for outcome in ready:
                 self._outbox.put(outcome)
+
+    def _written(self, step: int, snapshot_id: str) -> Path | None:
+        """The snapshot folder of this step and id, when it is on disk."""
+        folder = self.run.snapshot_path(step)
+        return folder if self.run.snapshot_id(folder) == snapshot_id else None
 
     def _put(self, outcome: Outcome) -> None:
         with self._lock:
@@ -543,7 +557,7 @@ class BackgroundRunner:
                                       versus=versus_baseline(report, self._baseline_report))
         except Cancelled:
             outcome = SnapshotOutcome(step=job.step, snapshot_id=job.snapshot_id, error=f"not scored: {self._cancel_reason}",
-                                      on_disk=job.folder is not None and job.folder.is_dir())
+                                      on_disk=job.folder if job.folder is not None and job.folder.exists() else None)
         except Exception as e:
             outcome = SnapshotOutcome(step=job.step, snapshot_id=job.snapshot_id, error=describe(e))
         finally:

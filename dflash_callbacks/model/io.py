@@ -134,7 +134,8 @@ def read_checkpoint(path: str | os.PathLike, state_key: str | None = None, *,
     if state_key is not None:
         if not isinstance(obj, Mapping) or state_key not in obj:
             held = sorted(map(str, obj))[:12] if isinstance(obj, Mapping) else type(obj).__name__
-            raise ValueError(f"{path} has no {state_key!r}; it holds {held}")
+            raise ValueError(f"{path} has no {state_key!r}; its keys are {held}: give the key of the drafter's state "
+                             "dict (--state-key; SpecForge's training_state.pt: 'draft_state_dict')")
         obj = obj[state_key]
     if not isinstance(obj, Mapping) or not obj or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()

@@ -388,7 +388,7 @@ def tasks_to_resolve(baseline: EvalReport, monitor: str, min_ratio: float) -> in
     lo, hi = baseline.interval(monitor)
     value, count, margin = baseline.value(monitor), len(baseline.tasks), 1 - min_ratio
     half = (hi - lo) / 2 / value
-    if half <= margin:
+    if half <= margin or margin <= 0:  # min_ratio >= 1: no margin below the baseline for the rule to measure
         return None
 
     def scale(tasks: int) -> float:

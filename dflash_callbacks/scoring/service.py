@@ -287,6 +287,15 @@ class ScoringService:
         drafter = DFlashDrafter.from_state_dict(config, dict(state))
         return self._score(drafter, step=step, snapshot_id=snapshot_id, name=name, cancel=cancel, progress=progress)
 
+    def score_loaded(
+        self, drafter: DFlashDrafter, *, step: int | None = None, snapshot_id: str | None = None, name: str,
+        cancel: threading.Event | None = None, progress: bool = False,
+    ) -> EvalReport:
+        """Score a drafter `load_drafter` made (a trainer's checkpoint: its stored head and pruned
+        vocabulary kept), reported as `step` and `snapshot_id`."""
+        check_finite_weights(drafter.state_dict(), name)
+        return self._score(drafter, step=step, snapshot_id=snapshot_id, name=name, cancel=cancel, progress=progress)
+
     def score_folder(
         self, folder: str | os.PathLike, *, cancel: threading.Event | None = None, progress: bool = False
     ) -> EvalReport:

@@ -325,7 +325,7 @@ class Watcher:
 def add_watch_arguments(p: argparse.ArgumentParser) -> None:
     from ..scoring.cli import BASELINE_CACHE_HELP, SCORING_FLAGS, add_scoring_arguments
 
-    p.add_argument("--dir", required=True, type=Path,
+    p.add_argument("--dir", type=Path, default=None,
                    help="the callback's dirpath (one subfolder per run) or one run folder; waited for if it does not "
                         "exist yet (with --once it must exist)")
     p.add_argument("--cache", required=True, type=Path, help="hidden-state cache folder")

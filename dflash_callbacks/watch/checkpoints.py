@@ -1,0 +1,636 @@
+"""`dflash-callbacks watch --checkpoints DIR`: score the checkpoints a trainer saves, with no change
+to its code.
+
+Point it at the folder the trainer saves into. Each poll lists DIR's entries whose name holds a
+step (the last integer in the name, or the first group of --step-pattern), and scores each new
+checkpoint once, in step order, as soon as it is complete:
+- an HF-format drafter folder: `config.json` and safetensors (one file, or shards and their
+  index), as `save_pretrained` and `dflash_callbacks.save_drafter` write it (`checkpoint-500/`,
+  `step_500/`);
+- with --state-key KEY, a torch checkpoint file (`*.pt`, `*.pth`, `*.bin`, `*.ckpt`), or the
+  --state-file in a checkpoint folder (SpecForge: `run-step500/training_state.pt`), holding the
+  drafter's state dict under KEY; read with `weights_only=True` (no code is unpickled), wrapper
+  prefixes (`module.`, `draft_model.`, `_orig_mod.`) stripped, with the config of --drafter-config.
+Complete means the trainer's own marker is there (the transformers Trainer writes
+`trainer_state.json` after the model files), or the checkpoint's files (names, sizes, mtimes)
+have not changed for --settle-seconds as this watcher saw them, by its own clock; an HF folder
+must also be whole (config.json, every shard its index or names announce, each safetensors file
+as long as its header says). A checkpoint is never read before that.
+
+Scoring and publishing go through the evaluation engine every adapter uses, into one run folder,
+--out (default DIR/dflash-eval): results.jsonl first, then W&B (--wandb-project: the `dflash/`
+keys against `dflash/step`, each row at the checkpoint's step), then the stop (with --baseline:
+TrailingBaselineStop's settings as flags), whose decision is printed and written to --out/STOP.json
+for a training loop to poll. A restart, after a SIGKILL too, reopens --out: a step with a report
+or an error line in results.jsonl is never scored again, and every other one is. A checkpoint
+seen and then deleted before it was scored (the trainer's rotation) is an error line naming its
+step. A checkpoint of another drafter shape than the run's is refused naming its file: for those
+present at start, before anything is scored; for a later one, as its error line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import re
+import struct
+import sys
+import time
+import uuid
+import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..engine.evaluator import EvalEngine, Host, basis_changes
+from ..engine.publish import Logger
+from ..engine.run_folder import RunFolder, RunFolderBusy, is_run_folder
+from ..engine.runners import Job
+from ..engine.stop import ACTIONS, StopPolicy
+from ..files import atomic_write_json
+from ..model import DFlashDrafter, DrafterConfig, load_drafter
+from ..model.drafter import check_state_dict
+from ..model.io import INDEX_FILE, read_config, read_state_shapes, safetensors_files
+from ..model.io import read_checkpoint as load_checkpoint
+from ..scoring.cli import UsageError, scoring_config
+from ..scoring.service import ServiceSpec, preflight
+
+MARKER = "trainer_state.json"
+"""The transformers Trainer's `_save_checkpoint` writes it after the model files (and after the
+optimizer, scheduler and RNG states): a checkpoint folder holding it is complete."""
+STOP_FILE = "STOP.json"
+TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+LAST_INTEGER = re.compile(r"(\d+)(?!.*\d)")
+SHARD_NAME = re.compile(r"-(\d+)-of-(\d+)\.safetensors\Z")
+
+# the flags only `watch --checkpoints` takes (dest -> default); `watch --dir` refuses them
+DEFAULTS: dict[str, Any] = {
+    "out": None, "state_key": None, "state_file": "training_state.pt", "drafter_config": None, "step_pattern": None,
+    "settle_seconds": 30.0, "wandb_project": None, "wandb_name": None, "wandb_group": None,
+    "monitor": "ddtree@8/live", "min_ratio": None, "min_delta": None, "patience": 3, "grace_steps": 0,
+    "projection": False, "projection_window": 5, "action": "stop", "max_steps": None,
+}
+STOP_SETTINGS = ("monitor", "min_ratio", "min_delta", "patience", "grace_steps", "projection", "projection_window",
+                 "action")
+
+
+def flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+# ---------------------------------------------------------------- reading a checkpoint
+
+
+def read_checkpoint(path: Path, state_key: str, config: DrafterConfig) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
+    """The drafter in a torch checkpoint file, read by the library's one reader of them
+    (`model.io.read_checkpoint`: weights_only=True, the state dict under `state_key`, wrapper
+    prefixes stripped, said once); `config` is the drafter's (the file holds none)."""
+    return config, load_checkpoint(path, state_key, log=_say_once)
+
+
+_said: set[str] = set()
+
+
+def _say_once(line: str) -> None:
+    """The prefix note, once per kind of prefix (every checkpoint of a run has the same ones)."""
+    kind = line.split(":", 1)[-1]
+    if kind not in _said:
+        _said.add(kind)
+        print(line, file=sys.stderr, flush=True)
+
+
+def safetensors_missing(file: Path) -> str | None:
+    """Why a safetensors file is not whole yet (shorter than its header says), None when it is."""
+    try:
+        with open(file, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"{file.name} has no header yet"
+            (length,) = struct.unpack("<Q", head)
+            header = json.loads(f.read(length))
+            size = os.fstat(f.fileno()).st_size
+    except (OSError, ValueError):
+        return f"{file.name} has no readable header yet"
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
+    expected = 8 + length + max(ends, default=0)
+    return None if size >= expected else f"{file.name} holds {size} of its {expected} bytes"
+
+
+def drafter_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor a drafter of `config` holds (nothing is allocated)."""
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in DFlashDrafter(config).state_dict().items()}
+
+
+def config_differences(reference: DrafterConfig, config: DrafterConfig) -> list[str]:
+    """The fields (all but `extra`) where `config` differs from `reference`."""
+    names = [f.name for f in fields(DrafterConfig) if f.name != "extra"]
+    return [f"{name} {getattr(config, name)!r} (the run's: {getattr(reference, name)!r})" for name in names
+            if getattr(config, name) != getattr(reference, name)]
+
+
+@dataclass
+class Drafter:
+    """The run's drafter: every checkpoint must be this one's shape."""
+
+    config: DrafterConfig
+    shapes: dict[str, tuple[int, ...]]
+    source: str  # where it was read: --drafter-config, or the first checkpoint's config.json
+
+
+class Checkpoints:
+    """A trainer's checkpoint folder, read the one way `--state-key` says: HF-format drafter folders
+    (None), or torch checkpoint files (and the `state_file` of a checkpoint folder)."""
+
+    def __init__(self, root: Path, step_pattern: re.Pattern | None, state_key: str | None, state_file: str,
+                 config: DrafterConfig | None, exclude: Path):
+        self.root, self.step_pattern, self.state_key, self.state_file = root, step_pattern, state_key, state_file
+        self.config, self.exclude = config, exclude.resolve()
+        self.drafter: Drafter | None = None  # set once known
+        self.duplicates: dict[int, list[str]] = {}  # step -> every entry naming it, when more than one does
+
+    def step_of(self, name: str) -> int | None:
+        if self.step_pattern is None:
+            found = LAST_INTEGER.search(name)
+            return int(found.group(1)) if found else None
+        found = self.step_pattern.search(name)
+        text = (found.group(1) if self.step_pattern.groups else found.group(0)) if found else None
+        return int(text) if text is not None and text.isdigit() else None
+
+    def find(self) -> dict[int, Path]:
+        """step -> what is read (a folder, or a torch file), for every entry of the folder that names
+        a step; of two naming one step, the first by name (`duplicates` says which)."""
+        found: dict[int, list[Path]] = {}
+        try:
+            entries = sorted(self.root.iterdir())
+        except FileNotFoundError:
+            return {}
+        for entry in entries:
+            if entry.name.startswith(".") or entry.resolve() == self.exclude or is_run_folder(entry):
+                continue  # a writer's temporary, this watcher's own --out, a run folder of the engine
+            if self.state_key is None:
+                source = entry if entry.is_dir() else None
+                name = entry.name
+            elif entry.is_dir():
+                source, name = entry / self.state_file, entry.name
+            else:
+                source = entry if entry.suffix in TORCH_SUFFIXES else None
+                name = entry.stem
+            step = self.step_of(name) if source is not None else None
+            if step is not None:
+                found.setdefault(step, []).append(source)
+        self.duplicates = {step: [str(p) for p in paths] for step, paths in found.items() if len(paths) > 1}
+        return {step: paths[0] for step, paths in found.items()}
+
+    def files(self, source: Path) -> list[Path]:
+        """Every file of the checkpoint (what settles): the HF folder's, the checkpoint folder's that holds
+        the state file, or the torch file in DIR itself."""
+        if self.state_key is not None and source.parent == self.root:
+            return [source] if source.is_file() else []
+        folder = source if self.state_key is None else source.parent
+        return sorted(p for p in folder.rglob("*") if p.is_file())
+
+    def fingerprint(self, source: Path) -> str | None:
+        """Names, sizes and mtimes of the checkpoint's files (None when it has none)."""
+        stats = []
+        for file in self.files(source):
+            try:
+                st = file.stat()
+            except FileNotFoundError:
+                continue
+            stats.append((str(file.relative_to(self.root)), st.st_size, st.st_mtime_ns))
+        return hashlib.sha256(json.dumps(stats).encode()).hexdigest()[:16] if stats else None
+
+    def marked(self, source: Path) -> bool:
+        """The trainer's completion marker is there, newer than every weight file (HF folders)."""
+        if self.state_key is not None:
+            return False
+        try:
+            marker = (source / MARKER).stat().st_mtime_ns
+            return all(marker >= f.stat().st_mtime_ns for f in source.glob("*.safetensors"))
+        except OSError:
+            return False
+
+    def unfinished(self, source: Path) -> str | None:
+        """Why the checkpoint is not whole yet, None when it is."""
+        if self.state_key is not None:
+            if not source.is_file():
+                return f"no {source.name} yet"
+            return None if zipfile.is_zipfile(source) else f"{source.name} is not a whole torch zip archive yet"
+        if not (source / "config.json").is_file():
+            return "no config.json yet"
+        try:
+            files = safetensors_files(source)
+        except (OSError, ValueError) as e:
+            return str(e)
+        shards = [(int(m.group(1)), int(m.group(2))) for f in files if (m := SHARD_NAME.search(f.name))]
+        if shards and not (source / INDEX_FILE).is_file():
+            return f"shards {sorted(n for n, _ in shards)} of {shards[0][1]} and no {INDEX_FILE} yet"
+        return next((why for f in files if (why := safetensors_missing(f))), None)
+
+    def shapes(self, source: Path) -> tuple[DrafterConfig, dict[str, tuple[int, ...]], Path]:
+        """The checkpoint's config, its tensors' shapes and the file they are in (HF: from the
+        safetensors headers alone)."""
+        if self.state_key is None:
+            files = safetensors_files(source)
+            return read_config(source), read_state_shapes(source), files[0] if len(files) == 1 else source
+        config, state = read_checkpoint(source, self.state_key, self.config)
+        return config, {k: tuple(v.shape) for k, v in state.items()}, source
+
+    def problems(self, source: Path, config: DrafterConfig, shapes: Mapping[str, tuple], weights: Path) -> list[str]:
+        """How a checkpoint is not the run's drafter, naming its file (empty: it is)."""
+        drafter = self.drafter
+        fix = f"; move it out of {self.root} (a watcher scores one drafter)"
+        differ = config_differences(drafter.config, config)
+        if differ:
+            return [f"{source / 'config.json'}: a drafter of another shape than the run's ({drafter.source}): "
+                    + ", ".join(differ) + fix]
+        meta = partial(torch.empty, device="meta")
+        try:
+            check_state_dict({k: meta(s) for k, s in drafter.shapes.items()}, {k: meta(s) for k, s in shapes.items()})
+        except ValueError as e:
+            return [f"{weights}: its tensors are not the run's drafter ({drafter.source}): "
+                    + "; ".join(line.strip() for line in str(e).splitlines()[1:]) + fix]
+        return []
+
+    def read(self, source: Path, step: int) -> DFlashDrafter:
+        """The checkpoint's drafter, as `load_drafter` reads it (a speculators folder's stored head and
+        pruned vocabulary kept; the runner's thread calls it when the job runs). Raises for a checkpoint
+        deleted before it was read, and one that is not the run's drafter."""
+        gone = (f"the checkpoint of step {step}, {source}, was deleted before it was scored (the trainer's checkpoint "
+                "rotation?): keep more checkpoints (e.g. save_total_limit) or start the watcher with the training")
+        if not source.exists():
+            raise FileNotFoundError(gone)
+        try:
+            if self.state_key is None:
+                drafter = load_drafter(source)
+            else:
+                drafter = load_drafter(read_checkpoint(source, self.state_key, self.config)[1], config=self.config)
+            problems = self.problems(source, drafter.config, {k: tuple(v.shape) for k, v in drafter.state_dict().items()},
+                                     source)
+        except (OSError, ValueError):
+            if not source.exists():
+                raise FileNotFoundError(gone) from None
+            raise
+        if problems:
+            raise ValueError("; ".join(problems))
+        return drafter
+
+
+# ---------------------------------------------------------------- the watcher
+
+
+class WatchHost(Host):
+    """The watcher as the engine's host: one process, lines on stdout and stderr, its W&B run, and the
+    last step it has seen (a stop decided on a report at or beyond --max-steps only warns)."""
+
+    def __init__(self, max_steps: int | None):
+        self.max_steps, self.latest = max_steps, 0
+        self.wandb_run = None
+
+    def loggers(self) -> list[Logger]:
+        return []
+
+    def wandb_runs(self) -> list:
+        return [] if self.wandb_run is None else [("wandb", self.wandb_run, self.log_row)]
+
+    def log_row(self, payload: dict, step: int) -> None:
+        """One committed row per report, at the checkpoint's step; a step below W&B's counter (a
+        checkpoint completed late) goes in the next row, `dflash/step` still placing it."""
+        run = self.wandb_run
+        if step >= run.step:
+            run.log(payload, step=step, commit=True)
+        else:
+            run.log(payload, commit=True)
+
+    def horizon(self) -> int | None:
+        return self.max_steps
+
+    def ending(self) -> str | None:
+        if self.max_steps is not None and self.latest >= self.max_steps:
+            return f"the checkpoint of step {self.latest} is at --max-steps {self.max_steps}"
+        return None
+
+    def info(self, text: str) -> None:
+        print(text, flush=True)
+
+    def warn(self, text: str) -> None:
+        print(f"warning: {text}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Seen:
+    source: Path
+    fingerprint: str
+    since: float  # monotonic time it was first seen with this fingerprint
+
+
+class CheckpointWatcher:
+    def __init__(self, args: argparse.Namespace, settings: dict[str, Any]):
+        self.settings = s = settings
+        self.root, self.out, self.settle = args.checkpoints, s["out"], s["settle_seconds"]
+        self.poll_seconds, self.idle_exit, self.once = args.poll_seconds, args.idle_exit, args.once
+        self.spec = ServiceSpec(
+            cache=str(args.cache), target=str(args.target),
+            baseline=None if args.baseline is None else str(args.baseline),
+            scoring=scoring_config(args).to_dict(),
+            baseline_cache_dir=None if args.baseline_cache_dir is None else str(args.baseline_cache_dir),
+        )
+        self.checkpoints = Checkpoints(self.root, s["step_pattern"], s["state_key"], s["state_file"], s["config"],
+                                       self.out)
+        self.host = WatchHost(s["max_steps"])
+        self.engine = EvalEngine(args.cache, args.target, args.baseline, scoring=self.spec.scoring, runner="thread",
+                                 keep_last=0, dirpath=self.out.parent, baseline_cache_dir=args.baseline_cache_dir)
+        if args.baseline is not None:
+            self.engine.add_stop(StopPolicy(**{k: s[k] for k in STOP_SETTINGS}, verbose=True))
+        self.started = False
+        self.done: set[int] = set(self.results_steps())  # steps with a report or an error line, or submitted
+        self.seen: dict[int, Seen] = {}
+        self._said: dict[object, str] = {}
+
+    def say_once(self, key: object, line: str) -> None:
+        if self._said.get(key) != line:
+            self._said[key] = line
+            print(line, flush=True)
+
+    def results_steps(self) -> list[int]:
+        if not is_run_folder(self.out):
+            return []
+        results = RunFolder(self.out).read_results()
+        return [r.step for r in results.reports] + [e["step"] for e in results.errors if isinstance(e.get("step"), int)]
+
+    # ---- before any scoring
+    def check(self) -> None:
+        """The checkpoints there now, whole and not scored yet, are all the run's drafter (that of
+        --drafter-config, else of the first one there), and the drafter, cache, target, baseline and
+        scoring config fit together; else UsageError (or PreflightError) listing every problem.
+        Without any checkpoint or --drafter-config yet, what needs no drafter is checked now and the
+        rest with the first checkpoint."""
+        c = self.checkpoints
+        if c.config is not None:
+            given = f"--drafter-config {self.settings['drafter_config']}"
+            c.drafter = Drafter(c.config, drafter_shapes(c.config), given)
+        problems = []
+        for step, source in sorted(c.find().items()):
+            if c.unfinished(source) or (step in self.done and c.drafter is not None):
+                continue  # still being written (checked once it is whole), or scored before a restart
+            try:
+                config, shapes, weights = c.shapes(source)
+            except (OSError, ValueError) as e:
+                problems.append(str(e))
+                continue
+            if c.drafter is None:
+                c.drafter = Drafter(config, dict(shapes), str(source / "config.json"))
+            problems += c.problems(source, config, shapes, weights)
+        if problems:
+            raise UsageError("checkpoints the watcher can not score:\n  " + "\n  ".join(problems))
+        if c.drafter is None:
+            preflight(self.spec, None)
+        else:
+            self.begin()
+
+    def begin(self) -> None:
+        """Check the run's drafter against everything, then open --out (fresh, or reopened) and start scoring."""
+        drafter = self.checkpoints.drafter
+        self.engine.check(self.host, None, drafter.config, shapes=drafter.shapes)
+        if is_run_folder(self.out):
+            changed = basis_changes(self.engine.basis, RunFolder(self.out))
+            if changed:
+                raise UsageError(f"--out {self.out} holds reports scored with {'; '.join(changed)}: watch with its "
+                                 "settings, or give another --out")
+        elif self.out.is_dir() and not any(self.out.iterdir()):
+            self.out.rmdir()  # an empty folder made beforehand: the run folder takes its place
+        if is_run_folder(self.out):
+            self.engine.load_state_dict({"run_id": self.out.name})  # a restart: reopened, results.jsonl read back
+        try:
+            self.engine.start(self.host, None, run_id=self.out.name)
+        except RunFolderBusy as e:
+            raise UsageError(f"--out {self.out}: {e}; another watcher writes there: stop it or give another "
+                             "--out") from None
+        self.started = True
+        try:
+            self.engine.run.update_about({"checkpoints": str(self.root.resolve()),
+                                          "state_key": self.checkpoints.state_key})
+            if self.settings["wandb_project"] is not None:
+                self.host.wandb_run = self.start_wandb()
+        except BaseException:
+            self.close(ok=False)
+            raise
+
+    def start_wandb(self):
+        """The W&B run the reports go to, resumed after a restart (its id is in run.json)."""
+        import wandb
+
+        s, about = self.settings, self.engine.run.about()
+        run_id = about.get("wandb_id") or uuid.uuid4().hex[:12]
+        try:
+            run = wandb.init(project=s["wandb_project"], name=s["wandb_name"], group=s["wandb_group"], id=run_id,
+                             resume="allow", dir=str(self.out), job_type="dflash-eval",
+                             config={"dflash_watch": {"checkpoints": str(self.root.resolve()), "out": str(self.out)}})
+        except Exception as e:
+            raise UsageError(f"W&B could not start a run: {type(e).__name__}: {e} (run `wandb login`, or set "
+                             "WANDB_MODE=offline)") from None
+        self.engine.run.update_about({"wandb_id": run_id})
+        return run
+
+    # ---- polling
+    def scan(self) -> int:
+        """Submit every complete checkpoint not scored yet, in step order, and an error for each one
+        seen and then deleted before it was scored. Returns how many were submitted."""
+        found, now = self.checkpoints.find(), time.monotonic()
+        for step, names in self.checkpoints.duplicates.items():
+            self.say_once(("duplicate", step), f"watch: {', '.join(names)} all name step {step}: scoring {names[0]}")
+        ready = []
+        for step, source in sorted(found.items()):
+            if step in self.done:
+                continue
+            fingerprint = self.checkpoints.fingerprint(source)
+            if fingerprint is None:
+                continue  # no file yet
+            seen = self.seen.get(step)
+            if seen is None or (seen.source, seen.fingerprint) != (source, fingerprint):
+                self.seen[step] = seen = Seen(source, fingerprint, now)
+            if self.checkpoints.marked(source):  # the trainer says it is complete: read it, whatever it holds
+                ready.append(step)
+            elif now - seen.since >= self.settle:
+                why = self.checkpoints.unfinished(source)
+                if why is None:
+                    ready.append(step)
+                else:
+                    self.say_once(step, f"watch: step {step}: waiting for {source}: {why}")
+        deleted = [step for step in self.seen if step not in found and step not in self.done]
+        if not self.started:
+            if not ready:
+                return 0  # a checkpoint deleted before then is recorded once there is a run folder
+            self.start_with(self.seen[ready[0]].source)
+        submitted = sorted(ready + deleted)
+        for step in submitted:
+            seen = self.seen[step]
+            self.host.latest = max(self.host.latest, step)
+            self.engine.submit(Job(step, seen.fingerprint, folder=seen.source,
+                                   read=partial(self.checkpoints.read, seen.source, step)))
+            self.done.add(step)
+        return len(submitted)
+
+    def start_with(self, source: Path) -> None:
+        """The first checkpoint, when none was there at start: it is the run's drafter."""
+        c = self.checkpoints
+        if c.drafter is None:
+            try:
+                config, shapes, _ = c.shapes(source)
+            except (OSError, ValueError) as e:
+                raise UsageError(f"the first checkpoint can not be read: {e}") from None
+            c.drafter = Drafter(config, dict(shapes), str(source / "config.json"))
+        self.begin()
+
+    def publish(self) -> None:
+        """Publish what is finished. A stop decided is written to --out/STOP.json for the training loop
+        to poll, unless one is there: the first stop stands until someone removes the file."""
+        reason = self.engine.poll()
+        if reason is not None and not (self.out / STOP_FILE).exists():
+            atomic_write_json(self.out / STOP_FILE, {"stop": True, "reason": reason, "time": time.time(),
+                                                     "monitor": self.engine.stops.policies[0].monitor})
+            print(f"watch: STOP: {reason} (written to {self.out / STOP_FILE})", flush=True)
+
+    def run(self) -> int:
+        mode = f"--state-key {self.checkpoints.state_key!r}" if self.checkpoints.state_key else "HF drafter folders"
+        print(f"watch: scoring the checkpoints in {self.root} ({mode}) into {self.out} (every "
+              f"{self.poll_seconds:g} s, complete after {self.settle:g} s unchanged; Ctrl-C stops)", flush=True)
+        last_work = time.monotonic()
+        if self.once:
+            self.scan()
+            if self.settle > 0 and set(self.seen) - self.done:
+                time.sleep(self.settle)  # what is there now, once it has settled
+                self.scan()
+            for step in sorted(set(self.seen) - self.done):
+                print(f"watch: step {step} ({self.seen[step].source}) is not complete: left for the next run",
+                      flush=True)
+            if not self.started:
+                print(f"watch: no complete checkpoint in {self.root}", flush=True)
+        while True:
+            if not self.once and self.scan():
+                last_work = time.monotonic()
+            self.publish()
+            if self.engine.pending:
+                last_work = time.monotonic()
+            elif self.once or (self.idle_exit is not None and time.monotonic() - last_work > self.idle_exit):
+                return 0
+            time.sleep(min(self.poll_seconds, 0.2) if self.engine.pending else self.poll_seconds)
+
+    def close(self, ok: bool) -> None:
+        """The last reports (when `ok`: all pending are scored first; else what is running is left
+        for the next start), the run folder released, the W&B run finished."""
+        try:
+            if self.started:
+                self.started = False
+                if ok:
+                    self.engine.close(wait=True, reason="the watcher is exiting")
+                else:
+                    self.engine.close(wait=False, reason="the watcher stopped", publish=False)
+        finally:
+            if self.host.wandb_run is not None:
+                self.host.wandb_run.finish(exit_code=0 if ok else 1)
+                self.host.wandb_run = None
+
+
+# ---------------------------------------------------------------- command line
+
+
+def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `watch --checkpoints` that `watch --dir` does not take."""
+    d = DEFAULTS
+    p.add_argument("--checkpoints", type=Path, default=None,
+                   help="the folder a trainer saves its checkpoints into: score each new one (no change to the "
+                        "trainer)")
+    g = p.add_argument_group("watch --checkpoints DIR", argument_default=argparse.SUPPRESS)
+    g.add_argument("--out", type=Path, help="the run folder of the reports (results.jsonl, run.json, STOP.json); "
+                                            "default DIR/dflash-eval")
+    g.add_argument("--state-key", help="read torch checkpoint files, the drafter's state dict under this key "
+                                       "(SpecForge: draft_state_dict); default: HF-format drafter folders")
+    g.add_argument("--state-file", help="with --state-key: the file read in a checkpoint folder "
+                                        f"(default {d['state_file']})")
+    g.add_argument("--drafter-config", type=Path, help="with --state-key: the drafter's config.json (or its folder)")
+    g.add_argument("--step-pattern", help="a regular expression whose first group (or match) is the step in a "
+                                          "checkpoint's name (default: the name's last integer)")
+    g.add_argument("--settle-seconds", type=float, help="a checkpoint without the trainer's completion marker is "
+                                                        "complete once its files are unchanged this long "
+                                                        f"(default {d['settle_seconds']:g})")
+    g.add_argument("--wandb-project", help="log the reports to this W&B project (default: no W&B)")
+    g.add_argument("--wandb-name", help="the W&B run's name")
+    g.add_argument("--wandb-group", help="the W&B group, e.g. the training run's, to see both together")
+    g.add_argument("--monitor", help=f"with --baseline, the stop's METHOD/AGGREGATE (default {d['monitor']})")
+    g.add_argument("--min-ratio", type=float, help="the stop: trailing means ours < this x baseline (default 0.9)")
+    g.add_argument("--min-delta", type=float, help="the stop: or ours < baseline + this (give one of the two)")
+    g.add_argument("--patience", type=int, help=f"the stop: consecutive trailing reports (default {d['patience']})")
+    g.add_argument("--grace-steps", type=int, help="the stop: reports before this step are never decided on "
+                                                   "(default 0)")
+    g.add_argument("--projection", action="store_true", help="the stop: only when a log fit stays below the threshold")
+    g.add_argument("--projection-window", type=int,
+                   help=f"the stop: reports the fit uses (default {d['projection_window']})")
+    g.add_argument("--action", choices=ACTIONS,
+                   help="the stop: 'stop' writes STOP.json, 'warn' only prints (default stop)")
+    g.add_argument("--max-steps", type=int, help="the training's last step: the projection's horizon; a report there "
+                                                 "only warns (training ends anyway)")
+
+
+def checkpoint_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags of `watch --checkpoints`, defaults filled in and checked; UsageError for what can not work."""
+    given = {dest for dest in DEFAULTS if hasattr(args, dest)}
+    s = {**DEFAULTS, **{dest: getattr(args, dest) for dest in given}}
+    root = args.checkpoints
+    if not root.is_dir():
+        raise UsageError(f"--checkpoints {root} is not a folder" + (" (it does not exist)" if not root.exists() else "")
+                         + ": give the folder your trainer saves its checkpoints into")
+    problems = []
+    seconds = (args.poll_seconds, args.idle_exit, s["settle_seconds"])
+    if not all(x is None or (math.isfinite(x) and x >= 0) for x in seconds):
+        problems.append("--poll-seconds, --idle-exit and --settle-seconds must be finite numbers >= 0")
+    if s["state_key"] is None and given & {"state_file", "drafter_config"}:
+        problems.append("--state-file and --drafter-config go with --state-key (torch checkpoint files); an HF-format "
+                        "drafter folder holds its own config.json")
+    s["config"] = None
+    if s["state_key"] is not None:
+        if s["drafter_config"] is None:
+            problems.append("--state-key reads torch checkpoint files, which hold no config: give the drafter's "
+                            "config.json with --drafter-config")
+        else:
+            try:
+                s["config"] = DrafterConfig.from_file(s["drafter_config"])
+            except (OSError, ValueError) as e:
+                problems.append(f"--drafter-config: {e}")
+    if s["step_pattern"] is not None:
+        try:
+            s["step_pattern"] = re.compile(s["step_pattern"])
+        except re.error as e:
+            problems.append(f"--step-pattern {s['step_pattern']!r} is not a regular expression ({e}); e.g. "
+                            r"'step_(\d+)'")
+    stop_flags = sorted(flag(k) for k in given & {*STOP_SETTINGS, "max_steps"})
+    if stop_flags and args.baseline is None:
+        problems.append(f"{', '.join(stop_flags)} set the stop, which compares with the baseline: give --baseline")
+    if s["wandb_project"] is None and given & {"wandb_name", "wandb_group"}:
+        problems.append("--wandb-name and --wandb-group name a run of --wandb-project: give the project")
+    s["out"] = s["out"] if s["out"] is not None else root / "dflash-eval"
+    if s["out"].exists() and not s["out"].is_dir():
+        problems.append(f"--out {s['out']} is a file: give the folder the reports go to")
+    if problems:
+        raise UsageError("\n".join(problems))
+    return s
+
+
+def run_watch_checkpoints(args: argparse.Namespace) -> int:
+    watcher = CheckpointWatcher(args, checkpoint_settings(args))
+    watcher.check()
+    ok = False
+    try:
+        watcher.run()
+        ok = True
+    finally:
+        watcher.close(ok)
+    return 0
