@@ -7,12 +7,15 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from dflash_callbacks import DrafterEvalCallback, ScoringConfig, TrailingBaselineStop
+from dflash_callbacks import (
+    DrafterEarlyStopping, DrafterEvalCallback, DrafterEvalTrainerCallback, DrafterEvaluator, ScoringConfig,
+    TrailingBaselineStop,
+)
 from dflash_callbacks.config import CONF_DIR, CallbacksConfig, EvalConfig, StopConfig, build_callbacks, load_config
 from dflash_callbacks.demos.demo import DEMO_YAML, DemoConfig, TrainConfig, demo_config
 
 REQUIRED = ["eval.cache=/data/cache", "eval.target=/models/target"]
-README = Path(__file__).resolve().parents[1] / "README.md"
+CONFIGURATION = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"  # the reference's argument tables
 
 
 def test_default_yaml_with_overrides_builds_both_callbacks():
@@ -146,17 +149,17 @@ def schema_defaults(schema) -> dict:
     return {f.name: getattr(instance, f.name) for f in dataclasses.fields(schema)}
 
 
-def readme_defaults(heading: str) -> dict:
-    """The `| `key` | `default` | ... |` rows of the README table under `heading`."""
-    text = README.read_text()
-    section = text[text.index(heading):]
+def documented_defaults(heading: str) -> dict:
+    """The `| `key` | `default` | ... |` rows of the docs/configuration.md table under `heading`."""
+    text = CONFIGURATION.read_text()
+    section = text[text.index(heading + "\n"):]
     section = section[: section.index("\n#", 1)] if "\n#" in section[1:] else section
     rows = re.findall(r"^\| `([a-z_.]+)` \| `([^`]*)` \|", section, flags=re.M)
-    assert rows, f"no table under {heading!r} in the README"
+    assert rows, f"no table under {heading!r} in docs/configuration.md"
     return {key: yaml.safe_load(value) for key, value in rows}
 
 
-def test_defaults_are_the_same_in_the_signature_the_schema_the_yaml_and_the_readme():
+def test_defaults_are_the_same_in_the_signature_the_schema_the_yaml_and_the_docs():
     eval_yaml = yaml.safe_load((CONF_DIR / "callbacks.yaml").read_text())
     scoring_yaml = yaml.safe_load((CONF_DIR / "scoring.yaml").read_text())
     scoring = dataclasses.asdict(ScoringConfig())
@@ -173,9 +176,25 @@ def test_defaults_are_the_same_in_the_signature_the_schema_the_yaml_and_the_read
     assert {k: v for k, v in schema_defaults(StopConfig).items() if k != "enabled"} == stop
     assert {k: v for k, v in eval_yaml["stop"].items() if k != "enabled"} == stop
 
-    assert readme_defaults("### DrafterEvalCallback") == {k: v for k, v in evaluation.items() if k != "scoring"}
-    assert readme_defaults("### ScoringConfig") == scoring
-    assert readme_defaults("### TrailingBaselineStop") == stop
+    assert documented_defaults("## DrafterEvalCallback") == {k: v for k, v in evaluation.items() if k != "scoring"}
+    assert documented_defaults("## ScoringConfig") == scoring
+    assert documented_defaults("## TrailingBaselineStop") == stop
+
+
+@pytest.mark.parametrize("cls", [DrafterEvaluator, DrafterEvalTrainerCallback])
+def test_the_other_entry_points_tables_hold_every_argument_they_do_not_share_with_the_callback(cls):
+    """Each row is the signature's default; every argument whose default is not DrafterEvalCallback's
+    (or that the callback lacks) has a row: the table's "the others are DrafterEvalCallback's" holds."""
+    ours, callback = signature_defaults(cls), signature_defaults(DrafterEvalCallback)
+    documented = documented_defaults(f"## {cls.__name__}")
+    assert {k: ours.get(k, "not an argument") for k in documented} == documented
+    assert {k for k, v in ours.items() if k not in callback or callback[k] != v} <= set(documented)
+    assert {k for k in inspect.signature(cls.__init__).parameters if k != "self"} >= \
+        {k for k in callback if k not in ("every_n_train_steps", "drafter")} | set(documented)
+
+
+def test_drafter_early_stopping_table_is_its_signature():
+    assert documented_defaults("## DrafterEarlyStopping") == signature_defaults(DrafterEarlyStopping)
 
 
 def test_the_demo_yaml_train_section_is_the_recipe_default():
