@@ -253,14 +253,16 @@ def test_two_ranks_score_on_rank0_alone_and_stop_together(world, tmp_path, paral
            str(29400 + os.getpid() % 500 + (7 if parallel == "fsdp2" else 0)), str(SCRIPTS / "train_loop.py"),
            "--world", str(world.target.parent), "--root", str(root), "--max-steps", "200", "--every", "2",
            "--stop-min-ratio", "10", "--stop-patience", "2", "--parallel", parallel, "--record"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:  # every rank goes with it, none is left waiting in a collective
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"torchrun hung for 300 s:\n{out[-6000:]}")
-    assert proc.returncode == 0, out[-8000:]
+    log = tmp_path / "torchrun.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:  # torchrun and every rank (each names this test's folder) go with it
+            os.killpg(proc.pid, signal.SIGKILL)
+            subprocess.run(["pkill", "-9", "-f", str(root)])
+            pytest.fail(f"torchrun hung for 300 s:\n{log.read_text()[-6000:]}")
+    assert proc.returncode == 0, log.read_text()[-8000:]
     r0, r1 = (json.loads((root / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["should_stop"] and r1["should_stop"] and r0["step"] == r1["step"] == r0["stopped_step"] == r1["stopped_step"] < 200
     assert r0["stop_reason"] == r1["stop_reason"] and r0["stop_reason"].startswith("dflash: stopping at step ")

@@ -125,7 +125,7 @@ def test_report_shape_json_round_trip_and_table(world, tmp_path):
     assert again.to_dict() == report.to_dict()
     table = comparison_table(report, again)
     assert "| **mean** |" in table and "+0.00 [+0.00, +0.00] | 100% [100%, 100%] |" in table  # paired: no doubt
-    assert "vanilla live: 100% [100%, 100%] of the baseline, not distinguishable from the baseline" in table
+    assert "vanilla live: 100% [100%, 100%] of the baseline, not distinguishable from it" in table
     # one builder for the markdown table and W&B's: methods the baseline lacks are left out
     raw = report.to_dict()
     intervals = {**raw["intervals"], "mean": {m: v for m, v in raw["intervals"]["mean"].items() if m != "top@3"},

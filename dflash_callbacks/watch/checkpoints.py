@@ -432,6 +432,9 @@ class CheckpointWatcher:
 
         s, about = self.settings, self.engine.run.about()
         run_id = about.get("wandb_id") or uuid.uuid4().hex[:12]
+        # a W&B service of its own, which dies with this process: one inherited from the process that started
+        # the watcher (WANDB_SERVICE) would keep a killed watcher's run open, and refuse the restart its id
+        os.environ.pop("WANDB_SERVICE", None)
         deadline = time.monotonic() + WANDB_HELD_SECONDS
         while True:
             try:

@@ -126,6 +126,10 @@ def main(argv=None) -> int:
                "metrics_step": evaluator.metrics.get("dflash/step"), "run_id": evaluator.state_dict()["engine"]["run_id"]}
         (args.root / f"rank{rank}.json").write_text(json.dumps(out, indent=1))
     if args.parallel != "none":
+        # the DDP wrapper goes first, while the process group lives: freed at exit instead, its reducer
+        # destroys the group with the GIL held, and a gloo thread finishing a broadcast waits for the GIL
+        del net, model
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return 0
 
