@@ -38,8 +38,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from .engine.drafters import drafter_config_of, resolve_drafter, unwrap
-from .engine.evaluator import EvalEngine
-from .engine.publish import Subscriber
+from .engine.evaluator import EngineView, EvalEngine, log_functions, stop_policies
 from .engine.stop import StopPolicy
 from .loop import LoopHost
 from .model import DrafterConfig
@@ -68,7 +67,7 @@ class TrainerHost(LoopHost):
         return None
 
 
-class DrafterEvalTrainerCallback(TrainerCallback, ExportableState):
+class DrafterEvalTrainerCallback(EngineView, TrainerCallback, ExportableState):
     """Snapshot the Trainer's drafter every `every_n_steps` optimizer steps and score it in the background.
 
     Args:
@@ -110,62 +109,19 @@ class DrafterEvalTrainerCallback(TrainerCallback, ExportableState):
         self.engine = EvalEngine(cache, target, baseline, every_n_steps, scoring, runner, device, busy, max_pending,
                                  keep_last, on_error, wait_on_end, dirpath, baseline_cache_dir, wait_timeout, name,
                                  verbose, sync_every_n_steps)
-        stops = [] if stop is None else [stop] if isinstance(stop, StopPolicy) else list(stop)
-        if not all(isinstance(s, StopPolicy) for s in stops):
-            raise TypeError("stop must be a TrailingBaselineStop (a StopPolicy), a list of them, or None; got "
-                            f"{[type(s).__name__ for s in stops if not isinstance(s, StopPolicy)]}")
-        for policy in stops:
+        for policy in stop_policies(stop):
             self.engine.add_stop(policy)  # its monitor must be scored: checked now
         if not (drafter is None or isinstance(drafter, str) or callable(drafter)):
             raise TypeError("drafter must be an attribute path, a function model -> drafter, or None (the model)")
         if not (drafter_config is None or isinstance(drafter_config, (DrafterConfig, str, os.PathLike))):
             raise TypeError("drafter_config must be a DrafterConfig, a config.json path or None")
         self.drafter, self.drafter_config = drafter, drafter_config
-        self.log = [] if log is None else [log] if callable(log) else list(log)
-        if not all(callable(fn) for fn in self.log):
-            raise TypeError("log must be a function fn(metrics, step) or a list of them")
+        self.log = log_functions(log)
         self.wandb = wandb
         self.metrics: dict[str, float] = {}
         self._module: nn.Module | None = None
         self._host: TrainerHost | None = None
         self._finished = False
-
-    # ------------------------------------------------------------------ what the engine holds
-    @property
-    def history(self) -> list[dict]:
-        return self.engine.history
-
-    @property
-    def errors(self) -> int:
-        return self.engine.errors
-
-    @property
-    def skipped(self) -> int:
-        return self.engine.skipped
-
-    @property
-    def reports(self):
-        return self.engine.reports
-
-    @property
-    def baseline_report(self):
-        return self.engine.baseline_report
-
-    @property
-    def run(self):
-        return self.engine.run
-
-    @property
-    def should_stop(self) -> bool:
-        return self.engine.should_stop
-
-    @property
-    def stop_reason(self) -> str | None:
-        return next((p.stop_reason for p in self.engine.stops.policies if p.stop_reason), None)
-
-    def subscribe(self, fn: Subscriber) -> Callable[[], None]:
-        """Call `fn(report, baseline)` on rank 0 for every new report (see DrafterEvalCallback.subscribe)."""
-        return self.engine.subscribe(fn)
 
     # ------------------------------------------------------------------ state (trainer_state.json)
     def state(self) -> dict:

@@ -31,7 +31,7 @@ from torch import nn
 
 from .checks import is_int
 from .engine.drafters import drafter_config_of, unwrap
-from .engine.evaluator import EvalEngine, Host
+from .engine.evaluator import EngineView, EvalEngine, Host, log_functions, stop_policies
 from .engine.publish import Logger, WandbRows
 from .engine.stop import StopPolicy
 from .model import DrafterConfig
@@ -84,7 +84,7 @@ class LoopHost(Host):
         return None
 
 
-class DrafterEvaluator:
+class DrafterEvaluator(EngineView):
     """Snapshot the drafter every `every_n_steps` steps of a plain loop and score it in the background.
 
     Args:
@@ -137,11 +137,7 @@ class DrafterEvaluator:
         self.engine = EvalEngine(cache, target, baseline, every_n_steps, scoring, runner, device, busy, max_pending,
                                  keep_last, on_error, wait_on_end, dirpath, baseline_cache_dir, wait_timeout, name,
                                  verbose, sync_every_n_steps)
-        stops = [] if stop is None else [stop] if isinstance(stop, StopPolicy) else list(stop)
-        if not all(isinstance(s, StopPolicy) for s in stops):
-            raise TypeError("stop must be a TrailingBaselineStop (a StopPolicy), a list of them, or None; got "
-                            f"{[type(s).__name__ for s in stops if not isinstance(s, StopPolicy)]}")
-        for policy in stops:
+        for policy in stop_policies(stop):
             self.engine.add_stop(policy)  # its monitor must be scored: checked now
         if not (drafter_config is None or isinstance(drafter_config, (DrafterConfig, str, os.PathLike))):
             raise TypeError("drafter_config must be a DrafterConfig, a config.json path or None")
@@ -149,9 +145,7 @@ class DrafterEvaluator:
         if max_steps is not None and not (is_int(max_steps) and max_steps >= 1):
             raise ValueError(f"max_steps must be an integer >= 1 or None; got {max_steps!r}")
         self.max_steps = max_steps
-        self.log = [] if log is None else [log] if callable(log) else list(log)
-        if not all(callable(fn) for fn in self.log):
-            raise TypeError("log must be a function fn(metrics, step) or a list of them")
+        self.log = log_functions(log)
         self.wandb = wandb
         self.metrics: dict[str, float] = {}
         self.last_step: int | None = None
@@ -161,39 +155,6 @@ class DrafterEvaluator:
         self._updates = 0  # optimizer steps seen by the post-hook
         self._updates_at_last_step = 0
         self._closed = False
-
-    # ------------------------------------------------------------------ what the engine holds
-    @property
-    def history(self) -> list[dict]:
-        return self.engine.history
-
-    @property
-    def errors(self) -> int:
-        return self.engine.errors
-
-    @property
-    def reports(self):
-        return self.engine.reports
-
-    @property
-    def baseline_report(self):
-        return self.engine.baseline_report
-
-    @property
-    def run(self):
-        return self.engine.run
-
-    @property
-    def should_stop(self) -> bool:
-        return self.engine.should_stop
-
-    @property
-    def stop_reason(self) -> str | None:
-        return next((p.stop_reason for p in self.engine.stops.policies if p.stop_reason), None)
-
-    def subscribe(self, fn):
-        """Call `fn(report, baseline)` on rank 0 for every new report (see DrafterEvalCallback.subscribe)."""
-        return self.engine.subscribe(fn)
 
     # ------------------------------------------------------------------ before training
     def attach(self, drafter: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> None:

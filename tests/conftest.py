@@ -1,5 +1,6 @@
 import atexit
 import os
+import sys
 import shutil
 import tempfile
 from pathlib import Path
@@ -37,6 +38,16 @@ def home_sandbox() -> Path:
     """The session's stand-in for the home folder: every place in HOME_SETTINGS points into it."""
     assert all(os.environ[name] == str(HOME_SANDBOX / folder) for name, folder in HOME_SETTINGS.items())
     return HOME_SANDBOX
+
+
+@pytest.fixture(autouse=True)
+def fresh_wandb():
+    """W&B keeps one setup per process (its service, its settings: the first run's folder) and hands the
+    service to every subprocess through WANDB_SERVICE: each test starts from none, whatever ran before."""
+    yield
+    if "wandb" in sys.modules:
+        sys.modules["wandb"].teardown()
+        os.environ.pop("WANDB_SERVICE", None)
 
 
 @pytest.fixture(scope="session")

@@ -33,8 +33,8 @@ from torch import nn
 
 from ..checks import check_int
 from ..engine.drafters import drafter_config_of, resolve_drafter
-from ..engine.evaluator import EvalEngine, Host
-from ..engine.publish import Logger, Subscriber
+from ..engine.evaluator import EngineView, EvalEngine, Host
+from ..engine.publish import Logger
 from ..model import DrafterConfig
 from ..scoring.config import ScoringConfig
 from ..scoring.report import EvalReport
@@ -123,7 +123,7 @@ def eval_callbacks(callbacks) -> list[DrafterEvalCallback]:
     return [cb for cb in callbacks if isinstance(cb, DrafterEvalCallback)]
 
 
-class DrafterEvalCallback(Callback):
+class DrafterEvalCallback(EngineView, Callback):
     """Snapshot the drafter every `every_n_train_steps` steps and score it in the background.
 
     Args:
@@ -199,17 +199,10 @@ class DrafterEvalCallback(Callback):
     def every_n_train_steps(self) -> int:
         return self.engine.every_n_steps
 
-    def __getattr__(self, attr: str) -> Any:
-        """The engine's run state, read through the callback: history, errors, skipped, reports,
-        baseline_report, metrics, run, run_id."""
-        if attr in ("history", "errors", "skipped", "reports", "baseline_report", "metrics", "run", "run_id"):
-            return getattr(self.__dict__["engine"], attr)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {attr!r}")
-
-    def subscribe(self, fn: Subscriber) -> Callable[[], None]:
-        """Call `fn(report, baseline)` on the training thread of rank 0 for every new report; returns
-        a function that unsubscribes it. A subscriber that raises is reported like any failure."""
-        return self.engine.subscribe(fn)
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The latest means, as callback_metrics holds them."""
+        return self.engine.metrics
 
     @property
     def state_key(self) -> str:

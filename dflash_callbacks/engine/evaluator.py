@@ -40,7 +40,7 @@ import os
 import re
 import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +123,74 @@ class Host:
     def warn(self, text: str) -> None:
         if self.rank == 0:
             warnings.warn(text, UserWarning, stacklevel=3)
+
+
+class EngineView:
+    """What every adapter reads of its engine (`self.engine`), under one set of names."""
+
+    engine: EvalEngine
+
+    @property
+    def history(self) -> list[dict]:
+        """This run's reports, by step: [{"step", "mean", "versus"}] (every rank)."""
+        return self.engine.history
+
+    @property
+    def errors(self) -> int:
+        return self.engine.errors
+
+    @property
+    def skipped(self) -> int:
+        return self.engine.skipped
+
+    @property
+    def reports(self) -> list[EvalReport]:
+        """The reports published by this process (rank 0), in arrival order."""
+        return self.engine.reports
+
+    @property
+    def baseline_report(self) -> EvalReport | None:
+        return self.engine.baseline_report
+
+    @property
+    def run(self) -> RunFolder | None:
+        return self.engine.run
+
+    @property
+    def run_id(self) -> str | None:
+        return self.engine.run_id
+
+    @property
+    def should_stop(self) -> bool:
+        """Whether a stop has reached this rank."""
+        return self.engine.should_stop
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why a stop stopped training (or would have), None before."""
+        return next((p.stop_reason for p in self.engine.stops.policies if p.stop_reason), None)
+
+    def subscribe(self, fn: Subscriber) -> Callable[[], None]:
+        """Call `fn(report, baseline)` on the training thread of rank 0 for every new report; returns
+        a function that unsubscribes it. A subscriber that raises is reported like any failure."""
+        return self.engine.subscribe(fn)
+
+
+def stop_policies(stop: StopPolicy | Sequence[StopPolicy] | None) -> list[StopPolicy]:
+    """`stop=` of the plain-loop and transformers adapters, as a list (TypeError for anything else)."""
+    stops = [] if stop is None else [stop] if isinstance(stop, StopPolicy) else list(stop)
+    if not all(isinstance(s, StopPolicy) for s in stops):
+        raise TypeError("stop must be a TrailingBaselineStop (a StopPolicy), a list of them, or None; got "
+                        f"{[type(s).__name__ for s in stops if not isinstance(s, StopPolicy)]}")
+    return stops
+
+
+def log_functions(log: Callable | Sequence[Callable] | None) -> list[Callable[[dict, int], object]]:
+    """`log=` of the plain-loop and transformers adapters, as a list (TypeError for anything else)."""
+    functions = [] if log is None else [log] if callable(log) else list(log)
+    if not all(callable(fn) for fn in functions):
+        raise TypeError("log must be a function fn(metrics, step) or a list of them")
+    return functions
 
 
 def history_entry(report: EvalReport, versus: dict | None) -> dict:
