@@ -37,7 +37,7 @@ from torch import nn
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from .engine.drafters import drafter_config_of, resolve_drafter, unwrap
+from .engine.drafters import drafter_config_of, refuse_collective_wrappers, resolve_drafter, unwrap
 from .engine.evaluator import EngineView, EvalEngine, log_functions, stop_policies
 from .engine.stop import StopPolicy
 from .loop import LoopHost
@@ -160,6 +160,7 @@ class DrafterEvalTrainerCallback(EngineView, TrainerCallback, ExportableState):
         """Every check, then the run folder (a resume's, when the Trainer resumes from a checkpoint)."""
         self._host = TrainerHost(self, args, state, control)
         self._module = self._drafter_of(model)
+        refuse_collective_wrappers(self._module, model, f"{type(self).__name__}(drafter={self.drafter!r})")
         config = drafter_config_of(self._module, self.drafter_config, type(self).__name__, model,
                                    self.drafter or "the model")
         self._finished = False

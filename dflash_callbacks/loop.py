@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from .checks import is_int
-from .engine.drafters import drafter_config_of, unwrap
+from .engine.drafters import drafter_config_of, refuse_collective_wrappers, unwrap
 from .engine.evaluator import EngineView, EvalEngine, Host, log_functions, stop_policies
 from .engine.publish import Logger, WandbRows
 from .engine.stop import StopPolicy
@@ -168,6 +168,7 @@ class DrafterEvaluator(EngineView):
         if not isinstance(drafter, nn.Module):
             raise TypeError(f"attach(drafter, optimizer): the drafter must be an nn.Module; got {type(drafter).__name__}")
         module = unwrap(drafter)
+        refuse_collective_wrappers(module, drafter, "attach(drafter, optimizer)")
         if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
             problems.append("attach(drafter, optimizer): the optimizer must be a torch.optim.Optimizer (or a list of "
                             "them) that steps the drafter's parameters")

@@ -5,7 +5,8 @@ that hold each entry point to the same guarantees.
   trainers look like), checkpointing the model, the optimizer and `evaluator.state_dict()` in its
   own file every `ckpt_every` steps, and resuming from one;
 - `hf_fit`: the transformers `Trainer` with `DrafterEvalTrainerCallback` (checkpoints are the
-  Trainer's own `checkpoint-N/` folders; a resume goes through `resume_from_checkpoint`).
+  Trainer's own `checkpoint-N/` folders; a resume goes through `resume_from_checkpoint`);
+- `two_ranks`: a training script of tests/scripts/ under torchrun, two gloo processes.
 
 Both train the synthetic world's drafter (tests/synthetic.py) with the published objective
 (`dflash_callbacks.objective.sequence_loss`) on the world's cache, one sequence per step, in a
@@ -14,6 +15,11 @@ fixed order, so two runs with the same seed compute the same weights.
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -145,3 +151,24 @@ def hf_fit(world, out: Path, max_steps: int, callbacks: list, *, save_steps: int
                       callbacks=callbacks)
     trainer.train(resume_from_checkpoint=resume)
     return trainer, model
+
+
+def two_ranks(script: Path, args: list[str], root: Path, port: int, timeout: float = 300) -> tuple[dict, dict]:
+    """`script` (run with `--root root --record` besides `args`) under torchrun with 2 gloo processes;
+    returns the records rank 0 and rank 1 wrote (root/rank{N}.json). On a timeout, torchrun and every
+    rank (each names `root` on its command line) are killed and the test fails with the log's tail."""
+    import pytest
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+           str(script), "--root", str(root), "--record", *args]
+    log = root.parent / f"{root.name}-torchrun.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            subprocess.run(["pkill", "-9", "-f", str(root)])
+            pytest.fail(f"torchrun hung for {timeout:g} s:\n{log.read_text()[-6000:]}")
+    assert proc.returncode == 0, log.read_text()[-8000:]
+    return tuple(json.loads((root / f"rank{r}.json").read_text()) for r in (0, 1))

@@ -280,3 +280,65 @@ def test_a_config_field_of_the_wrong_type_is_refused_naming_file_and_field(zlab_
     (folder / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match=f"drafter config {folder / 'config.json'}: .*{match}"):
         load_drafter(folder)
+
+
+class FullyShardedDataParallel(torch.nn.Module):
+    """Stands in for FSDP1, which refuses to be built without an accelerator (this machine has none);
+    the refusal goes by the wrapper's class name. Like FSDP1, it forwards attribute reads to the module."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.module, name)
+
+
+def test_forwarding_wrappers_are_looked_through_and_collective_ones_refused_wherever_they_sit():
+    """DDP (a real one, over a 1-process gloo group) and torch.compile only forward to the drafter: the
+    drafter is found through them. FSDP1 (around the drafter, around the model holding it, or inside it
+    around a layer) and DeepSpeed ZeRO-3's partitioned parameters make `state_dict()` a collective over
+    unsharded weights: refused before training, naming where, so that no snapshot hangs rank 0."""
+    import os
+
+    import torch.distributed as dist
+
+    from dflash_callbacks.engine.drafters import refuse_collective_wrappers, resolve_drafter, unwrap
+
+    drafter = DFlashDrafter(tiny_config())
+    model = torch.nn.Module()
+    model.drafter = drafter
+    assert unwrap(torch.compile(drafter)) is drafter
+    assert resolve_drafter(torch.compile(model), "drafter", "Owner") is drafter
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29000 + os.getpid() % 900))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        assert resolve_drafter(ddp, "drafter", "Owner") is drafter
+        assert unwrap(torch.nn.parallel.DistributedDataParallel(drafter)) is drafter
+        refuse_collective_wrappers(drafter, ddp, "Owner")  # nothing to refuse
+    finally:
+        dist.destroy_process_group()
+
+    with pytest.raises(ValueError, match=r"the drafter is wrapped in FullyShardedDataParallel, which is not supported: "
+                                         r"FSDP1 .*use FSDP2 \(`fully_shard`\)"):
+        unwrap(FullyShardedDataParallel(drafter))
+    wrapped = torch.nn.Module()
+    wrapped.inner = FullyShardedDataParallel(model)
+    found = resolve_drafter(wrapped, "inner.drafter", "Owner")  # FSDP1 forwards .drafter to the model it wraps
+    with pytest.raises(ValueError, match=r"^Owner: the drafter sits inside the model's inner, a "
+                                         r"FullyShardedDataParallel, which is not supported: FSDP1"):
+        refuse_collective_wrappers(found, wrapped, "Owner")
+    with pytest.raises(ValueError, match=r"the drafter sits inside the model, a FullyShardedDataParallel"):
+        refuse_collective_wrappers(drafter, FullyShardedDataParallel(model), "Owner")
+    layered = DFlashDrafter(tiny_config())
+    layered.layers[1] = FullyShardedDataParallel(layered.layers[1])
+    with pytest.raises(ValueError, match=r"the drafter's layers.1 is a FullyShardedDataParallel"):
+        refuse_collective_wrappers(layered)
+    zero3 = DFlashDrafter(tiny_config())
+    zero3.fc.weight.ds_id = 7  # what DeepSpeed ZeRO-3 marks each partitioned parameter with
+    with pytest.raises(ValueError, match=r"partitioned by DeepSpeed ZeRO-3 \(fc.weight, ...\).*watch --checkpoints"):
+        refuse_collective_wrappers(zero3)

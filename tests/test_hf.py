@@ -29,7 +29,7 @@ from dflash_callbacks.engine.runners import SnapshotOutcome
 from dflash_callbacks.hf import DrafterEvalTrainerCallback
 from dflash_callbacks.scoring.service import PreflightError, ScoringService, ServiceSpec
 
-from loops import SCORING, hf_fit
+from loops import SCORING, hf_fit, two_ranks
 from runs import assert_clean, records, run_dir
 from test_reliability import reads_update_atime
 from wandb_records import read_run
@@ -278,6 +278,25 @@ def test_restoring_callbacks_by_recreating_them_is_refused_when_the_trainer_is_m
         hf_fit(world, tmp_path / "out", 4, [eval_cb(world, tmp_path), counter],
                restore_callback_states_from_checkpoint=True)
     assert counter.steps == 0 and not (tmp_path / "d").exists()
+
+
+def test_two_ranks_under_ddp_score_on_rank0_alone_and_stop_together(world, tmp_path):
+    """torchrun, 2 gloo processes: the Trainer wraps the model in DDP. Rank 0 scores alone; every report is
+    written once; the stop sets `should_training_stop` on both ranks at the same step; rank 1 holds rank 0's
+    history and run id."""
+    root = tmp_path / "run"
+    r0, r1 = two_ranks(SCRIPTS / "train_hf.py",
+                       ["--world", str(world.path), "--max-steps", "200", "--every", "2", "--stop-min-ratio", "10",
+                        "--stop-patience", "2"],
+                       root, port=29900 + os.getpid() % 90)
+    assert r0["world_size"] == r1["world_size"] == 2
+    assert r0["should_stop"] and r1["should_stop"] and r0["step"] == r1["step"] == r0["stopped_step"] == r1["stopped_step"] < 200
+    assert r0["stop_reason"] == r1["stop_reason"] and r0["stop_reason"].startswith("dflash: stopping at step ")
+    assert r1["reports"] == [] and r0["reports"] and r1["run_id"] == r0["run_id"]
+    assert set(r1["history"]) <= set(r0["history"]) and r0["errors"] == r1["errors"] == 0
+    steps = [r["step"] for r in records(root / "dflash")]
+    assert steps == sorted(set(steps)) == r0["reports"]
+    assert_clean(root / "dflash")
 
 
 # ---------------------------------------------------------------- faults while training

@@ -22,12 +22,12 @@ import torch
 from dflash_callbacks import DrafterEvaluator, TrailingBaselineStop
 from dflash_callbacks.scoring.service import PreflightError, ScoringService, ServiceSpec
 
-from loops import SCORING, DrafterModel, plain_fit
+from loops import SCORING, DrafterModel, plain_fit, two_ranks
 from runs import assert_clean, records, run_dir
 
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
-from train_run import shared_world, write_cache  # noqa: E402
+from train_run import write_cache  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +102,14 @@ def test_every_mistake_is_listed_before_the_first_step(world, tmp_path):
                      r"hidden_norm.weight, layers.0.\S+ and \d+ more\): pass the optimizer", message)
     assert "cache:" in message and "no-cache" in message  # both problems, at once
     assert not (tmp_path / "d").exists()
+
+    from test_drafter import FullyShardedDataParallel  # FSDP1 needs an accelerator: a stand-in of its name
+
+    sharded = DrafterModel(world.config, world.target)
+    sharded.drafter.layers[0] = FullyShardedDataParallel(sharded.drafter.layers[0])
+    with pytest.raises(ValueError, match=r"attach\(drafter, optimizer\): the drafter's layers.0 is a "
+                                         r"FullyShardedDataParallel, which is not supported: FSDP1"):
+        evaluator(world, tmp_path).attach(sharded.drafter, torch.optim.AdamW(sharded.drafter.parameters()))
 
     ev = evaluator(world, tmp_path)
     with pytest.raises(RuntimeError, match=r"call DrafterEvaluator.attach\(drafter, optimizer\) before step\(\)"):
@@ -249,21 +257,10 @@ def test_two_ranks_score_on_rank0_alone_and_stop_together(world, tmp_path, paral
     snapshot's gather is a collective on every rank). Rank 0 scores alone; every report is written once;
     `step()` returns True on both ranks at the same step; rank 1 holds rank 0's history and run id."""
     root = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(29400 + os.getpid() % 500 + (7 if parallel == "fsdp2" else 0)), str(SCRIPTS / "train_loop.py"),
-           "--world", str(world.target.parent), "--root", str(root), "--max-steps", "200", "--every", "2",
-           "--stop-min-ratio", "10", "--stop-patience", "2", "--parallel", parallel, "--record"]
-    log = tmp_path / "torchrun.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            proc.wait(timeout=300)
-        except subprocess.TimeoutExpired:  # torchrun and every rank (each names this test's folder) go with it
-            os.killpg(proc.pid, signal.SIGKILL)
-            subprocess.run(["pkill", "-9", "-f", str(root)])
-            pytest.fail(f"torchrun hung for 300 s:\n{log.read_text()[-6000:]}")
-    assert proc.returncode == 0, log.read_text()[-8000:]
-    r0, r1 = (json.loads((root / f"rank{r}.json").read_text()) for r in (0, 1))
+    r0, r1 = two_ranks(SCRIPTS / "train_loop.py",
+                       ["--world", str(world.target.parent), "--max-steps", "200", "--every", "2", "--stop-min-ratio",
+                        "10", "--stop-patience", "2", "--parallel", parallel],
+                       root, port=29400 + os.getpid() % 500 + (7 if parallel == "fsdp2" else 0))
     assert r0["should_stop"] and r1["should_stop"] and r0["step"] == r1["step"] == r0["stopped_step"] == r1["stopped_step"] < 200
     assert r0["stop_reason"] == r1["stop_reason"] and r0["stop_reason"].startswith("dflash: stopping at step ")
     assert r1["reports"] == [] and r1["threads_on_rank1"] == [] and r0["reports"]

@@ -32,7 +32,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from ..checks import check_int
-from ..engine.drafters import drafter_config_of, resolve_drafter
+from ..engine.drafters import drafter_config_of, refuse_collective_wrappers, resolve_drafter
 from ..engine.evaluator import EngineView, EvalEngine, Host
 from ..engine.publish import Logger
 from ..model import DrafterConfig
@@ -217,6 +217,7 @@ class DrafterEvalCallback(EngineView, Callback):
             return
         _refuse_stock_early_stopping(trainer.callbacks, self.name)
         module = self._module(pl_module)
+        refuse_collective_wrappers(module, pl_module, f"{type(self).__name__}(drafter={self.drafter!r})")
         config = drafter_config_of(module, self.drafter_config, type(self).__name__, pl_module, self.drafter)
         self.engine.check(LightningHost(trainer), module, config, trainer.max_steps)
 

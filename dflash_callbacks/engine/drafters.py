@@ -4,7 +4,8 @@ Every adapter uses these: the Lightning callback on its LightningModule, the tra
 callback on the Trainer's model, the plain loop on what `attach` is given. A wrapper that
 only forwards to the drafter (DDP's `.module`, `torch.compile`'s `._orig_mod`) is looked
 through; a wrapper whose `state_dict()` is a collective over unsharded parameters
-(FSDP1, DeepSpeed ZeRO-3) is refused, since rank 0 alone could not take a snapshot.
+(FSDP1, DeepSpeed ZeRO-3) is refused, around the drafter or inside it, since rank 0 alone
+could not take a snapshot.
 """
 
 from __future__ import annotations
@@ -35,6 +36,29 @@ def unwrap(module: nn.Module) -> nn.Module:
         if not isinstance(inner, nn.Module):
             return module
         module = inner
+
+
+def refuse_collective_wrappers(drafter: nn.Module, root: nn.Module | None = None, owner: str = "the drafter") -> None:
+    """Before training (every adapter, once): ValueError when a wrapper of REFUSED_WRAPPERS holds
+    the drafter's parameters from further away than `unwrap` looks: around a module of `root`
+    that holds the drafter (the transformers Trainer wraps its whole model in FSDP1), inside the
+    drafter around a layer, or DeepSpeed ZeRO-3's partitioned parameters (it marks each with
+    `ds_id`). A snapshot of such a drafter would be a collective that rank 0 starts alone."""
+    for name, outer in (root.named_modules() if root is not None else ()):
+        kind = type(outer).__name__
+        if kind in REFUSED_WRAPPERS and any(m is drafter for m in outer.modules()):
+            where = f"the model's {name}" if name else "the model"
+            raise ValueError(f"{owner}: the drafter sits inside {where}, a {kind}, which is not supported: "
+                             f"{REFUSED_WRAPPERS[kind]}")
+    for name, inner in drafter.named_modules():
+        kind = type(inner).__name__
+        if kind in REFUSED_WRAPPERS:
+            raise ValueError(f"{owner}: the drafter's {name or 'root'} is a {kind}, which is not supported: "
+                             f"{REFUSED_WRAPPERS[kind]}")
+    partitioned = [name for name, p in drafter.named_parameters() if hasattr(p, "ds_id")]
+    if partitioned:
+        raise ValueError(f"{owner}: the drafter's parameters are partitioned by DeepSpeed ZeRO-3 ({partitioned[0]}, "
+                         f"...), which is not supported: {REFUSED_WRAPPERS['DeepSpeedEngine']}")
 
 
 def drafters_in(root: nn.Module) -> list[str]:

@@ -2,15 +2,19 @@
 user runs a training script; the HF fault tests (tests/test_hf.py) start it as a subprocess and SIGKILL it:
 
     python tests/scripts/train_hf.py --world W --root R --max-steps 100000 --every 2 --save-steps 3 \
-        [--step-sleep 0.02] [--no-baseline]
+        [--step-sleep 0.02] [--no-baseline] [--stop-min-ratio 10 --stop-patience 2] [--record]
 
 `--world` is a folder made by `tests/synthetic.py:build_world` (tests/scripts/train_run.py `shared_world`).
-The Trainer writes its checkpoints to R/checkpoint-N/, the callback its run folder under R/dflash/.
+The Trainer writes its checkpoints to R/checkpoint-N/, the callback its run folder under R/dflash/. Under
+torchrun the Trainer runs DDP over gloo (tests/test_hf.py `test_two_ranks_*`); every rank writes
+R/rank{N}.json with `--record`: the step it ended at, the stop, and what its callback held.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,6 +28,7 @@ for folder in (TESTS, TESTS / "scripts"):
 import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
+from dflash_callbacks import TrailingBaselineStop  # noqa: E402
 from dflash_callbacks.hf import DrafterEvalTrainerCallback  # noqa: E402
 from loops import SCORING, hf_fit  # noqa: E402
 from train_run import world_paths  # noqa: E402
@@ -46,16 +51,31 @@ def main(argv=None) -> int:
     p.add_argument("--save-steps", type=int, default=0)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--stop-min-ratio", type=float, default=None)
+    p.add_argument("--stop-patience", type=int, default=1)
+    p.add_argument("--record", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     world = SimpleNamespace(**world_paths(args.world))
+    stop = None
+    if args.stop_min_ratio is not None:
+        stop = TrailingBaselineStop(monitor="ddtree@4/live", min_ratio=args.stop_min_ratio,
+                                    patience=args.stop_patience, verbose=False)
     cb = DrafterEvalTrainerCallback(
         cache=world.cache, target=world.target, baseline=None if args.no_baseline else world.baseline,
         every_n_steps=args.every, scoring=SCORING, dirpath=args.root / "dflash", baseline_cache_dir=args.root / "bc",
-        wait_timeout=300, verbose=False)
+        stop=stop, wait_timeout=300, verbose=False)
     callbacks = [cb] + ([StepSleep(args.step_sleep)] if args.step_sleep else [])
     with cb:
-        hf_fit(world, args.root, args.max_steps, callbacks, save_steps=args.save_steps)
+        trainer, _ = hf_fit(world, args.root, args.max_steps, callbacks, save_steps=args.save_steps)
+    if args.record:
+        rank = trainer.args.process_index
+        out = {"rank": rank, "world_size": trainer.args.world_size, "pid": os.getpid(),
+               "step": trainer.state.global_step, "should_stop": cb.should_stop, "stop_reason": cb.stop_reason,
+               "stopped_step": stop.stopped_step if stop else None, "reports": [r.step for r in cb.reports],
+               "history": [h["step"] for h in cb.history], "errors": cb.errors,
+               "metrics_step": cb.metrics.get("dflash/step"), "run_id": cb.engine.state_dict()["run_id"]}
+        (args.root / f"rank{rank}.json").write_text(json.dumps(out, indent=1))
     return 0
 
 
