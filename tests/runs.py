@@ -1,4 +1,5 @@
-"""Reading back what a DrafterEvalCallback run wrote, and auditing it.
+"""Reading back what a DrafterEvalCallback run wrote, auditing it, and the faults the fault
+tests of every entry point inflict on it.
 
 `audit(dirpath)` is the suite's count of reports lost, duplicated or mismatched: every
 fault test passes its run folders through it, conftest.py adds the counts up and prints
@@ -8,6 +9,9 @@ them at the end of the session, and any non-zero count fails the session.
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 from dflash_callbacks.engine.run_folder import RunFolder, is_run_folder
@@ -75,3 +79,57 @@ def assert_clean(folder: Path, scored_elsewhere: list[EvalReport] = ()) -> dict:
     counts = audit(folder, scored_elsewhere)
     assert counts["lost"] == counts["duplicated"] == counts["mismatched"] == 0, counts
     return counts
+
+
+def kill_after_reports(cmd: list[str], dirpath: Path, log: Path, reports: int = 3, timeout: float = 300) -> Path:
+    """Runs `cmd`, a training script whose evaluation writes its runs under `dirpath`, and SIGKILLs it
+    once a results.jsonl there holds `reports` lines; returns that file. Fails, with the end of the
+    script's output (`log`), when the script ends first or no such file comes within `timeout` s."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline, results_path = time.time() + timeout, None
+        while time.time() < deadline and proc.poll() is None:
+            found = sorted(Path(dirpath).glob("*/results.jsonl"))
+            if found and found[0].read_text().count("\n") >= reports:
+                results_path = found[0]
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None and results_path is not None, \
+            f"the training run ended early or wrote no {reports} reports:\n{Path(log).read_text()[-4000:]}"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    return results_path
+
+
+def tear_as_a_kill_would(results_path: Path) -> Path:
+    """What a kill in the middle of an append and of a snapshot write leaves in a run folder: a torn
+    last line in results.jsonl (no newline) and a half-written snapshot folder, which it returns."""
+    with open(results_path, "a") as f:
+        f.write('{"step": 999998, "drafter": "step 999998", "tas')
+    stale = results_path.parent / "snapshots" / ".step-99999998.tmp-deadbeef"
+    stale.mkdir(parents=True, exist_ok=True)
+    (stale / "model.safetensors").write_bytes(b"\0" * 100)
+    return stale
+
+
+def unwritable_results_for_a_while(source) -> list[int]:
+    """Subscribes to `source` (an eval callback or evaluator): after its first report a folder takes the
+    place of results.jsonl, so every append fails; after the third the file is put back. Returns the
+    steps of the reports seen, as they come."""
+    seen = []
+
+    def disk(report, baseline):
+        seen.append(report.step)
+        path = source.run.results_path
+        if len(seen) == 1:
+            path.rename(path.with_name("saved.jsonl"))
+            path.mkdir()
+        elif len(seen) == 3:
+            path.rmdir()
+            path.with_name("saved.jsonl").rename(path)
+
+    source.subscribe(disk)
+    return seen

@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,8 @@ from dflash_callbacks.hf import DrafterEvalTrainerCallback
 from dflash_callbacks.scoring.service import PreflightError, ScoringService, ServiceSpec
 
 from loops import SCORING, hf_fit, two_ranks
-from runs import assert_clean, records, run_dir
+from runs import (assert_clean, kill_after_reports, records, run_dir, tear_as_a_kill_would,
+                  unwritable_results_for_a_while)
 from test_reliability import reads_update_atime
 from wandb_records import read_run
 
@@ -309,35 +309,16 @@ def test_sigkilled_training_resumes_from_its_trainer_checkpoint_and_loses_nothin
     run folder: every line parses, nothing finished before the kill is lost or rescored, and a snapshot
     the killed run wrote but never scored is scored."""
     root = tmp_path / "run"
-    log = open(tmp_path / "train.log", "w")
-    proc = subprocess.Popen(
+    results_path = kill_after_reports(
         [sys.executable, str(SCRIPTS / "train_hf.py"), "--world", str(world.path), "--root", str(root),
          "--max-steps", "100000", "--every", "2", "--no-baseline", "--save-steps", "3", "--step-sleep", "0.02"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
-    try:
-        deadline, results_path = time.time() + 300, None
-        while time.time() < deadline and proc.poll() is None:
-            found = sorted((root / "dflash").glob("*/results.jsonl"))
-            if found and found[0].read_text().count("\n") >= 3:
-                results_path = found[0]
-                break
-            time.sleep(0.1)
-        assert proc.poll() is None, f"the training run ended early:\n{(tmp_path / 'train.log').read_text()[-4000:]}"
-    finally:
-        proc.kill()
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+        root / "dflash", tmp_path / "train.log")
 
     left = {step: RunFolder.snapshot_id(folder) for step, folder in RunFolder(results_path.parent).list_snapshots()}
     before = results_path.read_text()
     lines = before[: before.rfind("\n") + 1].splitlines()
     steps_before = [json.loads(line)["step"] for line in lines]
-    with open(results_path, "a") as f:
-        f.write('{"step": 999998, "drafter": "step 999998", "tas')  # torn: no newline
-    stale = results_path.parent / "snapshots" / ".step-99999998.tmp-deadbeef"
-    stale.mkdir(parents=True, exist_ok=True)
-    (stale / "model.safetensors").write_bytes(b"\0" * 100)
+    stale = tear_as_a_kill_would(results_path)
 
     def loads(folder: Path) -> int | None:
         try:
@@ -444,19 +425,7 @@ def test_a_results_file_unwritable_for_a_while_costs_no_report(world, tmp_path):
     """After the first report a folder takes the place of results.jsonl (every append fails); after the
     third it is put back: each failure is counted, and the lines held in memory land once each, in order."""
     cb = eval_cb(world, tmp_path, busy="queue", max_pending=8)
-    seen = []
-
-    def disk(report, baseline):
-        seen.append(report.step)
-        path = cb.run.results_path
-        if len(seen) == 1:
-            path.rename(path.with_name("saved.jsonl"))
-            path.mkdir()
-        elif len(seen) == 3:
-            path.rmdir()
-            path.with_name("saved.jsonl").rename(path)
-
-    cb.subscribe(disk)
+    seen = unwritable_results_for_a_while(cb)
     with pytest.warns(UserWarning, match=r"appending to .*results.jsonl failed|can not open .*results.jsonl"):
         trainer, _ = hf_fit(world, tmp_path / "out", 10, [cb])
     assert trainer.state.global_step == 10 and seen == [2, 4, 6, 8, 10]

@@ -23,7 +23,7 @@ from dflash_callbacks import DrafterEvaluator, TrailingBaselineStop
 from dflash_callbacks.scoring.service import PreflightError, ScoringService, ServiceSpec
 
 from loops import SCORING, DrafterModel, plain_fit, two_ranks
-from runs import assert_clean, records, run_dir
+from runs import assert_clean, kill_after_reports, records, run_dir, unwritable_results_for_a_while
 
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -167,19 +167,7 @@ def test_nan_weights_are_an_error_line_never_a_logged_number(world, tmp_path):
 
 def test_an_unwritable_results_file_holds_its_lines_and_writes_them_later(world, tmp_path):
     ev = evaluator(world, tmp_path)
-    seen = []
-
-    def disk(report, baseline):
-        seen.append(report.step)
-        path = ev.run.results_path
-        if len(seen) == 1:
-            path.rename(path.with_name("saved.jsonl"))
-            path.mkdir()
-        elif len(seen) == 3:
-            path.rmdir()
-            path.with_name("saved.jsonl").rename(path)
-
-    ev.subscribe(disk)
+    seen = unwritable_results_for_a_while(ev)
     with pytest.warns(UserWarning, match=r"appending to .*results.jsonl failed|can not open .*results.jsonl"):
         plain_fit(world, 10, ev)
     assert seen == [2, 4, 6, 8, 10] and ev.errors == 2
@@ -218,30 +206,19 @@ def test_a_sigkilled_plain_loop_resumes_from_its_checkpoint_and_loses_nothing(wo
     the newest loadable checkpoint reopens the same run folder: nothing finished before the kill is lost or
     scored again, and a snapshot the killed run wrote but never scored is scored."""
     root = tmp_path / "run"
-    log = open(tmp_path / "train.log", "w")
     base = [sys.executable, str(SCRIPTS / "train_loop.py"), "--world", str(world.target.parent), "--root", str(root),
             "--every", "2", "--no-baseline", "--busy", "queue"]
-    proc = subprocess.Popen(base + ["--max-steps", "100000", "--ckpt-every", "3", "--step-sleep", "0.02"], stdout=log,
-                            stderr=subprocess.STDOUT)
-    try:
-        deadline = time.time() + 300
-        while time.time() < deadline and proc.poll() is None:
-            found = sorted((root / "dflash").glob("*/results.jsonl"))
-            if found and found[0].read_text().count("\n") >= 3:
-                break
-            time.sleep(0.1)
-        assert proc.poll() is None, (tmp_path / "train.log").read_text()[-4000:]
-    finally:
-        proc.kill()
-        proc.wait()
+    kill_after_reports(base + ["--max-steps", "100000", "--ckpt-every", "3", "--step-sleep", "0.02"], root / "dflash",
+                       tmp_path / "train.log")
     folder = run_dir(root / "dflash")
     before = [json.loads(line)["step"] for line in (folder / "results.jsonl").read_text().splitlines()]
     ckpts = sorted(root.glob("ckpt/step=*.pt"), key=lambda p: int(p.stem.split("=")[1]))
     ckpt = next(p for p in reversed(ckpts) if int(p.stem.split("=")[1]) < max(before))
     resumed_from = int(ckpt.stem.split("=")[1])
     end = max(before) + 4
-    subprocess.run(base + ["--max-steps", str(end), "--resume", str(ckpt), "--record"], check=True, timeout=300,
-                   stdout=log, stderr=subprocess.STDOUT)
+    with open(tmp_path / "train.log", "a") as log:
+        subprocess.run(base + ["--max-steps", str(end), "--resume", str(ckpt), "--record"], check=True, timeout=300,
+                       stdout=log, stderr=subprocess.STDOUT)
     out = json.loads((root / "rank0.json").read_text())
     assert run_dir(root / "dflash") == folder and out["run_id"] == folder.name
     steps = [json.loads(line)["step"] for line in (folder / "results.jsonl").read_text().splitlines()]

@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from dflash_callbacks.callbacks import DrafterEvalCallback, TrailingBaselineStop
 from dflash_callbacks.config import CONF_DIR, CallbacksConfig, build_callbacks, load_config
 from dflash_callbacks.scoring.service import PreflightError
 
-from runs import assert_clean, records
+from runs import assert_clean, kill_after_reports, records, tear_as_a_kill_would
 
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -264,26 +263,10 @@ def test_sigkilled_training_resumes_from_its_checkpoint_and_loses_nothing(world,
     that loads reopens the same run folder: every line parses, nothing finished before the
     kill is lost or rescored, and a snapshot the killed run wrote but never scored is scored."""
     root = tmp_path / "run"
-    log = open(tmp_path / "train.log", "w")
-    proc = subprocess.Popen(
+    results_path = kill_after_reports(
         [sys.executable, str(SCRIPTS / "train_run.py"), "--world", str(world), "--root", str(root),
          "--max-steps", "100000", "--every", "2", "--no-baseline", "--ckpt-every", "3", "--step-sleep", "0.02"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
-    try:
-        deadline = time.time() + 300
-        results_path = None
-        while time.time() < deadline and proc.poll() is None:
-            found = sorted((root / "dflash").glob("*/results.jsonl"))
-            if found and found[0].read_text().count("\n") >= 3:
-                results_path = found[0]
-                break
-            time.sleep(0.1)
-        assert proc.poll() is None, f"the training run ended early:\n{(tmp_path / 'train.log').read_text()[-4000:]}"
-    finally:
-        proc.kill()
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+        root / "dflash", tmp_path / "train.log")
 
     from dflash_callbacks.engine.run_folder import RunFolder
 
@@ -291,11 +274,7 @@ def test_sigkilled_training_resumes_from_its_checkpoint_and_loses_nothing(world,
     before = results_path.read_text()
     lines = before[: before.rfind("\n") + 1].splitlines()
     steps_before = [json.loads(line)["step"] for line in lines]
-    with open(results_path, "a") as f:
-        f.write('{"step": 999998, "drafter": "step 999998", "tas')  # torn: no newline
-    stale = results_path.parent / "snapshots" / ".step-99999998.tmp-deadbeef"
-    stale.mkdir(parents=True, exist_ok=True)
-    (stale / "model.safetensors").write_bytes(b"\0" * 100)
+    stale = tear_as_a_kill_would(results_path)
 
     def loads(path):
         try:

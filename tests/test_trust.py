@@ -40,7 +40,7 @@ from dflash_callbacks.scoring.scorer import NonFiniteError
 from dflash_callbacks.scoring.service import PreflightError, ScoringService, ServiceSpec
 
 from fixtures_cache import save_random_target
-from runs import assert_clean, records, run_dir
+from runs import assert_clean, records, run_dir, unwritable_results_for_a_while
 
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -101,19 +101,7 @@ def test_results_file_unwritable_for_a_while_costs_no_report(world, tmp_path):
     after the third it is put back. Training goes on, each failure is counted, the reports
     are still logged, and the lines held in memory land in the file, once each, in order."""
     cb = eval_cb(world, tmp_path, busy="queue", max_pending=8)
-    seen = []
-
-    def disk(report, baseline):
-        seen.append(report.step)
-        path = cb.run.results_path
-        if len(seen) == 1:
-            path.rename(path.with_name("saved.jsonl"))
-            path.mkdir()
-        elif len(seen) == 3:
-            path.rmdir()
-            path.with_name("saved.jsonl").rename(path)
-
-    cb.subscribe(disk)
+    seen = unwritable_results_for_a_while(cb)
     with pytest.warns(UserWarning, match=r"appending to .*results.jsonl failed|can not open .*results.jsonl"):
         trainer = fit(world, tmp_path, [cb], max_steps=10)
     assert trainer.global_step == 10 and seen == [2, 4, 6, 8, 10]
