@@ -37,7 +37,7 @@ from torch import nn
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from .engine.drafters import drafter_config_of, refuse_collective_wrappers, resolve_drafter, unwrap
+from .engine.drafters import check_drafter_config, drafter_config_of, refuse_collective_wrappers, resolve_drafter, unwrap
 from .engine.evaluator import EngineView, EvalEngine, log_functions, stop_policies
 from .engine.stop import StopPolicy
 from .loop import LoopHost
@@ -113,9 +113,7 @@ class DrafterEvalTrainerCallback(EngineView, TrainerCallback, ExportableState):
             self.engine.add_stop(policy)  # its monitor must be scored: checked now
         if not (drafter is None or isinstance(drafter, str) or callable(drafter)):
             raise TypeError("drafter must be an attribute path, a function model -> drafter, or None (the model)")
-        if not (drafter_config is None or isinstance(drafter_config, (DrafterConfig, str, os.PathLike))):
-            raise TypeError("drafter_config must be a DrafterConfig, a config.json path or None")
-        self.drafter, self.drafter_config = drafter, drafter_config
+        self.drafter, self.drafter_config = drafter, check_drafter_config(drafter_config)
         self.log = log_functions(log)
         self.wandb = wandb
         self.metrics: dict[str, float] = {}

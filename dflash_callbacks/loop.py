@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from .checks import is_int
-from .engine.drafters import drafter_config_of, refuse_collective_wrappers, unwrap
+from .engine.drafters import check_drafter_config, drafter_config_of, refuse_collective_wrappers, unwrap
 from .engine.evaluator import EngineView, EvalEngine, Host, log_functions, stop_policies
 from .engine.publish import Logger, WandbRows
 from .engine.stop import StopPolicy
@@ -139,9 +139,7 @@ class DrafterEvaluator(EngineView):
                                  verbose, sync_every_n_steps)
         for policy in stop_policies(stop):
             self.engine.add_stop(policy)  # its monitor must be scored: checked now
-        if not (drafter_config is None or isinstance(drafter_config, (DrafterConfig, str, os.PathLike))):
-            raise TypeError("drafter_config must be a DrafterConfig, a config.json path or None")
-        self.drafter_config = drafter_config
+        self.drafter_config = check_drafter_config(drafter_config)
         if max_steps is not None and not (is_int(max_steps) and max_steps >= 1):
             raise ValueError(f"max_steps must be an integer >= 1 or None; got {max_steps!r}")
         self.max_steps = max_steps

@@ -122,6 +122,8 @@ def test_every_mistake_is_listed_before_the_first_step(world, tmp_path):
     with pytest.warns(UserWarning, match=r"step\(6\): the optimizer has not stepped since step\(4\)"):
         ev.step(6)
     ev.close()
+    with pytest.raises(TypeError, match=r"drafter_config must be a DrafterConfig, a config.json path or None; got int"):
+        evaluator(world, tmp_path, drafter_config=3)
     with pytest.raises(TypeError, match=r"stop must be a TrailingBaselineStop"):
         evaluator(world, tmp_path, stop="ddtree@8/live")
     with pytest.raises(ValueError, match=r"TrailingBaselineStop monitors 'ddtree@8/live', but 'dflash' scores only "

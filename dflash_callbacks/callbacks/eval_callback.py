@@ -32,7 +32,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from ..checks import check_int
-from ..engine.drafters import drafter_config_of, refuse_collective_wrappers, resolve_drafter
+from ..engine.drafters import check_drafter_config, drafter_config_of, refuse_collective_wrappers, resolve_drafter
 from ..engine.evaluator import EngineView, EvalEngine, Host
 from ..engine.publish import Logger
 from ..model import DrafterConfig
@@ -185,9 +185,7 @@ class DrafterEvalCallback(EngineView, Callback):
             cadence="every_n_train_steps")
         if not (isinstance(drafter, str) or callable(drafter)):
             raise TypeError("drafter must be an attribute name or a function LightningModule -> drafter")
-        if not (drafter_config is None or isinstance(drafter_config, (DrafterConfig, str, os.PathLike))):
-            raise TypeError("drafter_config must be a DrafterConfig, a config.json path or None")
-        self.drafter, self.drafter_config = drafter, drafter_config
+        self.drafter, self.drafter_config = drafter, check_drafter_config(drafter_config)
         self.name = name
 
     # ------------------------------------------------------------------ what the engine holds

@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks.callback import Callback
 from typing_extensions import override
 
 from ..engine.stop import (  # noqa: F401  (the pure pieces, importable from here too)
-    Decision, StopPolicy, fit_projection, projected_value, validate_monitor,
+    CONFIDENCE, Decision, StopPolicy, fit_projection, projected_value, validate_monitor,
 )
 from .eval_callback import DrafterEvalCallback, eval_callbacks
 
@@ -45,7 +45,7 @@ class TrailingBaselineStop(StopPolicy, Callback):
         action: str = "stop",
         verbose: bool = True,
         eval_callback: str | None = None,
-        confidence: float | None = 0.95,
+        confidence: float | None = CONFIDENCE,
     ) -> None:
         StopPolicy.__init__(self, monitor, min_ratio, min_delta, patience, grace_steps, projection,
                             projection_window, action, verbose, confidence)

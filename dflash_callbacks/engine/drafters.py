@@ -90,6 +90,13 @@ def resolve_drafter(root: nn.Module, drafter: str | Callable, owner: str) -> nn.
     return unwrap(module)
 
 
+def check_drafter_config(given: DrafterConfig | str | os.PathLike | None) -> DrafterConfig | str | os.PathLike | None:
+    """An adapter's `drafter_config=` argument, checked for its type when the adapter is made."""
+    if not (given is None or isinstance(given, (DrafterConfig, str, os.PathLike))):
+        raise TypeError(f"drafter_config must be a DrafterConfig, a config.json path or None; got {type(given).__name__}")
+    return given
+
+
 def drafter_config_of(module: nn.Module, given: DrafterConfig | str | os.PathLike | None, owner: str,
                       root: nn.Module | None = None, drafter: str | Callable = "drafter") -> DrafterConfig:
     """`given` (a DrafterConfig or a config.json path), else the drafter's own `.config` (a
