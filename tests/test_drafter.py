@@ -198,7 +198,7 @@ def test_save_then_load_round_trip_and_state_dict_source(zlab_tiny, tmp_path):
 
 CHANGING = {  # a value of each field published DFlash code reads that changes what the drafter computes
     "input_embedding_scale": 8.0, "output_multiplier": 0.2, "final_logit_softcapping": 20.0, "logit_scale": 0.5,
-    "projector_type": "domino", "shift_label": True, "sample_from_anchor": True, "is_neox_style": False,
+    "shift_label": True, "sample_from_anchor": True, "is_neox_style": False,
     "rope_is_neox_style": False, "attention_sink_bias": True, "add_swa_attention_sink_bias": True, "use_swa": True,
     "swa_window_size": 2048, "use_aux_hidden_state": False,
 }
@@ -222,6 +222,19 @@ def test_a_setting_of_the_published_code_this_drafter_lacks_is_refused(zlab_tiny
     for neutral in UNIMPLEMENTED[key][1]:
         (raw["dflash_config"] if where == "dflash_config" else raw)[key] = neutral
         assert DrafterConfig.from_dict(raw).to_dict()["layer_types"] == ["full_attention"] * 3
+
+
+@pytest.mark.parametrize("where", ["dflash_config", "top"])
+def test_a_projector_type_no_family_reads_is_refused_naming_the_families(zlab_tiny, where):
+    """SpecForge's projector_type names the head: 'dflash' (or none) is DFlash's; another value that no
+    family reads is refused in one line naming the field and the families known."""
+    raw = json.loads((zlab_tiny / "config.json").read_text())
+    (raw["dflash_config"] if where == "dflash_config" else raw)["projector_type"] = "dflash"
+    assert DrafterConfig.from_dict(raw).family == "dflash"
+    (raw["dflash_config"] if where == "dflash_config" else raw)["projector_type"] = "medusa"
+    with pytest.raises(ValueError, match=r"field 'projector_type' is 'medusa': no drafter family .*dflash \(DFlash\), "
+                                         r"dflash2 \(DFlash 2\)"):
+        DrafterConfig.from_dict(raw)
 
 
 def test_a_target_wider_than_the_drafter_is_refused(zlab_tiny):

@@ -159,8 +159,8 @@ def test_head_stats_gets_the_whole_task_in_bounded_calls(world, monkeypatch, max
     config = ScoringConfig(ddtree_budgets=[4], topk=[2], anchors_per_forward=4, device="cpu")
     task = cache.task("long")
     calls = []
-    real = scorer.head_stats
-    monkeypatch.setattr(scorer, "head_stats", lambda hidden, *a, **k: calls.append(len(hidden)) or real(hidden, *a, **k))
+    real = drafter.slot_stats  # the family's statistics: the LM-head statistics for DFlash
+    monkeypatch.setattr(drafter, "slot_stats", lambda rows, *a, **k: calls.append(len(rows)) or real(rows, *a, **k))
     if max_head_rows:
         monkeypatch.setattr(scorer, "MAX_HEAD_ROWS", max_head_rows)
     fast = score_task(drafter, head, task, config, block_size=6)

@@ -126,9 +126,9 @@ def test_a_speculators_config_maps_onto_the_published_fields():
                                                      "bidirectional, window 6 from the query"]
     raw = json.loads((TRAINERS / "speculators-full" / "checkpoint" / "config.json").read_text())
     for key, value, match in [("aux_hidden_state_layer_ids", [0, 2], "list of integers >= 1"),
-                              ("speculators_model_type", "eagle3", "only 'dflash' speculators"),
+                              ("speculators_model_type", "eagle3", "not a drafter family this library scores"),
                               ("sample_from_anchor", True, "drafts a token from the anchor's own slot"),
-                              ("projector_type", "domino", "replaces the plain DFlash head")]:
+                              ("projector_type", "domino", "a Domino drafter, but field 'speculators_model_type' is 'dflash'")]:
         with pytest.raises(ValueError, match=match):
             type(config).from_dict({**raw, key: value})
 

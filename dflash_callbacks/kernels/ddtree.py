@@ -146,3 +146,10 @@ def heap_streak(top: list[list[float]], label_order: list[int], budget: int, rea
     while streak < reach and tuple(label_order[: streak + 1]) in popped:
         streak += 1
     return streak
+
+
+def ddtree_streaks_from_stats(stats, valid: torch.Tensor, budgets: Iterable[int]) -> dict[int, torch.Tensor]:
+    """`ddtree_streaks_from_top` on head statistics (`HeadStats`: rows viewed as [A, L] by `valid`)."""
+    a, length = valid.shape
+    return ddtree_streaks_from_top(stats.top_logprobs.view(a, length, -1), stats.label_logprob.view(a, length),
+                                   stats.label_order.view(a, length), valid, budgets)

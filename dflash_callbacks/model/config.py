@@ -6,6 +6,10 @@ or inside `dflash_config`, `rope_theta` or `rope_parameters`); `DrafterConfig.fr
 accepts every placement and `to_dict` writes the published one back. A speculators
 config (`speculators_model_type: dflash`, the model nested in `transformer_layer_config`,
 `aux_hidden_state_layer_ids` = target layer ids + 1) is mapped onto the same fields.
+
+Every drafter family (`model.families`: DFlash, DFlash 2, DSpark, Domino) has this backbone; a
+family's own fields (DFlash 2's convolution and selector, DSpark's Markov head, ...) are read by
+its module into `DrafterConfig.family_config`, and written back by it.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checks import is_int
+from . import families
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 UNIMPLEMENTED = {  # field: (what it does in the code that reads it, the values that change nothing)
@@ -24,8 +29,6 @@ UNIMPLEMENTED = {  # field: (what it does in the code that reads it, the values 
     "output_multiplier": ("scales the draft logits", (None, 1)),
     "final_logit_softcapping": ("soft-caps the draft logits", (None, 0)),
     "logit_scale": ("scales the draft logits (vLLM)", (None, 1)),
-    "projector_type": ("replaces the plain DFlash head by a Domino or DSpark one (SpecForge, speculators)",
-                       (None, "dflash")),
     "shift_label": ("shifts each drafted position's label by one (SpecForge, speculators)", (None, False)),
     "sample_from_anchor": ("drafts a token from the anchor's own slot, B per block (speculators)", (None, False)),
     "is_neox_style": ("rotates interleaved RoPE pairs (vLLM, SGLang)", (None, True)),
@@ -36,9 +39,10 @@ UNIMPLEMENTED = {  # field: (what it does in the code that reads it, the values 
     "swa_window_size": ("sets the sliding window of the layers (vLLM)", (None,)),
     "use_aux_hidden_state": ("feeds the target's hidden states without the fc projection (vLLM)", (None, True)),
 }
-"""Settings that published DFlash code reads (from dflash_config or the top level) and this
-drafter does not implement: a config giving one a value that changes the computation is
-refused, since its numbers would be another model's."""
+"""Settings that published DFlash code reads (from dflash_config or the top level) and no family's
+module takes out of a config before the backbone is read (`model.families`): a config giving one
+a value that changes the computation is refused, since its numbers would be another model's.
+(SpecForge's `projector_type` names a family: `families.identify` reads it.)"""
 SPECULATORS_FIELDS = ("block_size", "mask_token_id", "draft_vocab_size", "sliding_window_non_causal",
                       "target_hidden_size", *UNIMPLEMENTED)
 """Top-level fields of a speculators DFlash config that describe the drafter (the rest is
@@ -85,9 +89,15 @@ class DrafterConfig:
     causal: bool | None = None  # is_causal / dflash_config.causal: every layer causal in the block (None: unset)
     sliding_window_non_causal: bool | None = None  # speculators: sliding layers bidirectional in the block
     draft_vocab_size: int | None = None  # a pruned draft vocabulary (tensor d2t), below vocab_size; None: the whole
+    family: str = "dflash"  # the drafter family (model.families): what reads the config, lays out and scores the block
+    family_config: Any = None  # the family's own settings (its module's Settings, frozen), None for DFlash
     extra: dict[str, Any] = field(default_factory=dict)  # other keys of config.json, written back unchanged
 
     def __post_init__(self) -> None:
+        settings = getattr(families.family_named(self.family).load(), "Settings", None)
+        if not (self.family_config is None if settings is None else isinstance(self.family_config, settings)):
+            raise ValueError(f"a {self.family} drafter's family_config must be "
+                             f"{'None' if settings is None else settings.__name__}; got {self.family_config!r}")
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "block_size", "vocab_size", "max_position_embeddings"):
             value = getattr(self, name)
@@ -158,8 +168,8 @@ class DrafterConfig:
     def from_dict(cls, raw: dict[str, Any]) -> "DrafterConfig":
         if not isinstance(raw, dict):
             raise ValueError(f"a drafter config is a JSON object; got {type(raw).__name__}")
-        if "speculators_model_type" in raw or "transformer_layer_config" in raw:
-            raw = from_speculators(raw)
+        family = families.identify(raw)
+        raw, family_config = family.load().read_config(copy.deepcopy(raw))  # the backbone, in the published layout
         d = copy.deepcopy(raw)
         dflash = d.pop("dflash_config", None) or {}
         if not isinstance(dflash, dict):
@@ -261,6 +271,8 @@ class DrafterConfig:
             causal=causal,
             sliding_window_non_causal=non_causal,
             draft_vocab_size=None if draft_vocab == vocab else draft_vocab,
+            family=family.name,
+            family_config=family_config,
         )
         if dflash:
             d["dflash_config"] = dflash  # unknown dflash_config keys survive a round trip
@@ -287,8 +299,9 @@ class DrafterConfig:
         out = copy.deepcopy(self.extra)
         dflash = dict(out.pop("dflash_config", {}))
         dflash.update(mask_token_id=self.mask_token_id, target_layer_ids=list(self.target_layer_ids))
+        family = families.family_named(self.family)
         out.update(
-            architectures=out.get("architectures", ["DFlashDraftModel"]),
+            architectures=out.get("architectures", [family.architectures[0]]),
             model_type="qwen3",
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
@@ -314,18 +327,16 @@ class DrafterConfig:
                             ("draft_vocab_size", self.draft_vocab_size)):
             if value is not None:
                 out[name] = value
+        family.load().write_config(self.family_config, out)
         return out
 
 
 def from_speculators(raw: dict[str, Any]) -> dict[str, Any]:
-    """A speculators DFlash config (`DFlashSpeculatorConfig`) as the published layout:
+    """A speculators config of the DFlash backbone (`DFlashSpeculatorConfig`, and the families built on
+    it, whose module takes its own fields out first) as the published layout:
     the model of `transformer_layer_config` at the top level, `aux_hidden_state_layer_ids`
     (indices into the target's hidden states, the embedding output being 0) less one as
     `target_layer_ids`, and the drafter's own fields beside them."""
-    kind = raw.get("speculators_model_type")
-    if kind != "dflash":
-        raise ValueError(f"field 'speculators_model_type' is {kind!r}: only 'dflash' speculators are DFlash drafters "
-                         "this library scores")
     layer = raw.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise ValueError(f"field 'transformer_layer_config' must be an object (the drafter's Qwen3 config); got {layer!r}")

@@ -28,17 +28,22 @@ its logits from the target's LM head rows of `vocab_ids`.
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
+from ..kernels.ddtree import ddtree_streaks_from_stats
+from ..kernels.head_stats import HeadStats, head_stats
 from .attention import LayerAttention, resolve_attention
 from .block_attention import BlockMasks, additive, block_attention, block_masks
 from .config import DrafterConfig
+from .families import family_named
 
 STORED_HEAD = ("embed_tokens.weight", "lm_head.weight", "t2d")
 """Tensors a speculators folder stores beside the drafter's own: the target's embedding and
@@ -140,7 +145,10 @@ class DFlashAttention(nn.Module):
         else:
             k = torch.cat([k_ctx.expand(b, -1, -1, -1), k_blk], dim=2)
             v = torch.cat([v_ctx.expand(b, -1, -1, -1), v_blk], dim=2)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads)
+            # on the CPU, the math kernel: the fused one rounds by the CPU's vector width (AVX2 or AVX-512),
+            # enough to move a logit 2e-5 off the trainers' own numbers on one machine and not another
+            with sdpa_kernel(SDPBackend.MATH) if q.device.type == "cpu" else contextlib.nullcontext():
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 
@@ -161,15 +169,25 @@ class DFlashDrafter(nn.Module):
     """The DFlash drafter. `state_dict()` keys are the published ones
     (`fc.weight`, `hidden_norm.weight`, `layers.{i}.…`, `norm.weight`, and `d2t` for a
     pruned draft vocabulary). `attention`: each layer's pattern as vLLM serves it, what
-    `forward` and `decode_blocks` apply unless given another."""
+    `forward` and `decode_blocks` apply unless given another.
+
+    It is the backbone of every family (`model.families`); a family's drafter subclasses it and
+    overrides the family contract below (`draft_rows`, `slot_features`, `head_weight`, `slot_stats`,
+    `ddtree_streaks`), which the scorer calls."""
+
+    family = "dflash"  # the family this class implements (model.families)
+    decoder_layer: type[nn.Module] = DFlashDecoderLayer  # the class of each layer
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
+        if config.family != self.family:
+            raise ValueError(f"a {family_named(config.family).title} config builds a {config.family} drafter, not a "
+                             f"{type(self).__name__}: use dflash_callbacks.build_drafter(config)")
         self.config = config
         H = config.hidden_size
         self.fc = nn.Linear(config.num_target_features, H, bias=False)
         self.hidden_norm = Qwen3RMSNorm(H, eps=config.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.decoder_layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = Qwen3RMSNorm(H, eps=config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
         if config.draft_vocab_size is not None:
@@ -351,6 +369,42 @@ class DFlashDrafter(nn.Module):
         big = torch.iinfo(block_positions.dtype).max
         return torch.where(sees, block_positions[:, None, :], big).amin(dim=-1, keepdim=True)
 
+    # ------------------------------------------------------------------ the family contract (scoring)
+    def draft_rows(self, block_size: int) -> range:
+        """The rows of a decoded block of `block_size` that draft, in order: the i-th drafts the token at
+        anchor + 1 + i. DFlash: row 0 holds the anchor, rows 1 .. B-1 draft."""
+        return range(1, block_size)
+
+    def slot_features(self, hidden: torch.Tensor, previous: torch.Tensor, embed: nn.Embedding) -> torch.Tensor:
+        """[n, P, H'] what the head (`head_weight`) reads at each draft slot, teacher-forced: `hidden`
+        [n, B, H] the decoded blocks, `previous` [n, P] the true token before each slot (the anchor,
+        then the labels: target ids), `embed` the target's embedding. DFlash: the draft rows."""
+        rows = self.draft_rows(hidden.shape[1])
+        return hidden[:, rows.start : rows.stop]
+
+    def head_weight(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """[V', H'] what the slot features are scored against: the target's LM head (the rows of a pruned
+        draft vocabulary, `vocab_ids`)."""
+        ids = self.vocab_ids
+        return lm_head_weight if ids is None else lm_head_weight[ids.to(lm_head_weight.device)]
+
+    def slot_stats(self, features: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, previous: torch.Tensor,
+                   top_n: int, backend: str = "auto", chunk_size: int | None = None) -> HeadStats:
+        """The statistics of the drafter's distribution at each slot (rows of `features` [M, H']) that the
+        methods read (`kernels.head_stats.HeadStats`: the label's log-prob, rank and order, the top-N
+        log-probs), teacher-forced (`previous` [M]: the true token before each slot). DFlash: the fused
+        LM-head statistics, never materialising [M, V]."""
+        return head_stats(features, weight, labels, top_n, backend=backend, chunk_size=chunk_size)
+
+    ddtree_refusal: str | None = None
+    """Why DDTree can not be scored for this family (None: `ddtree_streaks` scores it exactly)."""
+
+    def ddtree_streaks(self, stats: HeadStats, valid: torch.Tensor, budgets: list[int]) -> dict[int, torch.Tensor]:
+        """DDTree streak per anchor for each node budget ({N: int64 [n]}) from `slot_stats`' statistics
+        viewed as [n, P] (valid [n, P]). DFlash: slots are independent given the context, so the closed
+        form over the top-N log-probs of each depth is exact (`kernels.ddtree`)."""
+        return ddtree_streaks_from_stats(stats, valid, budgets)
+
     @classmethod
     def from_state_dict(cls, config: DrafterConfig, state_dict, *, dtype=None, device=None) -> "DFlashDrafter":
         """A drafter holding exactly `state_dict` (published keys; those of `STORED_HEAD` go to
@@ -368,6 +422,16 @@ class DFlashDrafter(nn.Module):
         model.load_state_dict(own, strict=True, assign=True)
         model.stored_head = stored
         return model.to(device=device, dtype=dtype).eval()  # a dtype cast leaves d2t (integer) alone
+
+
+def build_drafter(config: DrafterConfig) -> DFlashDrafter:
+    """A fresh drafter of `config`'s family (`model.families`), initialised as a fresh Qwen3."""
+    return drafter_class(config)(config)
+
+
+def drafter_class(config: DrafterConfig) -> type[DFlashDrafter]:
+    """The drafter class of `config`'s family."""
+    return family_named(config.family).load().Drafter
 
 
 def split_stored_head(state: dict) -> tuple[dict, dict]:

@@ -21,13 +21,15 @@ def anchor_range(prompt_len: int, num_tokens: int, window: int | None = None) ->
     return range(prompt_len, last + 1)
 
 
-def block_inputs(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int):
-    """Block tokens [n, B], labels [n, B-1] (0 where invalid) and valid [n, B-1]."""
-    offsets = torch.arange(block_size, device=input_ids.device)
-    positions = anchors[:, None] + offsets  # [n, B]
-    valid = positions[:, 1:] < input_ids.numel()
-    labels = torch.where(valid, input_ids[positions[:, 1:].clamp(max=input_ids.numel() - 1)], 0)
-    tokens = torch.full_like(positions, mask_token_id)
+def block_inputs(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int,
+                 proposals: int | None = None):
+    """Block tokens [n, B], labels [n, P] (0 where invalid) and valid [n, P]: the tokens at a+1 .. a+P,
+    P = `proposals` (default B-1: DFlash's layout, rows 1 .. B-1 draft; a family's `draft_rows`)."""
+    proposals = block_size - 1 if proposals is None else proposals
+    label_positions = anchors[:, None] + torch.arange(1, proposals + 1, device=input_ids.device)  # [n, P]
+    valid = label_positions < input_ids.numel()
+    labels = torch.where(valid, input_ids[label_positions.clamp(max=input_ids.numel() - 1)], 0)
+    tokens = torch.full((anchors.numel(), block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
     tokens[:, 0] = input_ids[anchors]
     return tokens, labels, valid
 

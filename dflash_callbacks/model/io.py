@@ -27,7 +27,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .config import DrafterConfig
-from .drafter import DFlashDrafter, split_stored_head
+from .drafter import DFlashDrafter, drafter_class, split_stored_head
 
 INDEX_FILE = "model.safetensors.index.json"
 WRAPPER_PREFIXES = ("module.", "draft_model.", "_orig_mod.")
@@ -196,7 +196,7 @@ def load_drafter(
     if isinstance(source, Mapping):
         if config is None:
             raise ValueError("loading a drafter from a state dict needs its DrafterConfig (config=...)")
-        return DFlashDrafter.from_state_dict(config, dict(source), dtype=dtype, device=device)
+        return drafter_class(config).from_state_dict(config, dict(source), dtype=dtype, device=device)
     path = Path(source)
     if path.is_file():
         if config is None:
@@ -211,7 +211,7 @@ def load_drafter(
         config = config or read_config(path)
         state = read_state_dict(path)
     try:
-        return DFlashDrafter.from_state_dict(config, state, dtype=dtype, device=device)
+        return drafter_class(config).from_state_dict(config, state, dtype=dtype, device=device)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
 

@@ -25,16 +25,17 @@ labels are tok[a+1 .. a+B-1], invalid past the end of the sequence.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
-from ..kernels.ddtree import ddtree_streaks_from_top
-from ..kernels.head_stats import head_stats
+from ..kernels.ddtree import ddtree_streaks_from_stats
 from ..model import DFlashDrafter, TargetHead
 from ..model.attention import describe, resolve_attention
 from ..model.geometry import anchor_range, block_inputs
@@ -49,15 +50,19 @@ class NonFiniteError(ValueError):
     """NaN or Inf where a score would come from: an error for that report, never a number."""
 
 
-def streaks_from_stats(stats, valid: torch.Tensor, config: ScoringConfig) -> dict[str, torch.Tensor]:
-    """Per-anchor streaks of every configured method from the LM-head statistics.
+def streaks_from_stats(stats, valid: torch.Tensor, config: ScoringConfig,
+                       ddtree: Callable = ddtree_streaks_from_stats) -> dict[str, torch.Tensor]:
+    """Per-anchor streaks of every configured method from the statistics of each slot's distribution
+    (`drafter.slot_stats`, rows viewed as [n, P]); DDTree by `ddtree(stats, valid, budgets)` (the
+    drafter's `ddtree_streaks`; by default the closed form of independent slots).
 
     NaN or Inf logits would otherwise count as acceptance (no logit is greater than a
-    NaN label logit, so its rank is 0): a non-finite log-sum-exp or label log-prob on any
-    row raises NonFiniteError instead.
+    NaN label logit, so its rank is 0): a non-finite log-sum-exp or a NaN label log-prob on any
+    row raises NonFiniteError instead (a label log-prob of -inf is a label the family can not
+    propose there, e.g. outside DFlash 2's candidates).
     """
     n, depth = valid.shape
-    finite = torch.isfinite(stats.lse) & torch.isfinite(stats.label_logprob)
+    finite = torch.isfinite(stats.lse) & ~torch.isnan(stats.label_logprob) & (stats.label_logprob < math.inf)
     if not bool(finite.all()):
         bad = int((~finite).sum())
         raise NonFiniteError(
@@ -69,11 +74,7 @@ def streaks_from_stats(stats, valid: torch.Tensor, config: ScoringConfig) -> dic
     def leading(ok: torch.Tensor) -> torch.Tensor:
         return (ok & valid).long().cumprod(dim=1).sum(dim=1)
 
-    ddtree = {}
-    if config.ddtree_budgets:
-        top = stats.top_logprobs.view(n, depth, -1)
-        ddtree = ddtree_streaks_from_top(top, stats.label_logprob.view(n, depth), stats.label_order.view(n, depth), valid,
-                                         config.ddtree_budgets)
+    ddtree = ddtree(stats, valid, config.ddtree_budgets) if config.ddtree_budgets else {}
     out = {}
     for method in scored_methods(config.ddtree_budgets, config.topk):
         if method.kind == "vanilla":
@@ -169,30 +170,32 @@ def score_task(
     top_n = max(config.ddtree_budgets, default=0)
     attention = resolve_attention(drafter.config, config.attention)
     vocab_ids = drafter.vocab_ids
-    weight = head.lm_head.weight if vocab_ids is None else head.lm_head.weight[vocab_ids.to(device)]
+    proposals = len(drafter.draft_rows(block_size))
+    weight = drafter.head_weight(head.lm_head.weight)
     parts: dict[str, list[torch.Tensor]] = {}
-    pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (drafts, labels, valid) per chunk
+    pending: list[tuple[torch.Tensor, ...]] = []  # (slot features, labels, predecessors, valid) per chunk
 
     def flush() -> None:
-        drafts, labels, valid = (torch.cat(t) for t in zip(*pending))
+        features, labels, previous, valid = (torch.cat(t) for t in zip(*pending))
         pending.clear()
-        stats = head_stats(drafts, weight, labels, top_n, backend=config.backend, chunk_size=config.vocab_chunk)
-        for method, values in streaks_from_stats(stats, valid, config).items():
+        stats = drafter.slot_stats(features, weight, labels, previous, top_n, config.backend, config.vocab_chunk)
+        for method, values in streaks_from_stats(stats, valid, config, drafter.ddtree_streaks).items():
             parts.setdefault(method, []).append(values.cpu())
 
     chunks = range(0, len(anchors), plan.anchors_per_forward)
     for start in tqdm(chunks, desc=task.name, disable=not progress, leave=False, unit="chunk"):
         span = anchors[start : start + plan.anchors_per_forward]  # a range: no host-device sync per chunk
         C, chunk = span[-1], torch.arange(span.start, span.stop, device=device)
-        tokens, labels, valid = block_inputs(input_ids, chunk, block_size, drafter.mask_token_id)
+        tokens, labels, valid = block_inputs(input_ids, chunk, block_size, drafter.mask_token_id, proposals)
+        previous = torch.cat([tokens[:, :1], labels[:, :-1]], dim=1)  # the true token before each slot
         if vocab_ids is not None:
             labels, valid = draft_labels(labels, valid, vocab_ids.to(device))
         hidden = drafter.decode_blocks([(k[:, :, :C], v[:, :, :C]) for k, v in context],
                                        head.embed_tokens(tokens).to(dtype), chunk, attention)
-        drafts = hidden.view(len(chunk), block_size, -1)[:, 1:].flatten(0, 1)
-        if pending and sum(len(p[0]) for p in pending) + len(drafts) > plan.head_rows:
+        features = drafter.slot_features(hidden, previous, head.embed_tokens).flatten(0, 1)
+        if pending and sum(len(p[0]) for p in pending) + len(features) > plan.head_rows:
             flush()
-        pending.append((drafts, labels.flatten(), valid))
+        pending.append((features, labels.flatten(), previous.flatten(), valid))
     flush()
     return TaskStreaks(task.name, anchors[0], {m: torch.cat(v) for m, v in parts.items()})
 

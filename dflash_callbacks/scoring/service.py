@@ -37,7 +37,7 @@ import torch
 
 from ..cache.format import CacheError, HiddenStateCache
 from ..checks import check_device
-from ..model import DFlashDrafter, DrafterConfig, TargetHead, load_drafter
+from ..model import DFlashDrafter, DrafterConfig, TargetHead, build_drafter, drafter_class, load_drafter
 from ..model.drafter import check_state_dict
 from ..model.geometry import anchor_range
 from ..model.io import read_config, read_snapshot_meta, read_state_shapes, safetensors_files
@@ -133,7 +133,7 @@ def preflight(spec: ServiceSpec, drafter: DrafterConfig | None, drafter_shapes: 
     problems += target_problems
     if drafter is not None and cache is not None and config.max_memory_gib is not None:
         with torch.device("meta"):
-            sized = DFlashDrafter(drafter)
+            sized = build_drafter(drafter)
         longest = max(cache.entry(n)["num_tokens"] for n in cache.task_names)
         try:
             memory_plan(config, sized, drafter.vocab_size, longest, block)
@@ -166,7 +166,7 @@ def _device_problems(config: ScoringConfig) -> list[str]:
 
 def _shape_problems(config: DrafterConfig, shapes: Mapping[str, tuple], what: str) -> list[str]:
     with torch.device("meta"):
-        expected = DFlashDrafter(config).state_dict()
+        expected = build_drafter(config).state_dict()
     try:
         check_state_dict(expected, {k: torch.empty(s, device="meta") for k, s in shapes.items()})
     except ValueError as e:
@@ -284,7 +284,7 @@ class ScoringService:
         """Score weights held in memory (a snapshot not yet written, or being written)."""
         name = name or (f"step {step}" if step is not None else "drafter")
         check_finite_weights(state, name)
-        drafter = DFlashDrafter.from_state_dict(config, dict(state))
+        drafter = drafter_class(config).from_state_dict(config, dict(state))
         return self._score(drafter, step=step, snapshot_id=snapshot_id, name=name, cancel=cancel, progress=progress)
 
     def score_loaded(

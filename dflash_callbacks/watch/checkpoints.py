@@ -55,7 +55,7 @@ from ..engine.run_folder import RunFolder, RunFolderBusy, is_run_folder
 from ..engine.runners import Job
 from ..engine.stop import ACTIONS, StopPolicy
 from ..files import atomic_write_json
-from ..model import DFlashDrafter, DrafterConfig, load_drafter
+from ..model import DFlashDrafter, DrafterConfig, build_drafter, load_drafter
 from ..model.drafter import check_state_dict
 from ..model.io import INDEX_FILE, read_config, read_state_shapes, safetensors_files
 from ..model.io import read_checkpoint as load_checkpoint
@@ -128,7 +128,7 @@ def safetensors_missing(file: Path) -> str | None:
 def drafter_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
     """The shape of every tensor a drafter of `config` holds (nothing is allocated)."""
     with torch.device("meta"):
-        return {k: tuple(v.shape) for k, v in DFlashDrafter(config).state_dict().items()}
+        return {k: tuple(v.shape) for k, v in build_drafter(config).state_dict().items()}
 
 
 def config_differences(reference: DrafterConfig, config: DrafterConfig) -> list[str]:
