@@ -160,7 +160,8 @@ def test_head_stats_gets_the_whole_task_in_bounded_calls(world, monkeypatch, max
     task = cache.task("long")
     calls = []
     real = drafter.slot_stats  # the family's statistics: the LM-head statistics for DFlash
-    monkeypatch.setattr(drafter, "slot_stats", lambda rows, *a, **k: calls.append(len(rows)) or real(rows, *a, **k))
+    monkeypatch.setattr(drafter, "slot_stats",
+                        lambda slots, *a, **k: calls.append(slots.shape[0] * slots.shape[1]) or real(slots, *a, **k))
     if max_head_rows:
         monkeypatch.setattr(scorer, "MAX_HEAD_ROWS", max_head_rows)
     fast = score_task(drafter, head, task, config, block_size=6)

@@ -390,11 +390,13 @@ class DFlashDrafter(nn.Module):
 
     def slot_stats(self, features: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, previous: torch.Tensor,
                    top_n: int, backend: str = "auto", chunk_size: int | None = None) -> HeadStats:
-        """The statistics of the drafter's distribution at each slot (rows of `features` [M, H']) that the
-        methods read (`kernels.head_stats.HeadStats`: the label's log-prob, rank and order, the top-N
-        log-probs), teacher-forced (`previous` [M]: the true token before each slot). DFlash: the fused
-        LM-head statistics, never materialising [M, V]."""
-        return head_stats(features, weight, labels, top_n, backend=backend, chunk_size=chunk_size)
+        """The statistics of the drafter's distribution at each draft slot that the methods read
+        (`kernels.head_stats.HeadStats`, one row per slot, [n * P]: the label's log-prob, rank and order,
+        the top-N log-probs), teacher-forced: `features` [n, P, H'] (`slot_features` of n blocks),
+        `labels` [n, P] (ids of `weight`'s rows), `previous` [n, P] the true token before each slot.
+        DFlash: the fused LM-head statistics, never materialising [n * P, V]."""
+        return head_stats(features.flatten(0, 1), weight, labels.flatten(), top_n, backend=backend,
+                          chunk_size=chunk_size)
 
     ddtree_refusal: str | None = None
     """Why DDTree can not be scored for this family (None: `ddtree_streaks` scores it exactly)."""

@@ -176,7 +176,7 @@ def score_task(
     pending: list[tuple[torch.Tensor, ...]] = []  # (slot features, labels, predecessors, valid) per chunk
 
     def flush() -> None:
-        features, labels, previous, valid = (torch.cat(t) for t in zip(*pending))
+        features, labels, previous, valid = (torch.cat(t) for t in zip(*pending))  # [n, P, ...] of every chunk
         pending.clear()
         stats = drafter.slot_stats(features, weight, labels, previous, top_n, config.backend, config.vocab_chunk)
         for method, values in streaks_from_stats(stats, valid, config, drafter.ddtree_streaks).items():
@@ -192,10 +192,10 @@ def score_task(
             labels, valid = draft_labels(labels, valid, vocab_ids.to(device))
         hidden = drafter.decode_blocks([(k[:, :, :C], v[:, :, :C]) for k, v in context],
                                        head.embed_tokens(tokens).to(dtype), chunk, attention)
-        features = drafter.slot_features(hidden, previous, head.embed_tokens).flatten(0, 1)
-        if pending and sum(len(p[0]) for p in pending) + len(features) > plan.head_rows:
+        features = drafter.slot_features(hidden, previous, head.embed_tokens)
+        if pending and sum(p[0].shape[0] * proposals for p in pending) + features.shape[0] * proposals > plan.head_rows:
             flush()
-        pending.append((features, labels.flatten(), previous.flatten(), valid))
+        pending.append((features, labels, previous, valid))
     flush()
     return TaskStreaks(task.name, anchors[0], {m: torch.cat(v) for m, v in parts.items()})
 
