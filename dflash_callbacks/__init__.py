@@ -1,28 +1,21 @@
-"""Score a DFlash drafter against a baseline while it trains: Lightning callbacks, a plain
-PyTorch loop object, a transformers TrainerCallback, and a watcher of checkpoint folders,
-over one evaluation engine (`dflash_callbacks.engine`)."""
+"""Score a DFlash-family drafter against a baseline while it trains: Lightning callbacks, a plain
+PyTorch loop object, a transformers TrainerCallback, and a watcher of checkpoint folders, over one
+evaluation engine (`dflash_callbacks.engine`). Names are imported on first use: the engine and the
+plain loop never load Lightning or the Trainer, and the CLI's help loads no torch."""
 
-from importlib import import_module
-
-from .engine.stop import StopPolicy  # TrailingBaselineStop's rule without Lightning (plain loops, transformers)
-from .model import DFlashDrafter, DrafterConfig, TargetHead, load_drafter, save_drafter
-from .scoring import EvalReport, ScoringConfig, score_drafter
-
-_ADAPTERS = {  # imported on first use: the engine and the plain loop never load Lightning or the Trainer
-    "DrafterEarlyStopping": ".callbacks", "DrafterEvalCallback": ".callbacks", "TrailingBaselineStop": ".callbacks",
-    "DrafterEvaluator": ".loop", "DrafterEvalTrainerCallback": ".hf",
-}
-
-
-def __getattr__(name: str):
-    if name in _ADAPTERS:
-        return getattr(import_module(_ADAPTERS[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+from .lazy import exports
 
 __all__ = [
     "DFlashDrafter", "DrafterConfig", "DrafterEarlyStopping", "DrafterEvalCallback", "DrafterEvalTrainerCallback",
-    "DrafterEvaluator", "EvalReport", "ScoringConfig", "StopPolicy", "TargetHead", "TrailingBaselineStop", "load_drafter",
-    "save_drafter", "score_drafter",
+    "DrafterEvaluator", "EvalReport", "EvalSettings", "ScoringConfig", "StopPolicy", "StopSettings", "TargetHead",
+    "TrailingBaselineStop", "build_drafter", "load_drafter", "save_drafter", "score_drafter",
 ]
+__getattr__ = exports(__name__, {
+    "StopPolicy": ".engine.stop", "EvalSettings": ".settings", "StopSettings": ".settings",
+    "DFlashDrafter": ".model.drafter", "build_drafter": ".model.drafter", "DrafterConfig": ".model.config",
+    "TargetHead": ".model.target_head", "load_drafter": ".model.io", "save_drafter": ".model.io",
+    "EvalReport": ".scoring.report", "ScoringConfig": ".scoring.config", "score_drafter": ".scoring.scorer",
+    "DrafterEarlyStopping": ".callbacks", "DrafterEvalCallback": ".callbacks", "TrailingBaselineStop": ".callbacks",
+    "DrafterEvaluator": ".loop", "DrafterEvalTrainerCallback": ".hf",
+})
 __version__ = "0.1.0"

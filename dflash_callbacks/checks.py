@@ -4,29 +4,42 @@ Each check raises ValueError (TypeError where the kind of value is wrong) with a
 message that names the argument, what it must be, and what it got. YAML and the CLIs
 reach the same checks through the constructors, so a value is refused the same way
 from Python, from a config file and from the command line.
+
+No torch at import (the CLI's help and its refusals answer before torch loads): `DTYPES`
+(name -> torch dtype) and the device checks import it when first used.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def __getattr__(name: str):
+    if name == "DTYPES":  # name -> torch dtype, made on first use
+        import torch
+
+        return {n: getattr(torch, n) for n in DTYPE_NAMES}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    for name, value in DTYPES.items():
-        if value == dtype:
+    for name in DTYPE_NAMES:
+        if str(dtype) == f"torch.{name}":
             return name
-    raise ValueError(f"unsupported dtype {dtype}; expected one of {list(DTYPES)}")
+    raise ValueError(f"unsupported dtype {dtype}; expected one of {list(DTYPE_NAMES)}")
 
 
 def is_int(value: Any) -> bool:
-    """A real integer: bool, float and str are not."""
-    return isinstance(value, int) and not isinstance(value, bool)
+    """A real integer: bool, float and str are not (a NumPy integer is one)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def problems_of(*checks: Callable[[], object]) -> list[str]:
@@ -42,13 +55,14 @@ def problems_of(*checks: Callable[[], object]) -> list[str]:
 
 
 def check_int(name: str, value: Any, minimum: int, *, optional: bool = False) -> int | None:
-    """`value` if it is an integer >= minimum (or None when optional), else ValueError."""
+    """`value` as an int if it is an integer >= minimum (a NumPy integer too), or None when optional;
+    else ValueError."""
     if optional and value is None:
         return None
     if not is_int(value) or value < minimum:
         kind = f"None or an integer >= {minimum}" if optional else f"an integer >= {minimum}"
         raise ValueError(f"{name} must be {kind}; got {value!r}")
-    return value
+    return int(value)
 
 
 def check_int_list(name: str, value: Any, minimum: int, maximum: int | None = None) -> list[int]:
@@ -85,7 +99,7 @@ def check_number(name: str, value: Any, *, above: float | None = None, optional:
     """A finite real number (int or float, not bool), > above when given."""
     if optional and value is None:
         return None
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or (above is not None and value <= above):
         kind = "a finite number" + (f" > {above:g}" if above is not None else "")
         raise ValueError(f"{name} must be {'None or ' if optional else ''}{kind}; got {value!r}")
@@ -103,6 +117,8 @@ def check_device(name: str, device: str) -> torch.device:
     """'auto' (cuda when available, else cpu), 'cpu', 'cuda' or 'cuda:N' that exists on this machine.
     A CUDA device comes back with its index: 'auto' and 'cuda' mean cuda:0, never the calling
     thread's current device (which a training process sets, and a fresh thread does not have)."""
+    import torch
+
     if not isinstance(device, str):
         raise ValueError(f"{name} must be a string such as 'auto', 'cpu', 'cuda' or 'cuda:1'; got {device!r}")
     if device == "auto":

@@ -28,8 +28,9 @@ and `trainer.train(resume_from_checkpoint=...)` reopens that run's folder.
 
 from __future__ import annotations
 
+import inspect
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,23 +39,32 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from .engine.drafters import check_drafter_config, drafter_config_of, refuse_collective_wrappers, resolve_drafter, unwrap
-from .engine.evaluator import EngineView, EvalEngine, log_functions, stop_policies
+from .engine.evaluator import EvalEngine
+from .engine.host import ActiveWandb, Host, TorchDistributed, as_loggers, log_functions
 from .engine.stop import StopPolicy
-from .loop import LoopHost
+from .engine.view import EngineView, stop_policies
 from .model import DrafterConfig
-from .scoring.config import ScoringConfig
+from .settings import EvalSettings, built, describe, signature
 
 
-class TrainerHost(LoopHost):
+class TrainerHost(Host):
     """A transformers Trainer as the engine's host: its ranks, output folder, step limit and stop."""
 
     def __init__(self, callback: DrafterEvalTrainerCallback, args, state, control):
-        super().__init__(callback)
-        self.args, self.state, self.control = args, state, control
+        self.callback, self.args, self.state, self.control = callback, args, state, control
         self.rank, self.world_size = args.process_index, args.world_size
+
+    def broadcast(self, obj: Any) -> Any:
+        return TorchDistributed().broadcast(obj)  # the Trainer made the process group
 
     def default_dirpath(self, name: str) -> Path:
         return Path(self.args.output_dir) / name
+
+    def loggers(self):
+        return as_loggers(self.callback.log)
+
+    def wandb_runs(self):
+        return self.callback.wandb.runs()
 
     def horizon(self) -> int | None:
         return self.state.max_steps if self.state.max_steps and self.state.max_steps > 0 else None
@@ -62,80 +72,55 @@ class TrainerHost(LoopHost):
     def ending(self) -> str | None:
         if self.state.max_steps and 0 < self.state.max_steps <= self.state.global_step:
             return f"max_steps={self.state.max_steps} reached"
-        if self.control.should_training_stop:
-            return "control.should_training_stop is already set"
-        return None
+        return "control.should_training_stop is already set" if self.control.should_training_stop else None
 
 
 class DrafterEvalTrainerCallback(EngineView, TrainerCallback, ExportableState):
-    """Snapshot the Trainer's drafter every `every_n_steps` optimizer steps and score it in the background.
+    __doc__ = f"""Snapshot the Trainer's drafter every `every_n_steps` optimizer steps and score it in the background.
+
+    Takes an `EvalSettings` or its fields as keywords (cache, target, baseline also by position), and:
 
     Args:
-        drafter: the attribute path of the drafter on the Trainer's model, a function model -> drafter,
-            or None when the model is the drafter.
-        every_n_steps, stop, drafter_config, log, wandb: as DrafterEvaluator's.
-        The other arguments are DrafterEvalCallback's; `dirpath` defaults to <output_dir>/<name>.
+{describe(EvalSettings)}
+        stop, drafter_config, log, wandb: as DrafterEvaluator's.
+        drafter: the attribute path of the drafter on the Trainer's model, a function model -> drafter, or
+            None when the model is the drafter. `dirpath` defaults to <output_dir>/<name>.
 
-    Attributes (every rank): `metrics` (the latest means, NaN before the first report), `history`,
-    `errors`, `skipped`, `should_stop`, `stop_reason`; on rank 0 also `reports`, `baseline_report`, `run`.
+    Attributes (every rank): `metrics` (the latest means, NaN before the first report), `history`, `errors`,
+    `skipped`, `should_stop`, `stop_reason`; on rank 0 also `reports`, `baseline_report`, `run`.
     """
 
-    def __init__(
-        self,
-        cache: str | os.PathLike,
-        target: str | os.PathLike,
-        baseline: str | os.PathLike | None = None,
-        every_n_steps: int = 500,
-        stop: StopPolicy | Sequence[StopPolicy] | None = None,
-        drafter: str | Callable[[nn.Module], nn.Module] | None = "drafter",
-        drafter_config: DrafterConfig | str | os.PathLike | None = None,
-        scoring: ScoringConfig | Mapping | None = None,
-        runner: str = "thread",
-        device: str | None = None,
-        busy: str = "skip",
-        max_pending: int = 1,
-        keep_last: int = 2,
-        on_error: str = "warn",
-        wait_on_end: bool = True,
-        dirpath: str | os.PathLike | None = None,
-        baseline_cache_dir: str | os.PathLike | None = None,
-        wait_timeout: float = 3600.0,
-        name: str = "dflash",
-        verbose: bool = True,
-        sync_every_n_steps: int = 1,
-        log: Callable[[dict, int], object] | Sequence[Callable[[dict, int], object]] | None = None,
-        wandb: Any = None,
-    ):
-        self.engine = EvalEngine(cache, target, baseline, every_n_steps, scoring, runner, device, busy, max_pending,
-                                 keep_last, on_error, wait_on_end, dirpath, baseline_cache_dir, wait_timeout, name,
-                                 verbose, sync_every_n_steps)
+    def __init__(self, *args: Any, stop: StopPolicy | Sequence[StopPolicy] | None = None,
+                 drafter: str | Callable[[nn.Module], nn.Module] | None = "drafter",
+                 drafter_config: DrafterConfig | str | os.PathLike | None = None,
+                 log: Callable | Sequence[Callable] | None = None, wandb: Any = None, **fields: Any):
+        self.engine = EvalEngine(built(EvalSettings, args, fields, type(self).__name__))
         for policy in stop_policies(stop):
             self.engine.add_stop(policy)  # its monitor must be scored: checked now
         if not (drafter is None or isinstance(drafter, str) or callable(drafter)):
             raise TypeError("drafter must be an attribute path, a function model -> drafter, or None (the model)")
         self.drafter, self.drafter_config = drafter, check_drafter_config(drafter_config)
-        self.log = log_functions(log)
-        self.wandb = wandb
-        self.metrics: dict[str, float] = {}
+        self.log, self.wandb = log_functions(log), ActiveWandb(wandb)
         self._module: nn.Module | None = None
-        self._host: TrainerHost | None = None
         self._finished = False
+
+    __init__.__signature__ = signature(EvalSettings, last=[inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
+                                                                             default=default) for name, default in (
+        ("stop", None), ("drafter", "drafter"), ("drafter_config", None), ("log", None), ("wandb", None))])
 
     # ------------------------------------------------------------------ state (trainer_state.json)
     def state(self) -> dict:
         """What the Trainer saves in each checkpoint's trainer_state.json (primitives only). "args" is
         empty: this callback is never re-created from it (see on_init_end)."""
-        return {"args": {}, "attributes": {"resume_state": {
-            "name": self.engine.name, "engine": self.engine.state_dict(),
-            "stops": [p.state_dict() for p in self.engine.stops.policies]}}}
+        return {"args": {}, "attributes": {"resume_state": {"name": self.name, "engine": self.engine.state_dict()}}}
 
     def _saved_state(self, state) -> dict | None:
-        """This callback's state in a resumed checkpoint's trainer_state.json: the latest entry of its
-        name (with several callbacks of this class, the Trainer keeps a list and appends at each save)."""
+        """This callback's state in a resumed checkpoint's trainer_state.json: the latest entry of its name
+        (with several callbacks of this class, the Trainer keeps a list and appends at each save)."""
         entries = state.stateful_callbacks.get(type(self).__name__) or []
         entries = entries if isinstance(entries, list) else [entries]
         saved = [(e.get("attributes") or {}).get("resume_state") or {} for e in entries if isinstance(e, dict)]
-        mine = [s for s in saved if s.get("name") == self.engine.name]
+        mine = [s for s in saved if s.get("name") == self.name]
         return mine[-1] if mine else None
 
     # ------------------------------------------------------------------ hooks
@@ -149,34 +134,27 @@ class DrafterEvalTrainerCallback(EngineView, TrainerCallback, ExportableState):
                 "this callback restores its own state from the checkpoint's trainer_state.json on "
                 "trainer.train(resume_from_checkpoint=...)")
 
-    def _drafter_of(self, model: nn.Module) -> nn.Module:
-        if self.drafter is None:
-            return unwrap(model)
-        return resolve_drafter(model, self.drafter, type(self).__name__)
-
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         """Every check, then the run folder (a resume's, when the Trainer resumes from a checkpoint)."""
-        self._host = TrainerHost(self, args, state, control)
-        self._module = self._drafter_of(model)
+        host = TrainerHost(self, args, state, control)
+        self._module = unwrap(model) if self.drafter is None else resolve_drafter(model, self.drafter, type(self).__name__)
         refuse_collective_wrappers(self._module, model, f"{type(self).__name__}(drafter={self.drafter!r})")
         config = drafter_config_of(self._module, self.drafter_config, type(self).__name__, model,
                                    self.drafter or "the model")
         self._finished = False
-        self.engine.check(self._host, self._module, config, self._host.horizon())
+        self.engine.check(host, self._module, config, host.horizon())
         for policy in self.engine.stops.policies:
             policy.reset()  # nothing of an earlier train() with these stops; a resume loads its own below
         saved = self._saved_state(state) if state.global_step > 0 else None
         if saved is not None:
-            self.engine.load_state_dict(saved["engine"])
-            for policy, policy_state in zip(self.engine.stops.policies, saved["stops"]):
-                policy.load_state_dict(policy_state)
-        self.engine.start(self._host, self._module)
+            self.engine.load_state_dict({**saved["engine"], **({"stops": saved["stops"]} if "stops" in saved else {})})
+        self.engine.start(host, self._module)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.engine.copy_landed()
 
     def on_step_end(self, args, state, control, **kwargs):
-        self._host.state, self._host.control = state, control
+        self.engine.host.state, self.engine.host.control = state, control
         if self.engine.on_step(state.global_step, int(state.epoch or 0), self._module) is not None:
             control.should_training_stop = True
         if control.should_training_stop or 0 < state.max_steps <= state.global_step:
@@ -194,10 +172,7 @@ class DrafterEvalTrainerCallback(EngineView, TrainerCallback, ExportableState):
 
     def on_train_end(self, args, state, control, **kwargs):
         self._finish(state)
-        if self.engine.wait_on_end:
-            self.engine.close(True, f"wait_timeout={self.engine.wait_timeout:g} s ran out at the end of training")
-        else:
-            self.engine.close(False, "wait_on_end=False: train() returned without waiting for it")
+        self.engine.end(where="train()")
 
     def __enter__(self) -> DrafterEvalTrainerCallback:
         return self
@@ -205,7 +180,7 @@ class DrafterEvalTrainerCallback(EngineView, TrainerCallback, ExportableState):
     def __exit__(self, kind, error, traceback) -> None:
         """A train() that raised: the run folder is released, unscored snapshots stay for a resume."""
         if error is not None:
-            self.engine.close(False, f"train() stopped on {type(error).__name__}", publish=False)
+            self.engine.end(error=error, where="train()")
 
 
 __all__ = ["DrafterEvalTrainerCallback"]

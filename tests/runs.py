@@ -20,6 +20,16 @@ from dflash_callbacks.scoring.report import EvalReport
 AUDIT = {"runs": 0, "reports": 0, "lost": 0, "duplicated": 0, "mismatched": 0}
 
 
+def wait_until(condition, timeout: float = 300.0, what: str = "the condition", every: float = 0.02) -> None:
+    """Poll `condition()` until it holds; AssertionError naming `what` after `timeout` seconds (a deadline
+    generous enough for a busy machine: a test waits for the event itself, never for a guess of its time)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout:g} s")
+        time.sleep(every)
+
+
 def run_dirs(dirpath: Path) -> list[Path]:
     """The run folders under a callback's dirpath, oldest first."""
     return sorted(p for p in Path(dirpath).iterdir() if p.is_dir() and is_run_folder(p))

@@ -368,7 +368,7 @@ def test_a_report_finished_when_the_fit_raises_is_kept_whole(world, tmp_path):
         def on_train_batch_end(self, trainer, *args):
             if trainer.global_step == 3:
                 deadline = time.time() + 60
-                while cb.engine._runner._outbox.empty() and time.time() < deadline:
+                while cb.engine.runner._outbox.empty() and time.time() < deadline:
                     time.sleep(0.05)
                 raise RuntimeError("the training step failed")
 
@@ -427,7 +427,7 @@ def test_the_last_snapshots_copy_has_landed_before_a_later_callback_ends_trainin
 
     class WritesTheWeightsAtEnd(pl.Callback):
         def on_train_end(self, trainer, pl_module):
-            in_flight.append(cb.engine._staging)
+            in_flight.append(cb.engine.schedule.staging)
 
     fit(world, tmp_path, [WritesTheWeightsAtEnd(), cb], max_steps=2)
     assert in_flight == [None]
@@ -468,7 +468,7 @@ def test_the_last_snapshot_at_max_epochs_leaves_lightnings_epoch_counter_alone(w
             self.seen = []
 
         def on_train_epoch_end(self, trainer, pl_module):
-            self.seen.append((trainer.current_epoch, cb.engine._last_taken_step))
+            self.seen.append((trainer.current_epoch, cb.engine.schedule.last_taken))
 
     cb, seen = eval_cb(world, tmp_path, every_n_train_steps=4), Seen()
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{epoch}-{step}", save_top_k=-1, every_n_epochs=1)

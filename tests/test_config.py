@@ -11,7 +11,8 @@ from dflash_callbacks import (
     DrafterEarlyStopping, DrafterEvalCallback, DrafterEvalTrainerCallback, DrafterEvaluator, ScoringConfig,
     TrailingBaselineStop,
 )
-from dflash_callbacks.config import CONF_DIR, CallbacksConfig, EvalConfig, StopConfig, build_callbacks, load_config
+from dflash_callbacks.callbacks.schema import CallbacksConfig, EvalConfig, StopConfig, build_callbacks
+from dflash_callbacks.conf import CONF_DIR, load_config
 from dflash_callbacks.demos.demo import DEMO_YAML, DemoConfig, TrainConfig, demo_config
 
 REQUIRED = ["eval.cache=/data/cache", "eval.target=/models/target"]

@@ -178,9 +178,9 @@ def test_snapshot_buffers_are_allocated_once_reused_and_hold_their_steps_weights
             self.buffers, self.weights, self.pools = {}, {}, set()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.pools.add(cb.engine._pool)
-            if cb.engine._staging is not None and cb.engine._staging.step == trainer.global_step:
-                self.buffers[trainer.global_step] = tuple(t.data_ptr() for t in cb.engine._staging.state.values())
+            self.pools.add(cb.engine.schedule.pool)
+            if cb.engine.schedule.staging is not None and cb.engine.schedule.staging.step == trainer.global_step:
+                self.buffers[trainer.global_step] = tuple(t.data_ptr() for t in cb.engine.schedule.staging.state.values())
                 self.weights[trainer.global_step] = {k: v.detach().clone()
                                                      for k, v in pl_module.drafter.state_dict().items()}
 
@@ -189,7 +189,7 @@ def test_snapshot_buffers_are_allocated_once_reused_and_hold_their_steps_weights
     during = [r for r in cb.reports if r.step in seen.buffers]  # not the final one, taken in on_train_end
     (pool,) = seen.pools  # one pool for the fit
     assert len(during) >= 3 and pool.allocations == 1  # busy="skip": one set, allocated once
-    assert cb.engine._pool is None  # released when fit ends
+    assert cb.engine.schedule.pool is None  # released when fit ends
     assert len({seen.buffers[r.step] for r in during}) == 1  # the same buffers for every snapshot
     service = ScoringService(ServiceSpec(str(world.cache), str(world.target), None, SCORING))
     for report in during:

@@ -76,7 +76,7 @@ class Settle(TrainerCallback):
         self.cb = cb
 
     def on_step_end(self, args, state, control, **kwargs):
-        runner = self.cb.engine._runner
+        runner = self.cb.engine.runner
         if runner is None or state.global_step not in runner.pending_steps():
             return
         deadline = time.time() + 120
@@ -121,7 +121,7 @@ def test_each_report_scores_the_weights_of_its_step_and_lands_in_the_run_folder(
     assert cb.metrics["dflash/ddtree@4/live/mean"] == pytest.approx(last.value("ddtree@4/live"))
     assert cb.metrics["dflash/ratio/vanilla/dense/mean"] == pytest.approx(
         last.value("vanilla/dense") / base.value("vanilla/dense"))
-    assert cb.engine._runner is None and cb.run._lock_fd is None  # the run folder is released
+    assert cb.engine.runner is None and cb.run._lock_fd is None  # the run folder is released
     assert_clean(tmp_path / "d", cb.reports)
 
 
@@ -232,7 +232,7 @@ def test_a_resume_from_the_trainers_checkpoint_reopens_the_run_and_goes_on(world
     saved = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
     entry = saved["stateful_callbacks"]["DrafterEvalTrainerCallback"]["attributes"]["resume_state"]
     assert entry["engine"]["run_id"] == first.run.path.name and [h["step"] for h in entry["engine"]["history"]] == [2]
-    assert entry["stops"][0]["wait_count"] == 1
+    assert entry["engine"]["stops"][0]["wait_count"] == 1
     assert first.run.path.parent == out / "dflash"  # dirpath defaults to <output_dir>/<name>
 
     stop = unreachable_stop(patience=100)
@@ -447,7 +447,7 @@ def test_a_killed_scoring_worker_fails_its_step_and_a_new_worker_scores_the_next
         loaded = False
 
         def on_step_end(self, args, state, control, **kwargs):
-            runner = cb.engine._runner
+            runner = cb.engine.runner
             if self.killed is not None or runner is None or runner.pending == 0:
                 return
             deadline = time.time() + 240

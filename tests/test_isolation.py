@@ -181,14 +181,14 @@ def test_the_staging_buffers_are_released_when_fit_ends_and_made_again_for_the_n
 
     class Seen(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, *args):
-            pools.append(cb.engine._pool)
+            pools.append(cb.engine.schedule.pool)
 
     lightning_fit(world, tmp_path, [cb, Seen()], max_steps=4)
-    assert cb.engine._pool is None and cb.engine._staging is None
+    assert cb.engine.schedule.pool is None and cb.engine.schedule.staging is None
     lightning_fit(world, tmp_path, [cb, Seen()], max_steps=4)
     first, second = pools[0], pools[-1]
     assert first is not second and first.allocations == second.allocations == 3
-    assert cb.engine._pool is None
+    assert cb.engine.schedule.pool is None
 
 
 def test_a_drafter_whose_state_dict_changes_gets_an_error_line_per_step_naming_the_keys(world, tmp_path):

@@ -23,7 +23,7 @@ from dflash_callbacks import DrafterEvaluator, TrailingBaselineStop
 from dflash_callbacks.scoring.service import PreflightError, ScoringService, ServiceSpec
 
 from loops import SCORING, DrafterModel, plain_fit, two_ranks
-from runs import assert_clean, kill_after_reports, records, run_dir, unwritable_results_for_a_while
+from runs import assert_clean, kill_after_reports, records, run_dir, unwritable_results_for_a_while, wait_until
 
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -135,8 +135,13 @@ def test_a_scorer_failing_mid_run_is_an_error_line_and_training_goes_on(world, t
     cache = shutil.copytree(world.cache, tmp_path / "eval-cache")
     ev = evaluator(world, tmp_path, cache=cache, busy="skip")  # the next snapshot only once this report is in
     ev.subscribe(lambda report, baseline: zero_task_files(cache))
+
+    def first_report_scored(model, step):  # so that it is published while training goes on, whatever the load
+        if step == 2:
+            wait_until(lambda: not ev.engine.runner._outbox.empty(), what="the report of step 2")
+
     with pytest.warns(UserWarning, match=r"dflash: step \d+ failed: CacheError"):
-        plain_fit(world, 10, ev)
+        plain_fit(world, 10, ev, after_step=first_report_scored)
     lines = records(tmp_path / "d")
     good, bad = [r for r in lines if "tasks" in r], [r for r in lines if "error" in r]
     assert len(good) == 1 and bad and all("CacheError" in r["error"] for r in bad) and ev.errors == len(bad)
@@ -184,7 +189,7 @@ def test_a_killed_scoring_worker_fails_its_step_and_a_new_worker_scores_the_next
     killed = {}
 
     def kill(model, step):  # the loop waits here until the worker scoring step 2 is killed
-        runner = ev.engine._runner
+        runner = ev.engine.runner
         if step != 2 or runner is None:
             return
         deadline = time.time() + 240

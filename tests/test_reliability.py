@@ -24,7 +24,8 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from dflash_callbacks.callbacks import DrafterEvalCallback, TrailingBaselineStop
-from dflash_callbacks.config import CONF_DIR, CallbacksConfig, build_callbacks, load_config
+from dflash_callbacks.callbacks.schema import CallbacksConfig, build_callbacks
+from dflash_callbacks.conf import CONF_DIR, load_config
 from dflash_callbacks.scoring.service import PreflightError
 
 from runs import assert_clean, kill_after_reports, records, tear_as_a_kill_would
@@ -91,7 +92,7 @@ def test_scorer_raising_with_on_error_raise_stops_the_fit_naming_the_step(world,
     records = results(tmp_path)  # the good report and the error are both on disk
     assert records[0]["step"] == corrupt.at and "tasks" in records[0]
     assert records[-1]["step"] == failed and "CacheError" in records[-1]["error"]
-    assert cb.engine._runner is None  # closed by on_exception
+    assert cb.engine.runner is None  # closed by on_exception
     assert_clean(tmp_path / "d", cb.reports)
 
 
@@ -119,7 +120,7 @@ def test_killed_scoring_worker_fails_its_step_and_a_new_worker_scores_the_next(w
         loaded = False
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            runner = cb.engine._runner
+            runner = cb.engine.runner
             if self.killed is not None or runner is None or runner.pending == 0:
                 return
             deadline = time.time() + 240
@@ -423,7 +424,7 @@ def test_long_run_keeps_snapshots_and_pending_bounded(world, tmp_path):
             snapshots = cb.run.snapshots_dir
             on_disk = [p for p in snapshots.iterdir() if "step-" in p.name] if snapshots.is_dir() else []
             self.most_on_disk = max(self.most_on_disk, len(on_disk))
-            self.most_pending = max(self.most_pending, cb.engine._runner.pending)
+            self.most_pending = max(self.most_pending, cb.engine.runner.pending)
             self.samples += 1
 
     watch = Watch()

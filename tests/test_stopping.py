@@ -8,7 +8,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from dflash_callbacks.callbacks.eval_callback import DrafterEvalCallback, LightningHost
+from dflash_callbacks.callbacks.eval_callback import DrafterEvalCallback
+from dflash_callbacks.callbacks.host import LightningHost
+from dflash_callbacks.engine.schedule import Schedule
 from dflash_callbacks.engine.stop import Moment
 from dflash_callbacks.callbacks.stopping import (
     TrailingBaselineStop,
@@ -259,7 +261,8 @@ class ScriptedReports(DrafterEvalCallback):
         engine = self.engine
         engine.host, engine._started = LightningHost(trainer), True
         engine._fresh({"history": self.history0})
-        engine.baseline_report = self.base
+        engine.schedule = Schedule(engine.settings, None, {})
+        engine.reports.baseline = self.base
         for policy in engine.stops.policies:
             policy.load_history(engine.history)
 
@@ -271,7 +274,7 @@ class ScriptedReports(DrafterEvalCallback):
         pass
 
     def on_train_end(self, trainer, pl_module):
-        self.engine._closing = True
+        self.engine.reports.closing = True
         self.publish(trainer, self.at_end)
 
     def _module(self, pl_module):
@@ -281,8 +284,8 @@ class ScriptedReports(DrafterEvalCallback):
         if value is None or trainer.global_rank != 0:
             return
         report = make_report(value, trainer.global_step)
-        self.engine._add_history({"step": report.step, "mean": report.mean})
-        self.engine._notify(report)
+        self.engine.state.add({"step": report.step, "mean": report.mean})
+        self.engine.reports.notify(report, None)
 
 
 def fit(stop: TrailingBaselineStop, values: dict[int, float], max_steps: int = 20, at_end: float | None = None,

@@ -27,8 +27,9 @@ from dflash_callbacks.cache.extract import extract_cache
 from dflash_callbacks.cache.format import write_task
 from dflash_callbacks.cache.tasks import Task
 from dflash_callbacks.engine import runners
-from dflash_callbacks.callbacks.eval_callback import LightningHost
+from dflash_callbacks.callbacks.host import LightningHost
 from dflash_callbacks.engine.evaluator import EvalEngine
+from dflash_callbacks.settings import EvalSettings
 from dflash_callbacks.engine.publish import Publisher
 from dflash_callbacks.engine.run_folder import RunFolder
 from dflash_callbacks.cli import main as cli_main
@@ -229,17 +230,17 @@ def test_a_report_or_line_that_is_not_strict_json_is_an_error_line_dropped_never
     later = EvalReport.from_dict({**good.to_dict(), "step": 6, "snapshot_id": "c" * 16})
     run, failures, seen = RunFolder.create(tmp_path / "d", "r"), [], []
     trainer = pl.Trainer(logger=False, accelerator="cpu", enable_progress_bar=False, enable_model_summary=False)
-    engine = EvalEngine(world / "cache", world / "target", scoring=SCORING, verbose=False)
-    engine.host = LightningHost(trainer)
-    engine._fail = failures.append
-    engine._publisher = Publisher("dflash", run, failures.append, engine.host.loggers, engine.host.wandb_runs)
+    engine = EvalEngine(EvalSettings(world / "cache", world / "target", scoring=SCORING, verbose=False))
+    engine.host = engine.reports.host = LightningHost(trainer)
+    engine.reports.fail = failures.append
+    engine.reports.publisher = Publisher("dflash", run, failures.append, engine.host.loggers, engine.host.wandb_runs)
     engine.subscribe(lambda report, baseline: seen.append(report.step))
-    engine._publish(bad, 1.0)
+    engine.reports.publish(bad, 1.0)
     assert not trainer.callback_metrics and seen == [] and failures == [
         "step 4: the report is refused, none of its numbers is logged: not a report: seconds is nan, not a finite number"]
-    engine._publisher.record({"step": 5, "snapshot_id": "d" * 16, "error": "x", "seconds": float("inf")})
-    assert "line of step 5 is not strict JSON" in failures[1] and engine._publisher.unsaved == []
-    engine._publish(later, 1.0)
+    engine.reports.publisher.record({"step": 5, "snapshot_id": "d" * 16, "error": "x", "seconds": float("inf")})
+    assert "line of step 5 is not strict JSON" in failures[1] and engine.reports.publisher.unsaved == []
+    engine.reports.publish(later, 1.0)
     lines = [json.loads(line) for line in run.results_path.read_text().splitlines()]
     assert [(r["step"], "error" in r) for r in lines] == [(4, True), (6, False)] and seen == [6] and len(failures) == 2
     assert lines[0]["error"] == failures[0] and lines[0]["snapshot_id"] == "b" * 16

@@ -8,7 +8,7 @@ from torch.utils.data import DataLoader
 
 from dflash_callbacks import DFlashDrafter
 from dflash_callbacks.callbacks import DrafterEvalCallback
-from dflash_callbacks.callbacks.eval_callback import LightningHost
+from dflash_callbacks.callbacks.host import LightningHost
 from dflash_callbacks.engine.publish import Publisher
 from dflash_callbacks.engine.run_folder import RunFolder
 from dflash_callbacks.scoring.service import ScoringService, ServiceSpec

@@ -1,4 +1,7 @@
-from .format import CacheError, CacheMismatchError, HiddenStateCache
-from .tasks import load_tasks
+"""The hidden-state cache: its format, its extraction, the task sets."""
+
+from ..lazy import exports
 
 __all__ = ["CacheError", "CacheMismatchError", "HiddenStateCache", "load_tasks"]
+__getattr__ = exports(__name__, {"CacheError": ".format", "CacheMismatchError": ".format",
+                                 "HiddenStateCache": ".format", "load_tasks": ".tasks"})

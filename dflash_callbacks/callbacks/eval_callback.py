@@ -19,197 +19,61 @@ The hooks, and what the engine does in them:
 
 from __future__ import annotations
 
+import inspect
 import os
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback, EarlyStopping
-from lightning.pytorch.loggers import WandbLogger
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from ..checks import check_int
 from ..engine.drafters import check_drafter_config, drafter_config_of, refuse_collective_wrappers, resolve_drafter
-from ..engine.evaluator import EngineView, EvalEngine, Host
-from ..engine.publish import Logger
+from ..engine.evaluator import EvalEngine
+from ..engine.view import EngineView
 from ..model import DrafterConfig
-from ..scoring.config import ScoringConfig
-from ..scoring.report import EvalReport
+from ..settings import EvalSettings, built, describe, signature
+from .host import LightningHost, fit_ends
 
-
-class LightningHost(Host):
-    """A Trainer as the engine's host."""
-
-    def __init__(self, trainer: pl.Trainer):
-        self.trainer = trainer
-        self.rank, self.world_size = trainer.global_rank, trainer.world_size
-
-    def broadcast(self, obj: Any) -> Any:
-        return self.trainer.strategy.broadcast(obj, src=0)
-
-    def default_dirpath(self, name: str) -> Path:
-        return Path(self.trainer.default_root_dir) / name
-
-    def loggers(self) -> list[Logger]:
-        return [(type(logger).__name__, logger.log_metrics) for logger in self.trainer.loggers
-                if not isinstance(logger, WandbLogger)]
-
-    def wandb_runs(self) -> list[tuple[str, Any, Callable[[dict, int], object]]]:
-        """Each WandbLogger's run; a row holds the logger's own x axis too, at the report's step."""
-        return [("WandbLogger", logger.experiment,
-                 lambda row, step, run=logger.experiment: run.log({**row, "trainer/global_step": step}))
-                for logger in self.trainer.loggers if isinstance(logger, WandbLogger)]
-
-    def set_metrics(self, metrics: dict[str, float]) -> None:
-        for key, value in metrics.items():
-            self.trainer.callback_metrics[key] = torch.tensor(value, dtype=torch.float32)
-
-    def horizon(self) -> int | None:
-        return horizon(self.trainer)
-
-    def ending(self) -> str | None:
-        return ending(self.trainer)
-
-    def info(self, text: str) -> None:
-        rank_zero_info(text)
-
-    def warn(self, text: str) -> None:
-        rank_zero_warn(text)
-
-
-def fit_ends(trainer: pl.Trainer) -> bool:
-    """Whether the fit loop ends after this epoch: Lightning's `FitLoop.done` without its side
-    effects (at max_epochs it moves the epoch counter on before the epoch has completed, so
-    ModelCheckpoint and the hooks after ours saw the last epoch as the next one, and it logs)."""
-    def reached(current: int, limit: int | None) -> bool:
-        return limit is not None and limit != -1 and current >= limit
-
-    epochs, step = trainer.fit_loop.epoch_progress.current.processed, trainer.global_step
-    return (reached(step, trainer.max_steps) or reached(epochs, trainer.max_epochs)
-            or (trainer.should_stop and epochs >= (trainer.min_epochs or 0) and step >= (trainer.min_steps or 0)))
-
-
-def ending(trainer: pl.Trainer) -> str | None:
-    """Why the fit loop ends without the stop (a report of the last snapshot, drained in on_train_end,
-    or one that came after another callback stopped training), or None while training goes on."""
-    if trainer.should_stop:
-        return "trainer.should_stop is already set"
-    if 0 < trainer.max_steps <= trainer.global_step:
-        return f"max_steps={trainer.max_steps} reached"
-    if trainer.max_epochs is not None and 0 < trainer.max_epochs <= trainer.fit_loop.epoch_progress.current.processed:
-        return f"max_epochs={trainer.max_epochs} reached"
-    return None
-
-
-def horizon(trainer: pl.Trainer) -> int | None:
-    """The last training step: max_steps, else the trainer's estimate from max_epochs; None if unknown."""
-    from lightning.pytorch.utilities.exceptions import MisconfigurationException
-
-    if trainer.max_steps is not None and trainer.max_steps > 0:
-        return trainer.max_steps
-    try:
-        estimate = trainer.estimated_stepping_batches
-    except MisconfigurationException:
-        return None
-    return int(estimate) if estimate != float("inf") and estimate > 0 else None
-
-
-def eval_callbacks(callbacks) -> list[DrafterEvalCallback]:
-    """The DrafterEvalCallbacks among `callbacks` (two of one name share a checkpoint key, so Lightning
-    refuses them when the Trainer is made)."""
-    return [cb for cb in callbacks if isinstance(cb, DrafterEvalCallback)]
+RENAME = {"every_n_steps": "every_n_train_steps"}  # Lightning's own spelling (`ModelCheckpoint`); both are taken
 
 
 class DrafterEvalCallback(EngineView, Callback):
-    """Snapshot the drafter every `every_n_train_steps` steps and score it in the background.
+    __doc__ = f"""Snapshot the drafter every `every_n_train_steps` steps and score it in the background.
+
+    Takes an `EvalSettings` or its fields as keywords, and where the drafter is.
 
     Args:
-        cache: hidden-state cache folder (`dflash-callbacks extract`).
-        target: the target's folder; only `embed_tokens` and `lm_head` are read.
-        baseline: a published drafter folder (scored once, cached) or a saved report JSON.
-        every_n_train_steps: snapshot cadence in optimizer steps (>= 1).
+{describe(EvalSettings, rename=RENAME)}
         drafter: attribute path on the LightningModule, or a function module -> drafter.
         drafter_config: a DrafterConfig or config.json path, when the drafter has none at `.config`.
-        scoring: a ScoringConfig or a dict (or OmegaConf DictConfig) of its fields (copied, never changed).
-        runner: "thread" | "process" | "external".
-        device: where scoring runs ("auto": cuda when available); overrides scoring.device.
-        busy: "skip" (no new snapshot while one is pending) or "queue" (up to `max_pending`).
-        max_pending: snapshots pending at once with busy="queue" (>= 1).
-        keep_last: snapshots kept on disk (0: none written; runner "thread" only).
-        on_error: "warn" (training goes on) or "raise".
-        wait_on_end: score and log the last step before `fit` returns.
-        dirpath: the folder that holds this callback's runs, one subfolder per run
-            (default: <default_root_dir>/<name>).
-        baseline_cache_dir: where baseline reports are cached across runs
-            (default: $XDG_CACHE_HOME/dflash_callbacks/baselines, ~/.cache/... without it).
-        wait_timeout: seconds `fit` waits at the end for pending reports (> 0); what is
-            still pending then is recorded as an error.
-        name: the metric prefix, the default folder name, the checkpoint key, and what
-            TrailingBaselineStop(eval_callback=...) names: unique among the Trainer's callbacks.
-        verbose: print a one-line summary per report.
-        sync_every_n_steps: on several processes, every this many steps rank 0's news reach every
-            rank: the means (in `callback_metrics` on every rank) and a stop (>= 1).
     """
 
-    def __init__(
-        self,
-        cache: str | os.PathLike,
-        target: str | os.PathLike,
-        baseline: str | os.PathLike | None = None,
-        every_n_train_steps: int = 500,
-        drafter: str | Callable[[pl.LightningModule], nn.Module] = "drafter",
-        drafter_config: DrafterConfig | str | os.PathLike | None = None,
-        scoring: ScoringConfig | Mapping | None = None,
-        runner: str = "thread",
-        device: str | None = None,
-        busy: str = "skip",
-        max_pending: int = 1,
-        keep_last: int = 2,
-        on_error: str = "warn",
-        wait_on_end: bool = True,
-        dirpath: str | os.PathLike | None = None,
-        baseline_cache_dir: str | os.PathLike | None = None,
-        wait_timeout: float = 3600.0,
-        name: str = "dflash",
-        verbose: bool = True,
-        sync_every_n_steps: int = 1,
-    ):
+    def __init__(self, *args: Any, drafter: str | Callable[[pl.LightningModule], nn.Module] = "drafter",
+                 drafter_config: DrafterConfig | str | os.PathLike | None = None, **fields: Any):
         super().__init__()
-        check_int("every_n_train_steps", every_n_train_steps, 1)
-        self.engine = EvalEngine(
-            cache, target, baseline, every_n_train_steps, scoring, runner, device, busy, max_pending, keep_last,
-            on_error, wait_on_end, dirpath, baseline_cache_dir, wait_timeout, name, verbose, sync_every_n_steps,
-            cadence="every_n_train_steps")
+        self.engine = EvalEngine(built(EvalSettings, args, fields, type(self).__name__), names=RENAME)
         if not (isinstance(drafter, str) or callable(drafter)):
             raise TypeError("drafter must be an attribute name or a function LightningModule -> drafter")
         self.drafter, self.drafter_config = drafter, check_drafter_config(drafter_config)
-        self.name = name
 
-    # ------------------------------------------------------------------ what the engine holds
-    @property
-    def scoring(self) -> ScoringConfig:
-        return self.engine.scoring
+    __init__.__signature__ = signature(EvalSettings, rename=RENAME, last=[
+        inspect.Parameter("drafter", inspect.Parameter.KEYWORD_ONLY, default="drafter", annotation=str | Callable),
+        inspect.Parameter("drafter_config", inspect.Parameter.KEYWORD_ONLY, default=None,
+                          annotation=DrafterConfig | str | os.PathLike | None)])
 
     @property
     def every_n_train_steps(self) -> int:
-        return self.engine.every_n_steps
-
-    @property
-    def metrics(self) -> dict[str, float]:
-        """The latest means, as callback_metrics holds them."""
-        return self.engine.metrics
+        return self.engine.settings.every_n_steps
 
     @property
     def state_key(self) -> str:
         return self._generate_state_key(name=self.name)
 
-    # ------------------------------------------------------------------ hooks
     def _module(self, pl_module: nn.Module) -> nn.Module:
         return resolve_drafter(pl_module, self.drafter, type(self).__name__)
 
+    # ------------------------------------------------------------------ hooks
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -231,9 +95,6 @@ class DrafterEvalCallback(EngineView, Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.engine.load_state_dict(state_dict)
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.engine.state_dict()
-
     def on_train_start(self, trainer, pl_module) -> None:
         self.engine.start(LightningHost(trainer), self._module(pl_module))
 
@@ -252,14 +113,16 @@ class DrafterEvalCallback(EngineView, Callback):
             self.engine.finish(trainer.global_step, trainer.current_epoch, self._module(pl_module))
 
     def on_train_end(self, trainer, pl_module) -> None:
-        self.engine.finish(trainer.global_step, trainer.current_epoch, self._module(pl_module))  # unless taken
-        if self.engine.wait_on_end:
-            self.engine.close(True, f"wait_timeout={self.engine.wait_timeout:g} s ran out at the end of training")
-        else:
-            self.engine.close(False, "wait_on_end=False: fit returned without waiting for it")
+        self.engine.end(trainer.global_step, trainer.current_epoch, self._module(pl_module), where="the fit")
 
     def on_exception(self, trainer, pl_module, exception) -> None:
-        self.engine.close(False, f"the fit stopped on {type(exception).__name__}", publish=False)
+        self.engine.end(error=exception, where="the fit")
+
+
+def eval_callbacks(callbacks) -> list[DrafterEvalCallback]:
+    """The DrafterEvalCallbacks among `callbacks` (two of one name share a checkpoint key, so Lightning
+    refuses them when the Trainer is made)."""
+    return [cb for cb in callbacks if isinstance(cb, DrafterEvalCallback)]
 
 
 def _refuse_stock_early_stopping(callbacks, name: str) -> None:
@@ -276,4 +139,4 @@ def _refuse_stock_early_stopping(callbacks, name: str) -> None:
                              "once per report, or TrailingBaselineStop")
 
 
-__all__ = ["DrafterEvalCallback", "EvalReport"]
+__all__ = ["DrafterEvalCallback"]

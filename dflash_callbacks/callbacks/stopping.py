@@ -14,6 +14,7 @@ results.jsonl, so reports that arrived after the checkpoint still count.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import lightning.pytorch as pl
@@ -21,39 +22,28 @@ from lightning.pytorch.callbacks.callback import Callback
 from typing_extensions import override
 
 from ..engine.stop import (  # noqa: F401  (the pure pieces, importable from here too)
-    CONFIDENCE, Decision, StopPolicy, fit_projection, projected_value, validate_monitor,
+    Decision, StopPolicy, fit_projection, projected_value, validate_monitor,
 )
+from ..settings import StopSettings, signature
 from .eval_callback import DrafterEvalCallback, eval_callbacks
 
 
 class TrailingBaselineStop(StopPolicy, Callback):
     __doc__ = StopPolicy.__doc__.replace(
-        "        verbose: log a status line for every report that does not stop training.\n",
-        "        verbose: log a status line for every report that does not stop training.\n"
-        "        eval_callback: the ``name`` of the DrafterEvalCallback to follow; ``None``: the only one in\n"
-        "            ``trainer.callbacks``.\n")
+        "\n\n    Attributes:",
+        "\n        eval_callback: the ``name`` of the DrafterEvalCallback to follow; ``None``: the only one in\n"
+        "            ``trainer.callbacks``.\n\n    Attributes:", 1)
 
-    def __init__(
-        self,
-        monitor: str = "ddtree@8/live",
-        min_ratio: float | None = None,
-        min_delta: float | None = None,
-        patience: int = 3,
-        grace_steps: int = 0,
-        projection: bool = False,
-        projection_window: int = 5,
-        action: str = "stop",
-        verbose: bool = True,
-        eval_callback: str | None = None,
-        confidence: float | None = CONFIDENCE,
-    ) -> None:
-        StopPolicy.__init__(self, monitor, min_ratio, min_delta, patience, grace_steps, projection,
-                            projection_window, action, verbose, confidence)
+    def __init__(self, *args: Any, eval_callback: str | None = None, **fields: Any) -> None:
+        StopPolicy.__init__(self, *args, **fields)
         Callback.__init__(self)
         if eval_callback is not None and not isinstance(eval_callback, str):
             raise ValueError(f"`eval_callback` must be the name of a DrafterEvalCallback or None; got {eval_callback!r}")
         self.eval_callback = eval_callback
         self.source: DrafterEvalCallback | None = None
+
+    __init__.__signature__ = signature(StopSettings, last=[inspect.Parameter(
+        "eval_callback", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=str | None)])
 
     @property
     @override

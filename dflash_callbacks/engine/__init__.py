@@ -3,7 +3,7 @@ No Lightning and no transformers Trainer here: the adapters (`dflash_callbacks.c
 `dflash_callbacks.loop`, `dflash_callbacks.hf`, `dflash_callbacks.watch`) import the frameworks
 they adapt."""
 
-from .evaluator import EvalEngine, Host
-from .stop import StopPolicy
+from ..lazy import exports
 
+__getattr__ = exports(__name__, {"EvalEngine": ".evaluator", "Host": ".evaluator", "StopPolicy": ".stop"})
 __all__ = ["EvalEngine", "Host", "StopPolicy"]

@@ -38,11 +38,10 @@ from collections.abc import Callable
 from ..scoring.intervals import interval_metrics
 from ..scoring.methods import AGGREGATES
 from ..scoring.report import EvalReport, comparison, ratio
+from .host import Logger
 from .run_folder import ResultsRecordError, ResultsWriteError, RunFolder
 
 Subscriber = Callable[[EvalReport, "EvalReport | None"], object]
-Logger = tuple[str, Callable[[dict, int], object]]
-"""A place metrics go: (its name, for errors; `log(metrics, step)`)."""
 
 
 def metric_keys(prefix: str, method: str, agg: str, task: str, ours: float, base: float | None) -> dict[str, float]:

@@ -47,10 +47,10 @@ from ..scoring.intervals import paired_comparison
 from ..scoring.report import EvalReport
 from ..scoring.scorer import Cancelled, NonFiniteError
 from ..scoring.service import ScoringService, ServiceSpec, recorded_weights, weights_fingerprint
+from ..settings import RUNNERS  # noqa: F401  (importable from here too)
 from .run_folder import RunFolder, WatcherError
 from .snapshot import Snapshot
 
-RUNNERS = ("thread", "process", "external")
 WATCHER_TIMEOUT = 120.0
 """External runner: seconds without a watcher heartbeat after which a wait is said to have no watcher."""
 POLL_SECONDS = 0.2
@@ -192,7 +192,7 @@ def worker_main() -> None:
     for line in sys.stdin:  # EOF: the training process closed it, or died
         job = json.loads(line)
         try:
-            service = service or ScoringService(ServiceSpec(**spec), owns_process=True)
+            service = service or ScoringService(ServiceSpec.from_dict(spec), owns_process=True)
             report = service.baseline() if job == "baseline" else service.score_folder(job)
             answer = [None if report is None else report.to_dict(), None]
         except Exception as e:  # reported to the training process, which decides

@@ -16,16 +16,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..checks import check_bool, check_choice, check_int, check_number
-from ..scoring.intervals import CONFIDENCE
 from ..scoring.methods import Monitor
+from ..settings import (  # noqa: F401  (ACTIONS, CONFIDENCE, DEFAULT_MIN_RATIO: importable from here too)
+    ACTIONS, CONFIDENCE, DEFAULT_MIN_RATIO, StopSettings, built, describe, fields_of, signature,
+)
 
 if TYPE_CHECKING:
     from ..scoring.intervals import Comparison
     from ..scoring.report import EvalReport
 
-ACTIONS = ("stop", "warn")
-DEFAULT_MIN_RATIO = 0.9
 MIN_PROJECTION_POINTS = 3
 PROJECTION_CURVE = "a+b*log(step)"
 
@@ -95,39 +94,24 @@ class StopPolicy:
     (mean over tasks), and, with ``confidence`` (the default), only when the whole 95% interval of the
     ratio (delta) against the baseline, paired on the same anchors, lies below ``min_ratio`` (``min_delta``):
     a gap the cache can not tell from noise never counts. Equal to the threshold (up to float rounding) is
-    not trailing; a non-finite ``ours`` trails.
+    not trailing; a non-finite ``ours`` trails. Reports before ``grace_steps`` are recorded, never judged.
+
+    With ``projection``, a trailing run is only stopped when the curve ``a + b * log(step)``, fitted (least
+    squares) to the last ``projection_window`` reports, does not reach the threshold by the end of training.
+    Acceptance length versus step rises fast and then saturates; a log curve keeps rising, so it is
+    over-optimistic compared to the saturating truth and a "will not reach it" verdict is conservative.
+    Fewer than 3 usable reports (positive, distinct steps, finite values) in the window: the projection
+    cannot conclude and training is not stopped. The horizon is the loop's last step (Lightning:
+    ``max_steps``, else its estimate from ``max_epochs``); with no finite horizon only a flat or falling
+    curve stops. A decision taken when training ends anyway (the last step's report; another callback
+    stopped training) only warns, whatever the action. Once the baseline's report is in hand, a cache too
+    small to ever resolve ``min_ratio`` (the baseline's own interval wider than the margin) is said in one
+    line; a report without an interval (scored before scorer version 4) is judged by its value.
+
+    Takes a `StopSettings` or its fields as keywords (each readable as an attribute: ``policy.patience``).
 
     Args:
-        monitor: ``METHOD/AGGREGATE``: METHOD is ``vanilla``, ``ddtree@N`` or ``top@K``; AGGREGATE is
-            ``live`` or ``dense``.
-        min_ratio: ours / baseline must be ``>= min_ratio`` (> 0, e.g. 0.9).
-        min_delta: ours - baseline must be ``>= min_delta`` (any finite number, e.g. -0.5).
-            Give at most one of ``min_ratio``/``min_delta``. With neither, ``min_ratio=0.9``
-            (``DEFAULT_MIN_RATIO``): the drafter trails while it is below 90% of the baseline.
-        patience: consecutive trailing reports (>= 1) before acting. A report at or above the threshold
-            resets the count.
-        grace_steps: reports with ``step < grace_steps`` are kept in the history (and feed the projection)
-            but are never decided on and never count toward ``patience``.
-        projection: when ``True``, a trailing run is only stopped when the curve fitted to the last
-            ``projection_window`` reports does not reach the threshold by the end of training.
-            The curve is ``value = a + b * log(step)`` (least squares). Acceptance length versus step
-            rises fast and then saturates; a log curve keeps rising, so it is over-optimistic compared to
-            the saturating truth and a "will not reach it" verdict is conservative. Rules:
-
-            * fewer than 3 usable reports (positive, distinct steps, finite values) in the window: the
-              projection cannot conclude and training is **not** stopped (it waits for more reports);
-            * the horizon is the loop's last step (Lightning: ``max_steps``, else its estimate from
-              ``max_epochs``); with no finite horizon, a rising curve (``b > 0``) eventually reaches any
-              threshold, so only a flat or falling curve stops.
-        projection_window: how many of the latest reports the fit uses (>= 3).
-        action: ``"stop"`` stops training; ``"warn"`` only warns with the reason. A decision taken when
-            training ends anyway (the last step reached: the report of the last snapshot; or another
-            callback stopped training) only warns, whatever the action.
-        verbose: log a status line for every report that does not stop training.
-        confidence: 0.95 (the intervals the reports carry) or None: judge the point values alone, as
-            before intervals. A report without an interval (scored before scorer version 4) is judged by
-            its value. Once the baseline's report is in hand, a cache too small to ever resolve
-            ``min_ratio`` (the baseline's own interval wider than the margin) is said in one line.
+{args}
 
     Attributes:
         history: ``[(step, value), ...]`` of our monitored value, sorted by step.
@@ -138,41 +122,11 @@ class StopPolicy:
             names the report's (snapshot's) step, which is earlier because scoring runs in the background.
     """
 
-    def __init__(
-        self,
-        monitor: str = "ddtree@8/live",
-        min_ratio: float | None = None,
-        min_delta: float | None = None,
-        patience: int = 3,
-        grace_steps: int = 0,
-        projection: bool = False,
-        projection_window: int = 5,
-        action: str = "stop",
-        verbose: bool = True,
-        confidence: float | None = CONFIDENCE,
-    ) -> None:
-        self.monitor = validate_monitor(monitor)
-        if min_ratio is not None and min_delta is not None:
-            raise ValueError(f"give one of `min_ratio` or `min_delta`, not both (got {min_ratio} and {min_delta})")
-        self.min_ratio = check_number("`min_ratio`", min_ratio, above=0, optional=True)
-        self.min_delta = check_number("`min_delta`", min_delta, optional=True)
-        if self.min_ratio is None and self.min_delta is None:
-            self.min_ratio = DEFAULT_MIN_RATIO
-        if self.min_ratio is not None and self.min_ratio > 1:
-            warnings.warn(f"{type(self).__name__}(min_ratio={self.min_ratio:g}): the drafter must reach "
-                          f"{self.min_ratio:g}x the baseline or training stops; a share is written as a fraction "
-                          f"(0.9 for 90%)", UserWarning, stacklevel=2)
-        self.patience = check_int("`patience`", patience, 1)
-        self.grace_steps = check_int("`grace_steps`", grace_steps, 0)
-        self.projection = check_bool("`projection`", projection)
-        self.projection_window = check_int("`projection_window`", projection_window, MIN_PROJECTION_POINTS)
-        self.action = check_choice("`action`", action, ACTIONS)
-        self.verbose = check_bool("`verbose`", verbose)
-        if confidence is not None and confidence != CONFIDENCE:
-            raise ValueError(f"`confidence` must be {CONFIDENCE} (the intervals the reports carry) or None (the point "
-                             f"values alone); got {confidence!r}")
-        self.confidence = confidence
+    def __init__(self, *args: Any, **fields: Any) -> None:
+        self.settings = built(StopSettings, args, fields, type(self).__name__)
         self.reset()
+
+    __init__.__signature__ = signature(StopSettings)
 
     def reset(self) -> None:
         """The state of a run that has seen nothing yet (a resume then loads its checkpoint's)."""
@@ -369,6 +323,12 @@ class StopPolicy:
         self.wait_count = int(state_dict["wait_count"])
         self.stopped_step = int(state_dict["stopped_step"])
         self.stop_reason = state_dict["stop_reason"]
+
+
+StopPolicy.__doc__ = StopPolicy.__doc__.replace("{args}", describe(StopSettings))
+for _field in fields_of(StopSettings):  # policy.monitor, policy.patience, ...: the settings' own values
+    setattr(StopPolicy, _field.name, property(lambda self, name=_field.name: getattr(self.settings, name),
+                                              doc=_field.metadata["help"]))
 
 
 class Stops:

@@ -1,4 +1,3 @@
-from .ddtree import ddtree_streaks_from_top
-from .head_stats import HeadStats, head_stats
-
-__all__ = ["HeadStats", "ddtree_streaks_from_top", "head_stats"]
+"""LM-head statistics (reference, chunked torch path, Triton kernel) and the closed-form DDTree.
+Import the modules themselves (`kernels.head_stats`, `kernels.ddtree`); `kernels.types` holds what
+they share."""

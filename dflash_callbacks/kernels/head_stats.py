@@ -76,12 +76,10 @@ evaluations of the same matmul.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import Tensor
 
-BACKENDS = ("auto", "torch", "triton", "reference")
+from .types import BACKENDS, HeadStats
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DEFAULT_CHUNK_SIZE = 8192
 """Default vocabulary tile width of the torch path."""
@@ -100,14 +98,6 @@ AUTO_TABLE: dict[str, tuple[tuple[float, str, str], ...]] = {
 }
 """What backend="auto" runs, by device kind and size regime, with the evidence (see
 the module doc). Device kinds not listed run "torch"."""
-
-
-class HeadStats(NamedTuple):
-    lse: Tensor
-    label_logprob: Tensor
-    label_rank: Tensor
-    label_order: Tensor
-    top_logprobs: Tensor
 
 
 def head_stats(

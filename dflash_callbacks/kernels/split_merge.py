@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .head_stats import HeadStats
+from .types import HeadStats
 
 
 class SplitPartials(NamedTuple):

@@ -1,9 +1,13 @@
-from .aggregates import acceptance_curve, dense_tau, live_rounds, live_tau
-from .config import ScoringConfig
-from .report import EvalReport, comparison_table
-from .scorer import score_drafter, score_task
+"""Scoring: the methods, the scorer, the aggregates and their intervals, the report."""
+
+from ..lazy import exports
 
 __all__ = [
     "EvalReport", "ScoringConfig", "acceptance_curve", "comparison_table", "dense_tau", "live_rounds",
     "live_tau", "score_drafter", "score_task",
 ]
+__getattr__ = exports(__name__, {
+    "acceptance_curve": ".aggregates", "dense_tau": ".aggregates", "live_rounds": ".aggregates",
+    "live_tau": ".aggregates", "ScoringConfig": ".config", "EvalReport": ".report", "comparison_table": ".report",
+    "score_drafter": ".scorer", "score_task": ".scorer",
+})

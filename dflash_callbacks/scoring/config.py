@@ -1,16 +1,18 @@
-"""What a scoring run computes and how. Plain fields, so OmegaConf can hold it."""
+"""What a scoring run computes and how: `ScoringConfig`, frozen, every field with its help. Plain
+fields, so OmegaConf holds it, and no torch at import (the CLI's flags are made from it)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import asdict, dataclass, field
-
-import torch
+from typing import Any
 
 from ..checks import (
-    DTYPES, check_bool, check_choice, check_device, check_int, check_int_list, check_number, check_str_list, problems_of,
+    DTYPE_NAMES, check_bool, check_choice, check_device, check_int, check_int_list, check_number, check_str_list,
+    problems_of,
 )
-from ..kernels.head_stats import BACKENDS
+from ..kernels.types import BACKENDS
 from ..model.attention import RULES as ATTENTION_RULES
 from .methods import scored_methods
 
@@ -30,22 +32,30 @@ def check_device_name(device: object) -> None:
                          "(whether it exists here is checked before scoring starts)")
 
 
-@dataclass
+def _field(default: Any = dataclasses.MISSING, *, help: str, factory: Any = dataclasses.MISSING,
+           numbers: bool = False) -> Any:
+    """A field and its help; `numbers`: it changes the numbers (not only where or how fast they are computed)."""
+    return field(default=default, default_factory=factory, metadata={"help": help, "numbers": numbers})
+
+
+@dataclass(frozen=True)
 class ScoringConfig:
-    ddtree_budgets: list[int] = field(default_factory=lambda: [4, 8])  # DDTree node budgets N
-    topk: list[int] = field(default_factory=list)  # top@k widths (an upper bound, not a budget)
-    window: int | None = None  # score anchors in the first `window` tokens of each completion
-    block_size: int | None = None  # default: the drafter's
-    max_rounds: int = 30  # rounds of the live schedule
-    tasks: list[str] | None = None  # default: every task of the cache
-    anchors_per_forward: int = 64  # blocks decoded side by side in one drafter forward
-    vocab_chunk: int | None = None  # vocabulary tile of the LM-head statistics
-    backend: str = "auto"  # LM-head statistics: auto | torch | triton | reference
-    device: str = "auto"  # auto: cuda when available, else cpu
-    dtype: str = "float32"  # float32 | bfloat16 | float16
-    max_memory_gib: float | None = None  # the scorer's memory budget: chunks are sized to fit it
-    release_memory: bool = False  # give the scorer's accelerator memory back after each report
-    attention: str = "auto"  # the attention pattern inside a block: auto (as vLLM serves it) or a rule of model.attention
+    ddtree_budgets: list[int] = _field(factory=lambda: [4, 8], numbers=True, help="DDTree node budgets N")
+    topk: list[int] = _field(factory=list, numbers=True, help="top@k widths (an upper bound, not a node budget)")
+    window: int | None = _field(None, numbers=True, help="score the anchors in the first N tokens of each completion "
+                                                         "(None: all)")
+    block_size: int | None = _field(None, numbers=True, help="the block size scored (None: the drafter's)")
+    max_rounds: int = _field(30, numbers=True, help="rounds of the live schedule")
+    tasks: list[str] | None = _field(None, numbers=True, help="the tasks scored (None: every task of the cache)")
+    anchors_per_forward: int = _field(64, help="blocks decoded side by side in one drafter forward")
+    vocab_chunk: int | None = _field(None, help="vocabulary tile of the LM-head statistics' torch path (None: 8192)")
+    backend: str = _field("auto", help=f"LM-head statistics: {' | '.join(BACKENDS)}")
+    device: str = _field("auto", help="auto | cpu | cuda | cuda:N (auto: cuda when available, else cpu)")
+    dtype: str = _field("float32", numbers=True, help=" | ".join(DTYPE_NAMES))
+    max_memory_gib: float | None = _field(None, help="the scorer's memory budget in GiB: chunks are sized to fit it")
+    release_memory: bool = _field(False, help="give the scorer's accelerator memory back after each report")
+    attention: str = _field("auto", numbers=True, help="the attention pattern inside a block: auto (as vLLM serves "
+                                                       "the drafter) or another stack's rule (docs/numbers.md)")
 
     def __post_init__(self) -> None:
         """Every bad field at once, one line each (the CLIs print one `error:` line per line)."""
@@ -60,15 +70,17 @@ class ScoringConfig:
             lambda: check_int("vocab_chunk", self.vocab_chunk, 1, optional=True),
             lambda: check_choice("backend", self.backend, BACKENDS),
             lambda: check_device_name(self.device),
-            lambda: check_choice("dtype", self.dtype, DTYPES),
+            lambda: check_choice("dtype", self.dtype, DTYPE_NAMES),
             lambda: check_number("max_memory_gib", self.max_memory_gib, above=0, optional=True),
             lambda: check_bool("release_memory", self.release_memory),
             lambda: check_choice("attention", self.attention, tuple(ATTENTION_RULES)),
         )
         if problems:
             raise ValueError("\n".join(problems))
-        self.ddtree_budgets, self.topk = list(self.ddtree_budgets), list(self.topk)
-        self.tasks = None if self.tasks is None else list(self.tasks)
+        put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen: copied once, here)
+        put("ddtree_budgets", [int(n) for n in self.ddtree_budgets])
+        put("topk", [int(k) for k in self.topk])
+        put("tasks", None if self.tasks is None else list(self.tasks))
 
     @property
     def methods(self) -> list[str]:
@@ -76,16 +88,26 @@ class ScoringConfig:
         return [str(m) for m in scored_methods(self.ddtree_budgets, self.topk)]
 
     @property
-    def torch_dtype(self) -> torch.dtype:
+    def torch_dtype(self):
+        from ..checks import DTYPES
+
         return DTYPES[self.dtype]
 
-    def resolved_device(self) -> torch.device:
+    def resolved_device(self):
         return check_device("scoring.device", self.device)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, raw: dict) -> ScoringConfig:
+        """A config from its fields (what `to_dict` wrote); an unknown field is refused naming the fields."""
+        legal = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(raw) - set(legal))
+        if unknown:
+            raise ValueError(f"scoring has unknown field(s) {unknown}; the fields are {legal}")
+        return cls(**raw)
+
     def fingerprint_fields(self) -> dict:
         """The fields that change the numbers (not where or how fast they are computed)."""
-        keep = ("ddtree_budgets", "topk", "window", "block_size", "max_rounds", "tasks", "dtype", "attention")
-        return {k: v for k, v in self.to_dict().items() if k in keep}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata["numbers"]}

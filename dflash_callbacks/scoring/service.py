@@ -4,7 +4,7 @@ against a cache with a target's head, and the baseline once. No Lightning here.
 Every entry point uses it: the callback's thread runner, the process runner's worker,
 `dflash-callbacks watch` and `dflash-callbacks score`.
 
-    spec = ServiceSpec(cache=..., target=..., baseline=..., scoring={...})
+    spec = ServiceSpec(cache=..., target=..., baseline=..., scoring=ScoringConfig(...))
     preflight(spec, drafter_config)        # before any work: raises PreflightError listing every problem
     service = ScoringService(spec)         # loads the target's embedding and LM head (owns_process=True: see the class)
     report = service.score(config, state, step=400, snapshot_id="...")
@@ -58,16 +58,26 @@ class PreflightError(ValueError):
 
 @dataclass(frozen=True)
 class ServiceSpec:
-    """Plain arguments a ScoringService is built from (JSON, for the `process` runner's worker)."""
+    """What a ScoringService is built from. It crosses to the `process` runner's worker as one JSON object
+    (`to_dict`), rebuilt there once (`from_dict`); `scoring` is a ScoringConfig (a dict of its fields is
+    taken and made one, once)."""
 
     cache: str
     target: str
     baseline: str | None = None
-    scoring: dict = field(default_factory=dict)
+    scoring: ScoringConfig = field(default_factory=ScoringConfig)
     baseline_cache_dir: str | None = None
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.scoring, ScoringConfig):
+            object.__setattr__(self, "scoring", ScoringConfig.from_dict(dict(self.scoring)))
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "scoring": self.scoring.to_dict()}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> ServiceSpec:
+        return cls(**raw)
 
 
 def default_baseline_cache_dir() -> Path:
@@ -112,7 +122,7 @@ def preflight(spec: ServiceSpec, drafter: DrafterConfig | None, drafter_shapes: 
     need one are left out and the target is held against the cache. Raises PreflightError
     with one line per problem; else returns the run's basis (`scoring.basis`), from the cache
     and the head fingerprint it has just read."""
-    config = ScoringConfig(**spec.scoring)  # a bad value raises on its own, naming the field
+    config = spec.scoring
     problems: list[str] = []
     problems += _device_problems(config)
     if drafter is not None and drafter_shapes is not None:
@@ -266,7 +276,7 @@ class ScoringService:
     def __init__(self, spec: ServiceSpec, *, owns_process: bool = False):
         self.spec = spec
         self.owns_process = owns_process
-        self.config = ScoringConfig(**spec.scoring)
+        self.config = spec.scoring
         self.cache = HiddenStateCache(spec.cache)
         self.head = TargetHead.from_pretrained(spec.target)
         check_finite_weights(self.head.state_dict(), f"the target head of {spec.target}")

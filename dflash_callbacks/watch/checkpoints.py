@@ -49,8 +49,10 @@ from typing import Any
 
 import torch
 
-from ..engine.evaluator import EvalEngine, Host, basis_changes
-from ..engine.publish import Logger
+from ..engine.evaluator import EvalEngine
+from ..engine.front import CheckpointFront
+from ..engine.host import Host, Logger
+from ..engine.session import basis_changes
 from ..engine.run_folder import RunFolder, RunFolderBusy, is_run_folder
 from ..engine.runners import Job
 from ..engine.stop import ACTIONS, StopPolicy
@@ -61,6 +63,7 @@ from ..model.io import INDEX_FILE, read_config, read_state_shapes, safetensors_f
 from ..model.io import read_checkpoint as load_checkpoint
 from ..scoring.cli import UsageError, scoring_config
 from ..scoring.service import ServiceSpec, preflight
+from ..settings import EvalSettings
 
 MARKER = "trainer_state.json"
 """The transformers Trainer's `_save_checkpoint` writes it after the model files (and after the
@@ -348,8 +351,10 @@ class CheckpointWatcher:
         self.checkpoints = Checkpoints(self.root, s["step_pattern"], s["state_key"], s["state_file"], s["config"],
                                        self.out)
         self.host = WatchHost(s["max_steps"])
-        self.engine = EvalEngine(args.cache, args.target, args.baseline, scoring=self.spec.scoring, runner="thread",
-                                 keep_last=0, dirpath=self.out.parent, baseline_cache_dir=args.baseline_cache_dir)
+        self.engine = EvalEngine(EvalSettings(args.cache, args.target, args.baseline, scoring=self.spec.scoring,
+                                              runner="thread", keep_last=0, dirpath=self.out.parent,
+                                              baseline_cache_dir=args.baseline_cache_dir))
+        self.front = CheckpointFront(self.engine)
         if args.baseline is not None:
             self.engine.add_stop(StopPolicy(**{k: s[k] for k in STOP_SETTINGS}, verbose=True))
         self.started = False
@@ -487,7 +492,7 @@ class CheckpointWatcher:
         for step in submitted:
             seen = self.seen[step]
             self.host.latest = max(self.host.latest, step)
-            self.engine.submit(Job(step, seen.fingerprint, folder=seen.source,
+            self.front.submit(Job(step, seen.fingerprint, folder=seen.source,
                                    read=partial(self.checkpoints.read, seen.source, step)))
             self.done.add(step)
         return len(submitted)
@@ -506,7 +511,7 @@ class CheckpointWatcher:
     def publish(self) -> None:
         """Publish what is finished. A stop decided is written to --out/STOP.json for the training loop
         to poll, unless one is there: the first stop stands until someone removes the file."""
-        reason = self.engine.poll()
+        reason = self.front.poll()
         if reason is not None and not (self.out / STOP_FILE).exists():
             atomic_write_json(self.out / STOP_FILE, {"stop": True, "reason": reason, "time": time.time(),
                                                      "monitor": self.engine.stops.policies[0].monitor})

@@ -123,7 +123,7 @@ def main(argv=None) -> int:
                "stop_reason": evaluator.stop_reason, "stopped_step": stop.stopped_step if stop else None,
                "reports": [r.step for r in evaluator.reports], "history": [h["step"] for h in evaluator.history],
                "errors": evaluator.errors, "threads_on_rank1": sorted(set(threads_on_rank1)),
-               "metrics_step": evaluator.metrics.get("dflash/step"), "run_id": evaluator.state_dict()["engine"]["run_id"]}
+               "metrics_step": evaluator.metrics.get("dflash/step"), "run_id": evaluator.state_dict()["run_id"]}
         (args.root / f"rank{rank}.json").write_text(json.dumps(out, indent=1))
     if args.parallel != "none":
         # the DDP wrapper goes first, while the process group lives: freed at exit instead, its reducer

@@ -185,12 +185,12 @@ class Recorder(pl.Callback):
         threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("dflash"))
         for i, cb in enumerate(self.evals):
             if trainer.global_rank != 0:
-                if cb.engine._runner is not None or cb.engine._staging is not None or cb.reports:
+                if cb.engine.runner is not None or cb.engine.schedule.staging is not None or cb.reports:
                     self.violations.append(f"step {trainer.global_step}: eval callback {i} holds a runner or reports")
                 if threads:
                     self.violations.append(f"step {trainer.global_step}: scoring threads {threads} on rank 1")
-            elif cb.engine._runner is not None:
-                self.max_pending[i] = max(self.max_pending[i], cb.engine._runner.pending)
+            elif cb.engine.runner is not None:
+                self.max_pending[i] = max(self.max_pending[i], cb.engine.runner.pending)
 
     def summary(self, trainer) -> dict:
         return {
@@ -209,7 +209,7 @@ class Recorder(pl.Callback):
                                                            "reason": self.early.stopping_reason_message},
             "evals": [
                 {"errors": cb.errors, "skipped": cb.skipped, "reports": [r.step for r in cb.reports],
-                 "baseline": cb.baseline_report is not None, "runner": cb.engine._runner is not None,
+                 "baseline": cb.baseline_report is not None, "runner": cb.engine.runner is not None,
                  "max_pending": self.max_pending[i]}
                 for i, cb in enumerate(self.evals)
             ],

@@ -1,66 +1,58 @@
-"""Structured configs (dataclasses) for OmegaConf: the two callbacks and the scorer.
+"""The YAML a user reads, copies and edits (`conf/`), and its loader. No framework here: the
+Lightning adapter's schema (`callbacks.schema`), the demo's and the CLI's use it.
 
     cfg = load_config(CallbacksConfig, CONF_DIR / "callbacks.yaml", ["eval.cache=...", "stop.patience=5"])
-    trainer = L.Trainer(callbacks=build_callbacks(cfg), ...)
 
-`EvalConfig` and `StopConfig` are derived from the callbacks' signatures: one field per
-constructor argument, with the signature's default, so a default is written once. The
-YAML in conf/ and the README's tables are held to them by tests. Unknown keys, wrong
-types and overrides that are not `key=value` are refused naming the key and the file, or
-the override it came from (a list given a scalar says how to write the list), all at once,
-one line each, with the values ScoringConfig refuses; the callbacks' other checks refuse
-theirs when the config is built, before any training starts. A user's config object is
-copied, never changed.
+Where the shipped YAML lives: the top-level `conf/` of a source checkout (an editable install reads it
+in place), or `dflash_callbacks/conf/` inside an installed wheel (the build maps the same folder there;
+see pyproject.toml). One copy either way.
+
+A schema is a dataclass; `schema_of` makes one from a settings class (`settings.py`), so a field and its
+default are written once. Unknown keys, wrong types and overrides that are not `key=value` are refused
+naming the key and the file, or the override it came from (a list given a scalar says how to write the
+list), all at once, one line each, with the values the settings themselves refuse. A user's config object
+is copied, never changed.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
 import typing
-from dataclasses import dataclass, field
+from dataclasses import field
+from pathlib import Path
 from typing import Any
 
 import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .callbacks import DrafterEvalCallback, TrailingBaselineStop
-from .paths import CONF_DIR  # noqa: F401  (re-exported: the shipped YAML)
-from .scoring.config import ScoringConfig
+_PACKAGE = Path(__file__).resolve().parent
+CONF_DIR = _PACKAGE / "conf" if (_PACKAGE / "conf").is_dir() else _PACKAGE.parent / "conf"
+TASKS_DIR = CONF_DIR / "tasks"
 
 
-def signature_schema(cls: type, name: str, yaml_types: dict[str, Any], first: tuple = ()) -> type:
-    """A dataclass with one field per argument of `cls.__init__`: the signature's default
-    (MISSING where there is none), and its type, or `yaml_types[arg]` where OmegaConf can
-    not hold the signature's type (paths, callables, config objects)."""
-    hints = typing.get_type_hints(cls.__init__)
-    fields = list(first)
-    for arg in list(inspect.signature(cls.__init__).parameters.values())[1:]:
-        kind = yaml_types.get(arg.name, hints[arg.name])
-        if arg.default is inspect.Parameter.empty:
-            fields.append((arg.name, kind, field(default=MISSING)))
-        elif arg.default is None and dataclasses.is_dataclass(kind):
-            fields.append((arg.name, kind, field(default_factory=kind)))
+def schema_of(settings: type, name: str, *, rename: dict[str, str] | None = None, first: tuple = (),
+              last: tuple = ()) -> type:
+    """A YAML schema (a dataclass OmegaConf holds) with one field per field of `settings` (named as `rename`
+    says), its default (MISSING where there is none) and its type (a path is a string): `first`, the
+    settings' fields, then `last` ((name, type, field) each)."""
+    rename, fields = rename or {}, list(first)
+    hints = typing.get_type_hints(settings)
+    for f in dataclasses.fields(settings):
+        kind = hints[f.name]
+        if Path in typing.get_args(kind) or kind is Path:
+            kind = str | None if type(None) in typing.get_args(kind) else str
+        if f.default is not dataclasses.MISSING:
+            default = field(default=f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            default = field(default_factory=f.default_factory)
         else:
-            fields.append((arg.name, kind, field(default=arg.default)))
-    return dataclasses.make_dataclass(name, fields)
-
-
-EvalConfig = signature_schema(DrafterEvalCallback, "EvalConfig", {
-    "cache": str, "target": str, "baseline": str | None, "drafter": str, "drafter_config": str | None,
-    "scoring": ScoringConfig, "dirpath": str | None, "baseline_cache_dir": str | None,
-})
-EvalConfig.__doc__ = "Arguments of DrafterEvalCallback (its signature's defaults)."
-StopConfig = signature_schema(TrailingBaselineStop, "StopConfig", {}, first=(("enabled", bool, field(default=True)),))
-StopConfig.__doc__ = "Arguments of TrailingBaselineStop (its signature's defaults); `enabled: false` leaves it out."
-
-
-@dataclass
-class CallbacksConfig:
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    stop: StopConfig = field(default_factory=StopConfig)
+            default = field(default=MISSING)
+        fields.append((rename.get(f.name, f.name), kind, default))
+    schema = dataclasses.make_dataclass(name, fields + list(last))
+    schema.__doc__ = f"The YAML of {settings.__name__} (its fields and defaults)."
+    return schema
 
 
 def field_type(schema: type, key: str) -> Any:
@@ -155,18 +147,3 @@ def load_config(schema: type, path: str | os.PathLike | None = None, overrides: 
     if problems:
         raise ValueError("\n".join(problems))
     return config
-
-
-def build_eval_callback(cfg: EvalConfig) -> DrafterEvalCallback:
-    kwargs = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(EvalConfig)}
-    return DrafterEvalCallback(**kwargs)
-
-
-def build_stop_callback(cfg: StopConfig) -> TrailingBaselineStop | None:
-    kwargs = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(StopConfig) if f.name != "enabled"}
-    return TrailingBaselineStop(**kwargs) if cfg.enabled else None
-
-
-def build_callbacks(cfg: CallbacksConfig) -> list:
-    stop = build_stop_callback(cfg.stop)
-    return [build_eval_callback(cfg.eval)] + ([stop] if stop is not None else [])

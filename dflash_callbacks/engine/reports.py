@@ -1,0 +1,151 @@
+"""A run's reports on rank 0, on the training thread: each outcome the runner hands back becomes a
+line of results.jsonl first, then numbers for the loggers and the host's metrics, an entry of the
+history, a decision of the stops and a call of every subscriber (`publish.py` has the order and
+the keys). A failure anywhere is a warning and an error count, or a raise with on_error="raise".
+
+The baseline's report comes before everything else, and the reports a killed run's watcher left
+(`recovered`) after it, before any new one: their deltas and ratios need the baseline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..scoring.intervals import resolution_warning
+from ..scoring.report import EvalReport
+from ..settings import EvalSettings
+from .host import Host
+from .metrics import MEAN_KEYS, RunState, history_entry
+from .publish import Publisher, Subscriber, summary_line, versus_record
+from .runners import BackgroundRunner, BaselineOutcome, SnapshotOutcome, is_non_finite, versus_baseline
+from .stop import Moment, Stops
+
+
+class Reports:
+    def __init__(self, settings: EvalSettings, host: Host, state: RunState, stops: Stops,
+                 subscribers: list[Subscriber], step: Callable[[], int | None]):
+        self.settings, self.host, self.state, self.stops = settings, host, state, stops
+        self.subscribers, self.step = subscribers, step
+        self.publisher: Publisher | None = None
+        self.errors = 0
+        self.reports: list[EvalReport] = []  # published by this process, in arrival order
+        self.baseline: EvalReport | None = None
+        self.baseline_settled = settings.baseline is None
+        self.recovered: list[EvalReport] = []  # watcher reports a killed run never picked up
+        self.closing = False
+
+    def start(self, publisher: Publisher, recovered: list[EvalReport]) -> None:
+        self.publisher, self.recovered = publisher, list(recovered)
+
+    # ------------------------------------------------------------------ outcomes
+    def drain(self, runner: BackgroundRunner | None) -> None:
+        """Publish every outcome the runner has finished; with on_error="raise", what was polled and not
+        handled still reaches the disk before the first failure is raised."""
+        if runner is None:
+            return
+        outcomes, handled = runner.poll(), 0
+        try:
+            self.publish_recovered()
+            for outcome in outcomes:
+                handled += 1
+                self.handle(outcome)
+        except Exception:
+            for rest in outcomes[handled:]:
+                try:
+                    self.keep(rest)
+                except Exception:
+                    pass  # the first failure is the one raised; the next outcomes are still kept
+            raise
+
+    def handle(self, outcome) -> None:
+        if isinstance(outcome, BaselineOutcome):
+            self.baseline_settled = True
+            if outcome.error is None:
+                self.baseline = outcome.report
+                self.warn_unresolvable()
+                if self.state.restored:  # a resume, nothing newer yet: now with the baseline's keys
+                    self.state.restore(self.baseline, self.host, self.closing)
+            self.publish_recovered()  # older than anything polled after the baseline
+            if outcome.error is not None:
+                self.fail(f"scoring the baseline failed: {outcome.error}")
+            return
+        if outcome.error is not None:
+            self.record_outcome(outcome)
+            if is_non_finite(outcome.error):
+                self.state.nan_means(outcome.step, self.host, self.closing)
+            self.fail(f"step {outcome.step} failed: {outcome.error}")
+        else:
+            self.publish(outcome.report, outcome.seconds, outcome.versus)
+
+    def keep(self, outcome) -> None:
+        """An outcome on disk without logging it (training is failing)."""
+        if isinstance(outcome, BaselineOutcome):
+            self.baseline = outcome.report or self.baseline
+        elif outcome.report is not None:
+            self.publisher.record_report(outcome.report, outcome.seconds, outcome.versus)
+        else:
+            self.record_outcome(outcome)
+
+    def publish_recovered(self) -> None:
+        """The watcher reports a killed run never picked up: older than any job, so first, once the
+        baseline is settled."""
+        while self.recovered and self.baseline_settled:
+            self.publish(self.recovered.pop(0), None)
+
+    def record_outcome(self, outcome: SnapshotOutcome) -> None:
+        self.publisher.record({"step": outcome.step, "snapshot_id": outcome.snapshot_id, "error": outcome.error,
+                               "seconds": outcome.seconds})
+
+    def warn_unresolvable(self) -> None:
+        """Once the baseline's report is in hand: a stop whose threshold this cache is too small to ever
+        resolve (the baseline's own interval wider than the margin) is said, in one line. It still runs."""
+        if self.baseline is None or self.baseline.intervals is None:
+            return
+        for policy in self.stops.policies:
+            if policy.confidence is not None and policy.min_ratio is not None:
+                line = resolution_warning(self.baseline, policy.monitor, policy.min_ratio)
+                if line is not None:
+                    self.host.warn(f"{type(policy).__name__}: {line}")
+
+    # ------------------------------------------------------------------ a report
+    def publish(self, report: EvalReport, seconds: float | None, versus: dict | None = None) -> None:
+        """results.jsonl, the loggers, the metrics, the history, then the stops and the subscribers.
+        `versus`: the report against the baseline (the runner's; made here for a recovered report)."""
+        seconds = report.seconds if seconds is None else seconds
+        versus = versus or versus_baseline(report, self.baseline)
+        metrics = self.publisher.publish(report, self.baseline, seconds, self.errors, versus)
+        if metrics is None:
+            return  # refused: an error line, nothing logged
+        self.state.restored = False  # the metrics hold newer numbers now
+        self.state.set(report.step, {k: v for k, v in metrics.items() if k.endswith(MEAN_KEYS)}, self.host,
+                       self.closing)
+        self.state.add(history_entry(report, versus_record(versus) if versus else None), outgoing=True)
+        self.reports.append(report)
+        if self.settings.verbose:
+            self.host.info(summary_line(self.settings.name, report, self.baseline))
+        self.notify(report, versus)
+
+    def notify(self, report: EvalReport, versus: dict | None) -> None:
+        """The stops decide (with the paired comparison of their monitor), then every subscriber gets the
+        report; one that raises is a failure."""
+        ending = self.host.ending() or ("the run is closing" if self.closing else None)
+        step = self.step()
+        now = Moment(step=step if step is not None else int(report.step), horizon=self.host.horizon(), ending=ending)
+        listeners = [(policy, lambda r, b, p=policy: self.stops.judge(
+            p, r, b, now, self.host.info, self.host.warn, self.settings.name,
+            (versus or {}).get(p.monitor, {}).get("mean"))) for policy in self.stops.policies]
+        listeners += [(fn, fn) for fn in list(self.subscribers)]
+        for who, call in listeners:
+            try:
+                call(report, self.baseline)
+            except Exception as e:
+                self.fail(f"subscriber {getattr(who, '__qualname__', type(who).__qualname__)!s} raised on step "
+                          f"{report.step}: {type(e).__name__}: {e}")
+
+    def fail(self, message: str) -> None:
+        self.errors += 1
+        if self.settings.on_error == "raise":
+            raise RuntimeError(f"{self.settings.name}: {message}")
+        self.host.warn(f"{self.settings.name}: {message} (training goes on; errors so far: {self.errors})")
+        if self.publisher is not None:
+            self.publisher.log_error_count(self.errors, self.step() or 0)

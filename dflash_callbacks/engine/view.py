@@ -1,0 +1,97 @@
+"""What every adapter shows of its engine, under one set of names (`EngineView`), and the `stop=`
+argument the plain-loop and transformers adapters take."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from ..scoring.report import EvalReport
+from ..settings import EvalSettings
+from .evaluator import EvalEngine
+from .publish import Subscriber
+from .run_folder import RunFolder
+from .stop import StopPolicy
+
+
+class EngineView:
+    """The engine's state as an adapter's attributes (`self.engine`)."""
+
+    engine: EvalEngine
+
+    @property
+    def settings(self) -> EvalSettings:
+        return self.engine.settings
+
+    @property
+    def scoring(self):
+        return self.engine.scoring
+
+    @property
+    def name(self) -> str:
+        return self.engine.name
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The latest means, as the loop's own metrics hold them (every rank; NaN before the first report)."""
+        return self.engine.state.shown
+
+    @property
+    def history(self) -> list[dict]:
+        """This run's reports, by step: [{"step", "mean", "intervals", "versus"}] (every rank)."""
+        return self.engine.history
+
+    @property
+    def errors(self) -> int:
+        return self.engine.errors
+
+    @property
+    def skipped(self) -> int:
+        return self.engine.skipped
+
+    @property
+    def reports(self) -> list[EvalReport]:
+        """The reports published by this process (rank 0), in arrival order."""
+        return self.engine.reports.reports
+
+    @property
+    def baseline_report(self) -> EvalReport | None:
+        return self.engine.baseline_report
+
+    @property
+    def run(self) -> RunFolder | None:
+        return self.engine.run
+
+    @property
+    def run_id(self) -> str | None:
+        return self.engine.run_id
+
+    @property
+    def should_stop(self) -> bool:
+        """Whether a stop has reached this rank."""
+        return self.engine.should_stop
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why a stop stopped training (or would have), None before."""
+        return next((p.stop_reason for p in self.engine.stops.policies if p.stop_reason), None)
+
+    def subscribe(self, fn: Subscriber) -> Callable[[], None]:
+        """Call `fn(report, baseline)` on the training thread of rank 0 for every new report; returns a
+        function that unsubscribes it. A subscriber that raises is reported like any failure."""
+        return self.engine.subscribe(fn)
+
+    def state_dict(self) -> dict:
+        """Primitives only, the same on every rank: put it in your checkpoint."""
+        return self.engine.state_dict()
+
+
+def stop_policies(stop: StopPolicy | Sequence[StopPolicy] | type | None) -> list[StopPolicy]:
+    """`stop=` of the plain-loop and transformers adapters, as a list (TypeError for anything else)."""
+    if isinstance(stop, type):
+        raise TypeError(f"stop={stop.__name__} is a class: give an instance, e.g. stop={stop.__name__}(monitor="
+                        "'ddtree@8/live')")
+    stops = [] if stop is None else [stop] if isinstance(stop, StopPolicy) else list(stop)
+    if not all(isinstance(s, StopPolicy) for s in stops):
+        raise TypeError("stop must be a TrailingBaselineStop (a StopPolicy), a list of them, or None; got "
+                        f"{[type(s).__name__ for s in stops if not isinstance(s, StopPolicy)]}")
+    return stops

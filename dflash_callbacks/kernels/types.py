@@ -1,0 +1,24 @@
+"""What the LM-head statistics kernels share, in a module that imports none of them (and no torch
+at run time): the backends' names and the statistics' type."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+BACKENDS = ("auto", "torch", "triton", "reference")
+"""How `head_stats.head_stats` computes: by the evidence table, the chunked torch path, the Triton
+kernel, or the materialised reference."""
+
+
+class HeadStats(NamedTuple):
+    """Per row (see head_stats.py): the log-sum-exp, the label's log-prob, rank and tie order, the
+    top-N log-probs."""
+
+    lse: Tensor
+    label_logprob: Tensor
+    label_rank: Tensor
+    label_order: Tensor
+    top_logprobs: Tensor

@@ -1,0 +1,383 @@
+"""Settings: one frozen dataclass per concept, each field with its help, validated once.
+
+- `scoring.config.ScoringConfig`: what a scoring run computes and how;
+- `EvalSettings`: an evaluation of a training run (the cache, target and baseline, the cadence, the runner, ...);
+- `StopSettings`: the stop's rule.
+
+Every entry point takes the same names for the same settings (`settings_from`, with a field's aliases,
+e.g. Lightning's `every_n_train_steps` for `every_n_steps`; a name that is none of them is refused
+naming the closest). The adapters' signatures (`signature`), their docstrings' argument lists
+(`describe`), the YAML schemas and the CLI flags (`add_arguments`) are derived from the fields: a
+setting, its default and its help are written once, here. A settings object crosses a process or
+run.json as one dict (`to_dict`) and is rebuilt once on the far side (`from_dict`).
+
+No torch here: a command's `--help` and its refusals answer before torch loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import inspect
+import os
+import re
+import typing
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import MISSING, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .checks import check_bool, check_choice, check_int, check_number, problems_of
+from .scoring.config import ScoringConfig
+from .scoring.methods import Monitor
+
+RUNNERS = ("thread", "process", "external")
+BUSY_POLICIES = ("skip", "queue")
+ON_ERROR = ("warn", "raise")
+ACTIONS = ("stop", "warn")
+CONFIDENCE = 0.95
+"""The level of the intervals every report carries (`scoring.intervals`)."""
+DEFAULT_MIN_RATIO = 0.9
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
+
+
+def setting(default: Any = MISSING, *, help: str, factory: Any = MISSING, aliases: tuple[str, ...] = (),
+            flag: bool = True) -> Any:
+    """A settings field: its default (or `factory`), its help (one sentence: the docs, the docstrings and
+    the CLI show it), other names it is accepted under, and whether a CLI shows it as a flag."""
+    return field(default=default, default_factory=factory, metadata={"help": help, "aliases": aliases, "flag": flag})
+
+
+def fields_of(cls: type) -> list[dataclasses.Field]:
+    return list(dataclasses.fields(cls))
+
+
+def aliases(cls: type) -> dict[str, str]:
+    """Every other name a field of `cls` is accepted under -> the field's name."""
+    return {alias: f.name for f in fields_of(cls) for alias in f.metadata.get("aliases", ())}
+
+
+def settings_from(cls: type, given: Mapping[str, Any], owner: str):
+    """`cls(**given)`, a field given under one of its aliases taken as the field; a name that is not a
+    field (nor an alias) is refused naming the closest, and a field given twice (under two names) too."""
+    names, alias = [f.name for f in fields_of(cls)], aliases(cls)
+    kwargs: dict[str, Any] = {}
+    for key, value in given.items():
+        name = alias.get(key, key)
+        if name not in names:
+            close = difflib.get_close_matches(key, names + list(alias), n=1)
+            hint = f"; did you mean {close[0]}?" if close else f"; it takes {', '.join(names)}"
+            raise TypeError(f"{owner}() got an unexpected keyword argument {key!r}{hint}")
+        if name in kwargs:
+            raise TypeError(f"{owner}() got {name!r} twice ({', '.join(k for k in given if alias.get(k, k) == name)}): "
+                            "they are one setting")
+        kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # named as the caller spelled it
+        message = str(e)
+        for key in given:
+            if key in alias:
+                message = re.sub(rf"\b{alias[key]}\b", key, message)
+        raise ValueError(message) from None
+
+
+def signature(cls: type, *, last: Iterable[inspect.Parameter] = (),
+              rename: Mapping[str, str] | None = None) -> inspect.Signature:
+    """An adapter's signature: one parameter per field of `cls` (named as `rename` says: an alias the
+    adapter's framework spells it by; the first `POSITIONAL` fields may be given by position), then
+    `last`."""
+    rename, positional = rename or {}, getattr(cls, "POSITIONAL", 0)
+    hints = typing.get_type_hints(cls)
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    for i, f in enumerate(fields_of(cls)):
+        default = f.default if f.default is not MISSING else (
+            inspect.Parameter.empty if f.default_factory is MISSING else None)
+        kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if i < positional else inspect.Parameter.KEYWORD_ONLY
+        params.append(inspect.Parameter(rename.get(f.name, f.name), kind, default=default, annotation=hints[f.name]))
+    params += list(last)
+    return inspect.Signature(params)
+
+
+def built(cls: type, args: tuple, fields: Mapping[str, Any], owner: str):
+    """What an adapter was given: a `cls` object alone, or its fields (the first `cls.POSITIONAL` of them
+    may come by position, in order)."""
+    if args and isinstance(args[0], cls):
+        if len(args) > 1 or fields:
+            raise TypeError(f"{owner}() takes a {cls.__name__} or its fields, not both")
+        return args[0]
+    positional = [f.name for f in fields_of(cls)][: getattr(cls, "POSITIONAL", 0)]
+    if len(args) > len(positional):
+        raise TypeError(f"{owner}() takes {len(positional)} settings by position ({', '.join(positional)}) or a "
+                        f"{cls.__name__}; got {len(args)}: give the others by name")
+    twice = [name for name in positional[: len(args)] if name in fields]
+    if twice:
+        raise TypeError(f"{owner}() got {', '.join(twice)} by position and by name")
+    return settings_from(cls, {**dict(zip(positional, args)), **fields}, owner)
+
+
+def describe(cls: type, *, rename: Mapping[str, str] | None = None, indent: str = "        ") -> str:
+    """The Args lines of `cls`'s fields, as a docstring lists them."""
+    rename = rename or {}
+    lines = []
+    for f in fields_of(cls):
+        name = rename.get(f.name, f.name)
+        others = [a for a in (f.name, *f.metadata.get("aliases", ())) if a != name]
+        also = f" (also `{'`, `'.join(others)}`)" if others else ""
+        lines.append(f"{indent}{name}{also}: {f.metadata['help']}")
+    return "\n".join(lines)
+
+
+def to_dict(settings) -> dict[str, Any]:
+    """Plain JSON values (paths as strings, nested settings as dicts)."""
+    def plain(value):
+        if dataclasses.is_dataclass(value):
+            return to_dict(value)
+        if isinstance(value, os.PathLike):
+            return os.fspath(value)
+        if isinstance(value, tuple):
+            return list(value)
+        return value
+    return {f.name: plain(getattr(settings, f.name)) for f in fields_of(settings)}
+
+
+# ------------------------------------------------------------------ the CLI from the fields
+def add_arguments(parser, cls: type, *, exclude: Iterable[str] = (), prefix: str = "",
+                  types: Mapping[str, Any] | None = None) -> None:
+    """One `--flag` per field of `cls` (not in `exclude`, nor marked flag=False), its help the field's with
+    its default; a flag not given leaves the field out (`argparse.SUPPRESS`), so a config file or the
+    default fills it. `types` converts a field's text (default: the field's type: int, float, str, a
+    bool flag, a comma-separated list)."""
+    hints = typing.get_type_hints(cls)
+    for f in fields_of(cls):
+        if f.name in exclude or not f.metadata.get("flag", True):
+            continue
+        kind = (types or {}).get(f.name) or _flag_type(hints[f.name])
+        default = f.default if f.default is not MISSING else (f.default_factory() if f.default_factory is not MISSING
+                                                              else None)
+        shown = "" if default in (None, [], ()) else f" (default {_show(default)})"
+        name = "--" + (prefix + f.name).replace("_", "-")
+        if kind is bool:
+            parser.add_argument(name, dest=prefix + f.name, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=f.metadata["help"] + shown)
+        else:
+            parser.add_argument(name, dest=prefix + f.name, type=kind, default=argparse.SUPPRESS,
+                                help=f.metadata["help"] + shown)
+
+
+def given_arguments(args: argparse.Namespace, cls: type, prefix: str = "") -> dict[str, Any]:
+    """The fields of `cls` whose flags were given (`add_arguments`)."""
+    return {f.name: getattr(args, prefix + f.name) for f in fields_of(cls) if hasattr(args, prefix + f.name)}
+
+
+def _show(value: Any) -> str:
+    return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def name_list(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _flag_type(hint: Any):
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    base = args[0] if args and typing.get_origin(hint) in (typing.Union, getattr(__import__("types"), "UnionType", None)) \
+        else hint
+    if typing.get_origin(base) is list:
+        return int_list if typing.get_args(base) == (int,) else name_list
+    if base in (int, float, str, bool):
+        return base
+    if base is Path or base is os.PathLike:
+        return Path
+    return str
+
+
+# ------------------------------------------------------------------ the evaluation
+def _path(name: str, value: Any, optional: bool = False) -> Path | None:
+    if optional and value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a path (str or os.PathLike); got {type(value).__name__}")
+    return Path(value)
+
+
+def scoring_config(scoring: Any, device: str | None) -> ScoringConfig:
+    """The caller's scoring config (a ScoringConfig, a mapping of its fields, an OmegaConf DictConfig, or
+    None), copied, never changed, with `device` applied."""
+    if type(scoring).__name__ == "DictConfig":
+        from omegaconf import OmegaConf
+
+        missing = sorted(OmegaConf.missing_keys(scoring))  # '???': named as unset, not checked as a value
+        if missing:
+            raise ValueError(f"scoring leaves required keys unset (???): {missing}")
+        scoring = OmegaConf.to_container(scoring, resolve=True)
+    if isinstance(scoring, ScoringConfig):
+        config = scoring
+    elif isinstance(scoring, Mapping) or scoring is None:
+        config = ScoringConfig.from_dict(dict(scoring or {}))
+    else:
+        raise TypeError(f"scoring must be a ScoringConfig, a dict (or DictConfig) of its fields or None; "
+                        f"got {type(scoring).__name__}")
+    return dataclasses.replace(config, **({} if device is None else {"device": device}))  # a copy, its lists too
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """How a training run is evaluated: every setting an adapter (Lightning, the plain loop, the
+    transformers Trainer) or `watch --checkpoints` takes, besides where the drafter is."""
+
+    POSITIONAL = 3  # cache, target and baseline may be given by position
+
+    cache: Path = setting(help="hidden-state cache folder (`dflash-callbacks extract`)")
+    target: Path = setting(help="the target's folder; only its embed_tokens and lm_head are read")
+    baseline: Path | None = setting(None, help="a published drafter folder (scored once, cached) or a saved report "
+                                               "JSON; None: no baseline")
+    every_n_steps: int = setting(500, help="snapshot cadence in optimizer steps (>= 1)",
+                                 aliases=("every_n_train_steps",))
+    scoring: ScoringConfig = setting(factory=ScoringConfig, flag=False,
+                                     help="a ScoringConfig or a dict (or OmegaConf DictConfig) of its fields (copied, "
+                                          "never changed)")
+    runner: str = setting("thread", help=f"where scoring runs: {' | '.join(RUNNERS)}")
+    device: str | None = setting(None, help="where scoring runs ('auto': cuda when available); overrides "
+                                            "scoring.device")
+    busy: str = setting("skip", help="'skip' (no new snapshot while one is pending) or 'queue' (up to max_pending)")
+    max_pending: int = setting(1, help="snapshots pending at once with busy='queue' (>= 1)")
+    keep_last: int = setting(2, help="snapshots kept on disk (0: none written; runner 'thread' only)")
+    on_error: str = setting("warn", help="'warn' (training goes on) or 'raise'")
+    wait_on_end: bool = setting(True, help="score and log the last step before training returns")
+    dirpath: Path | None = setting(None, help="the folder that holds this evaluation's runs, one subfolder per run "
+                                              "(default: the loop's, e.g. <default_root_dir>/<name>)")
+    baseline_cache_dir: Path | None = setting(None, help="where baseline reports are cached across runs (default: "
+                                                         "$XDG_CACHE_HOME/dflash_callbacks/baselines, ~/.cache/... "
+                                                         "without it)")
+    wait_timeout: float = setting(3600.0, help="seconds the end of training waits for pending reports (> 0); what "
+                                               "is still pending then is recorded as an error")
+    name: str = setting("dflash", help="the metric prefix and the default folder name (unique among a run's "
+                                       "evaluations)")
+    verbose: bool = setting(True, help="a one-line summary per report")
+    sync_every_n_steps: int = setting(1, help="on several processes, every this many steps rank 0's news (the "
+                                              "means, a stop) reach every rank (>= 1)")
+
+    def __post_init__(self) -> None:
+        """Every bad value at once, one line each (a path of the wrong type raises TypeError at once)."""
+        put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen: normalised once, here)
+        put("cache", _path("cache", self.cache))
+        put("target", _path("target", self.target))
+        for name in ("baseline", "dirpath", "baseline_cache_dir"):
+            put(name, _path(name, getattr(self, name), optional=True))
+        put("scoring", scoring_config(self.scoring, self.device))
+        problems = problems_of(
+            lambda: check_int("every_n_steps", self.every_n_steps, 1),
+            lambda: check_choice("runner", self.runner, RUNNERS),
+            lambda: self.device is None or isinstance(self.device, str) or _bad(f"device must be a string or None; "
+                                                                              f"got {self.device!r}"),
+            lambda: check_choice("busy", self.busy, BUSY_POLICIES),
+            lambda: check_int("max_pending", self.max_pending, 1),
+            lambda: check_int("keep_last", self.keep_last, 0),
+            lambda: self.keep_last != 0 or self.runner == "thread" or _bad(
+                f"runner={self.runner!r} reads snapshots from disk, so keep_last must be >= 1"),
+            lambda: check_choice("on_error", self.on_error, ON_ERROR),
+            lambda: check_bool("wait_on_end", self.wait_on_end),
+            lambda: self.dirpath is None or not self.dirpath.exists() or self.dirpath.is_dir() or _bad(
+                f"dirpath {self.dirpath} is a file: give the folder that holds this evaluator's runs (it is made if "
+                "it does not exist)"),
+            lambda: check_number("wait_timeout", self.wait_timeout, above=0),
+            lambda: (isinstance(self.name, str) and NAME.match(self.name)) or _bad(
+                f"name must be letters, digits, '_', '-' or '.', starting with a letter or digit; got {self.name!r}"),
+            lambda: check_bool("verbose", self.verbose),
+            lambda: check_int("sync_every_n_steps", self.sync_every_n_steps, 1),
+        )
+        if problems:
+            raise ValueError("\n".join(problems))
+        for name in ("every_n_steps", "max_pending", "keep_last", "sync_every_n_steps"):
+            put(name, int(getattr(self, name)))
+        put("wait_timeout", float(self.wait_timeout))
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> EvalSettings:
+        return settings_from(cls, raw, cls.__name__)
+
+
+def _bad(message: str):
+    raise ValueError(message)
+
+
+# ------------------------------------------------------------------ the stop
+@dataclass(frozen=True)
+class StopSettings:
+    """When training stops: the drafter trails the baseline on `monitor` for `patience` reports in a row."""
+
+    POSITIONAL = 1  # the monitor may be given by position
+
+    monitor: str = setting("ddtree@8/live", help="METHOD/AGGREGATE: METHOD is vanilla, ddtree@N or top@K; AGGREGATE "
+                                                 "is live or dense")
+    min_ratio: float | None = setting(None, help="ours / baseline must be >= min_ratio (> 0, e.g. 0.9); with neither "
+                                                 f"min_ratio nor min_delta, {DEFAULT_MIN_RATIO}")
+    min_delta: float | None = setting(None, help="ours - baseline must be >= min_delta (e.g. -0.5); give at most one "
+                                                 "of min_ratio and min_delta")
+    patience: int = setting(3, help="consecutive trailing reports (>= 1) before acting; a report at or above the "
+                                    "threshold resets the count")
+    grace_steps: int = setting(0, help="reports before this step are recorded (and feed the projection) but never "
+                                       "decided on")
+    projection: bool = setting(False, help="stop a trailing run only when a+b*log(step), fitted to the last reports, "
+                                           "stays below the threshold at the last step")
+    projection_window: int = setting(5, help="how many of the latest reports the projection fits (>= 3)")
+    action: str = setting("stop", help="'stop' stops training; 'warn' only warns with the reason")
+    verbose: bool = setting(True, help="a status line for every report that does not stop training")
+    confidence: float | None = setting(CONFIDENCE, flag=False,
+                                       help=f"{CONFIDENCE} (judge on the intervals the reports carry: a report trails "
+                                            "only when the whole interval of the ratio (delta) is below the "
+                                            "threshold) or None (the point values alone)")
+
+    def __post_init__(self) -> None:
+        put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        problems = problems_of(
+            lambda: _monitor(self.monitor),
+            lambda: self.min_ratio is None or self.min_delta is None or _bad(
+                f"give one of `min_ratio` or `min_delta`, not both (got {self.min_ratio} and {self.min_delta})"),
+            lambda: check_number("`min_ratio`", self.min_ratio, above=0, optional=True),
+            lambda: check_number("`min_delta`", self.min_delta, optional=True),
+            lambda: check_int("`patience`", self.patience, 1),
+            lambda: check_int("`grace_steps`", self.grace_steps, 0),
+            lambda: check_bool("`projection`", self.projection),
+            lambda: check_int("`projection_window`", self.projection_window, 3),
+            lambda: check_choice("`action`", self.action, ACTIONS),
+            lambda: check_bool("`verbose`", self.verbose),
+            lambda: self.confidence is None or self.confidence == CONFIDENCE or _bad(
+                f"`confidence` must be {CONFIDENCE} (the intervals the reports carry) or None (the point values "
+                f"alone); got {self.confidence!r}"),
+        )
+        if problems:
+            raise ValueError("\n".join(problems))
+        put("monitor", str(Monitor.parse(self.monitor)))
+        if self.min_ratio is None and self.min_delta is None:
+            put("min_ratio", DEFAULT_MIN_RATIO)
+        for name in ("min_ratio", "min_delta"):
+            if getattr(self, name) is not None:
+                put(name, float(getattr(self, name)))
+        for name in ("patience", "grace_steps", "projection_window"):
+            put(name, int(getattr(self, name)))
+        if self.min_ratio is not None and self.min_ratio > 1:
+            warnings.warn(f"min_ratio={self.min_ratio:g}: the drafter must reach {self.min_ratio:g}x the baseline or "
+                          "training stops; a share is written as a fraction (0.9 for 90%)", UserWarning, stacklevel=4)
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+
+def _monitor(text: Any) -> None:
+    try:
+        Monitor.parse(text)
+    except ValueError as e:
+        raise ValueError(f"`monitor`: {e}") from None
