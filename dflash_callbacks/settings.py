@@ -23,7 +23,6 @@ import inspect
 import os
 import re
 import typing
-import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
@@ -368,9 +367,6 @@ class StopSettings:
                 put(name, float(getattr(self, name)))
         for name in ("patience", "grace_steps", "projection_window"):
             put(name, int(getattr(self, name)))
-        if self.min_ratio is not None and self.min_ratio > 1:
-            warnings.warn(f"min_ratio={self.min_ratio:g}: the drafter must reach {self.min_ratio:g}x the baseline or "
-                          "training stops; a share is written as a fraction (0.9 for 90%)", UserWarning, stacklevel=4)
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)

@@ -334,7 +334,7 @@ def test_score_reads_a_scoring_config_file_and_flags_win(world, tmp_path, capsys
 def test_the_shipped_scoring_yaml_works_with_score_and_watch(world, tmp_path, capsys):
     from dflash_callbacks.engine.run_folder import RunFolder
     from dflash_callbacks.engine.snapshot import Snapshot
-    from dflash_callbacks.conf import CONF_DIR
+    from dflash_callbacks.config_files import CONF_DIR
 
     assert "--config conf/scoring.yaml" in (CONF_DIR / "scoring.yaml").read_text()
     assert cli_main(score_args(world, **{"--config": CONF_DIR / "scoring.yaml"})) == 0

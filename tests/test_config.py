@@ -12,7 +12,7 @@ from dflash_callbacks import (
     TrailingBaselineStop,
 )
 from dflash_callbacks.callbacks.schema import CallbacksConfig, EvalConfig, StopConfig, build_callbacks
-from dflash_callbacks.conf import CONF_DIR, load_config
+from dflash_callbacks.config_files import CONF_DIR, load_config
 from dflash_callbacks.demos.demo import DEMO_YAML, DemoConfig, TrainConfig, demo_config
 
 REQUIRED = ["eval.cache=/data/cache", "eval.target=/models/target"]

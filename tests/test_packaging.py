@@ -30,7 +30,7 @@ def test_the_wheel_ships_conf_and_an_install_finds_it(tmp_path):
     install = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
                               str(tmp_path / "site"), str(wheel)], capture_output=True, text=True, timeout=300)
     assert install.returncode == 0, install.stderr
-    probe = ("import dflash_callbacks, json; from dflash_callbacks.conf import CONF_DIR; "
+    probe = ("import dflash_callbacks, json; from dflash_callbacks.config_files import CONF_DIR; "
              "from dflash_callbacks.cache.tasks import load_tasks; "
              "print(json.dumps([dflash_callbacks.__file__, str(CONF_DIR), len(load_tasks('coding10'))]))")
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=120,

@@ -25,7 +25,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from dflash_callbacks.callbacks import DrafterEvalCallback, TrailingBaselineStop
 from dflash_callbacks.callbacks.schema import CallbacksConfig, build_callbacks
-from dflash_callbacks.conf import CONF_DIR, load_config
+from dflash_callbacks.config_files import CONF_DIR, load_config
 from dflash_callbacks.scoring.service import PreflightError
 
 from runs import assert_clean, kill_after_reports, records, tear_as_a_kill_would

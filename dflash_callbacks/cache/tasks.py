@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from ..conf import TASKS_DIR
+from ..config_files import TASKS_DIR
 
 BUILTIN_DIR = TASKS_DIR
 TASK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\Z")

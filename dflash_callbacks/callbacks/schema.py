@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from ..conf import schema_of
+from ..config_files import schema_of
 from ..settings import EvalSettings, StopSettings
 from .eval_callback import RENAME, DrafterEvalCallback
 from .stopping import TrailingBaselineStop

@@ -34,7 +34,7 @@ import torch
 from ..callbacks import TrailingBaselineStop
 from ..checks import check_choice, check_int, check_number, problems_of
 from ..callbacks.schema import EvalConfig, StopConfig, build_eval_callback, build_stop_callback
-from ..conf import CONF_DIR, load_config
+from ..config_files import CONF_DIR, load_config
 from ..scoring.intervals import paired_comparison
 from ..scoring.methods import Monitor
 from ..scoring.report import EvalReport, comparison_table

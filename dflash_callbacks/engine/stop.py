@@ -124,6 +124,10 @@ class StopPolicy:
 
     def __init__(self, *args: Any, **fields: Any) -> None:
         self.settings = built(StopSettings, args, fields, type(self).__name__)
+        if self.min_ratio is not None and self.min_ratio > 1:
+            warnings.warn(f"{type(self).__name__}(min_ratio={self.min_ratio:g}): the drafter must reach "
+                          f"{self.min_ratio:g}x the baseline or training stops; a share is written as a fraction "
+                          "(0.9 for 90%)", UserWarning, stacklevel=2)
         self.reset()
 
     __init__.__signature__ = signature(StopSettings)

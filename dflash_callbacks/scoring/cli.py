@@ -67,7 +67,7 @@ def add_scoring_arguments(p: argparse.ArgumentParser) -> None:
 def scoring_config(args: argparse.Namespace) -> ScoringConfig:
     """--config (or the defaults), then the scoring flags given on the command line; every bad
     setting of both at once, one line each."""
-    from ..conf import load_config
+    from ..config_files import load_config
 
     if args.config is not None and not args.config.is_file():
         raise UsageError(f"--config {args.config} is not a file: give a ScoringConfig YAML such as conf/scoring.yaml")
