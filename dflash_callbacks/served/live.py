@@ -3,9 +3,9 @@
 A round at anchor a (the last token so far, tok[a]): the drafter sees the target's hidden
 states at its `target_layer_ids` for the context [0, a) and its block [tok[a], MASK x (B-1)]
 at positions a..a+B-1 (as in `cache.extract` and the scorer), and proposes one token per slot:
-its argmax ("argmax", as vLLM's DFlash/EAGLE proposer drafts; the verifier then treats the
-draft as certain, q = one-hot) or a draw from its tempered distribution softmax(logits / T)
-("sample"). The target runs one forward over the text and the drafts and verifies them with
+its argmax ("argmax", vLLM's default `draft_sample_method="greedy"`; the verifier then treats
+the draft as certain, q = one-hot) or a draw from its tempered distribution softmax(logits / T)
+("sample", vLLM's "probabilistic": the temperature only, no top-k or top-p). The target runs one forward over the text and the drafts and verifies them with
 standard speculative sampling at the served settings (`cache.sampling.served_logprobs`): draft
 d at slot j is accepted with probability min(1, p_j(d) / q_j(d)); at the first rejection the
 token is drawn from max(0, p_j - q_j) normalised; when every draft is accepted, a bonus token
