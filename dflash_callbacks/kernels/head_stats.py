@@ -92,7 +92,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .types import BACKENDS, HeadStats
+from .types import BACKENDS, HeadStats, HeadTopK
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DEFAULT_CHUNK_SIZE = 8192
 """Default vocabulary tile width of the torch path."""
