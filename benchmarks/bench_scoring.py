@@ -11,7 +11,14 @@
 2. Peak memory of the streaming LM-head path (backend "torch") against materialised
    logits ("reference") for one task's anchors at a vocabulary of 150k.
 
-    python benchmarks/bench_scoring.py [--tasks 10] [--threads 1] [--repeats 5] [--drafter DIR] [--profile] [--json out.json]
+`--family dflash2` scores a random DFlash 2 drafter of the toy shape instead (speculators' default
+convolution and selector: 2 taps, groups of 16, rank 256, K = 16; or `--drafter` a DFlash 2 folder)
+and states where its scoring time goes: the drafter's forwards, the LM head's streaming top-K, the
+selector (its scores and statistics) and the exact DDTree over the candidate tree. The naive loop
+scores DFlash only, so it is not run for DFlash 2.
+
+    python benchmarks/bench_scoring.py [--family dflash|dflash2] [--tasks 10] [--threads 1] [--repeats 5]
+                                       [--drafter DIR] [--profile] [--json out.json]
 """
 
 from __future__ import annotations
@@ -29,7 +36,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))  # the naive scorer and its oracles
 from bench_kernels import human, make_inputs, measure, pin_mmap_threshold  # noqa: E402
 
+import dataclasses  # noqa: E402
+
 from dflash_callbacks import DFlashDrafter, TargetHead, load_drafter  # noqa: E402
+from dflash_callbacks.model import build_drafter  # noqa: E402
+from dflash_callbacks.model.families import dflash2, dflash2_selector  # noqa: E402
 from dflash_callbacks.kernels import head_stats  # noqa: E402
 from dflash_callbacks.scoring.config import ScoringConfig  # noqa: E402
 from dflash_callbacks.scoring.scorer import score_task  # noqa: E402
@@ -52,8 +63,82 @@ def profile_ops(run) -> tuple[dict[str, float], float]:
     return by_op, sum(by_op.get(op, 0.0) for op in ARITHMETIC_OPS)
 
 
+TIMED = {  # part of DFlash 2's scoring: (module, function) timed while scoring
+    "LM-head top-K (streaming)": (dflash2_selector, "head_topk"),
+    "selector statistics (with the top-K)": (dflash2, "selector_stats"),
+    "DDTree over the candidate tree": (dflash2, "candidate_ddtree_streaks"),
+}
+
+
+def selector_share(drafter, head, tasks, config, block_size: int, repeats: int) -> dict[str, float]:
+    """Median seconds of scoring `tasks` in all, and in each part of TIMED (wrapped by timers)."""
+    spent: dict[str, float] = {}
+    originals = {name: getattr(module, attr) for name, (module, attr) in TIMED.items()}
+
+    def timed(name, fn):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+        return run
+
+    runs = []
+    try:
+        for name, (module, attr) in TIMED.items():
+            setattr(module, attr, timed(name, originals[name]))
+        for _ in range(repeats):
+            spent.clear()
+            t0 = time.perf_counter()
+            for task in tasks:
+                score_task(drafter, head, task, config, block_size)
+            runs.append({"total": time.perf_counter() - t0, **spent})
+    finally:
+        for name, (module, attr) in TIMED.items():
+            setattr(module, attr, originals[name])
+    return {key: statistics.median(r.get(key, 0.0) for r in runs) for key in runs[0]}
+
+
+def main_dflash2(args, cache, head) -> dict:
+    torch.manual_seed(0)
+    if args.drafter:
+        drafter = load_drafter(args.drafter)
+    else:
+        settings = dflash2.Settings(conv_group_size=16, conv_kernel_size=2, selector_rank=256, selector_top_k=16)
+        drafter = build_drafter(dataclasses.replace(toy_drafter_config(), family="dflash2", family_config=settings))
+    drafter = drafter.eval()
+    config = ScoringConfig(ddtree_budgets=[4, 8], topk=[4], device="cpu", anchors_per_forward=args.anchors_per_forward)
+    B, names = drafter.config.block_size, cache.task_names[: args.tasks]
+    tasks = [cache.task(n) for n in names]
+    anchors = sum(t.num_tokens - 1 - t.prompt_len for t in tasks)
+    score_task(drafter, head, tasks[0], config, B)  # warm-up
+    times = selector_share(drafter, head, tasks, config, B, args.repeats)
+    topk = times["LM-head top-K (streaming)"]
+    selector = times["selector statistics (with the top-K)"] - topk
+    ddtree = times["DDTree over the candidate tree"]
+    rest = times["total"] - topk - selector - ddtree
+    settings = drafter.config.family_config
+    print(f"| DFlash 2 scoring, {len(tasks)} tasks, {anchors} anchors, B = {B}, K = {settings.selector_top_k}, "
+          f"rank {settings.selector_rank}, V = {head.vocab_size}, {', '.join(config.methods)} "
+          f"| median of {args.repeats} (s) | share |")
+    print("|---|---|---|")
+    for part, seconds in (("drafter forwards and the rest", rest), ("LM-head top-K (streaming)", topk),
+                          ("selector: scores and statistics", selector), ("DDTree over the candidate tree", ddtree),
+                          ("total", times["total"])):
+        print(f"| {part} | {seconds:.3f} | {100 * seconds / times['total']:.0f}% |")
+    result = {"family": "dflash2", "tasks": len(tasks), "anchors": anchors, "block_size": B, "methods": config.methods,
+              "seconds": times, "selector_share": (selector + ddtree) / times["total"],
+              "torch_threads": torch.get_num_threads()}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
 def main() -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", choices=("dflash", "dflash2"), default="dflash", help="the drafter family scored")
     p.add_argument("--tasks", type=int, default=10, help="how many coding10 tasks to score")
     p.add_argument("--drafter", type=Path, default=None, help="drafter folder (default: a random toy drafter)")
     p.add_argument("--cache", type=Path, default=Path("runs/bench-scoring/coding10"))
@@ -71,6 +156,8 @@ def main() -> dict:
     from dflash_callbacks.cache.format import HiddenStateCache
 
     cache = cache or HiddenStateCache(args.cache)
+    if args.family == "dflash2":
+        return main_dflash2(args, cache, TargetHead.from_pretrained(toy_target_path()))
     torch.manual_seed(0)
     drafter = load_drafter(args.drafter) if args.drafter else DFlashDrafter(toy_drafter_config()).eval()
     head = TargetHead.from_pretrained(toy_target_path())

@@ -8,7 +8,10 @@ Per sequence (target tokens and hidden states from a cache-format folder), draw
 token followed by B-1 mask tokens; it sees the target context before its anchor and
 itself, never another block (the scorer's block mask). The loss is the cross-entropy
 at block positions d = 1..B-1 against the target's tokens tok[a+d], weighted by
-exp(-(d-1)/gamma) (gamma 7 for B = 16, 4 for B = 8), averaged over valid labels.
+exp(-(d-1)/gamma) (gamma 7 for B = 16, 4 for B = 8), averaged over valid labels. A DFlash 2
+drafter adds its selector's loss (`model.families.dflash2.Drafter.selector_loss`): the
+cross-entropy over each slot's K candidates given the true token before it, where the label is
+one of them, with the same weights.
 """
 
 from __future__ import annotations
@@ -73,7 +76,12 @@ def sequence_loss(drafter: DFlashDrafter, head: TargetHead, input_ids: torch.Ten
         positions[None],
         block_attention_mask(anchors, B, C),
     )
-    logits = head.lm_head(out.view(n_anchors, B, -1)[:, 1:]).float()
+    drafts = out.view(n_anchors, B, -1)[:, 1:]
+    logits = head.lm_head(drafts).float()
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(n_anchors, B - 1)
     w = weights[None, :] * valid
-    return (ce * w).sum() / w.sum()
+    loss = (ce * w).sum() / w.sum()
+    if drafter.family == "dflash2":  # and its selector's, given the true token before each slot
+        previous = torch.cat([tokens[:, :1], labels[:, :-1]], dim=1)
+        loss = loss + drafter.selector_loss(drafts, logits, labels, previous, w)
+    return loss

@@ -8,7 +8,7 @@ import os
 import lightning.pytorch as pl
 import torch
 
-from .model import DFlashDrafter, DrafterConfig, TargetHead
+from .model import DrafterConfig, TargetHead, build_drafter
 from .objective import CacheSequences, collate_sequences, default_gamma, depth_weights, sequence_loss
 
 __all__ = ["CacheSequences", "DFlashTrainingModule", "collate_sequences"]
@@ -31,7 +31,7 @@ class DFlashTrainingModule(pl.LightningModule):
         self.save_hyperparameters({"drafter_config": config.to_dict(), "target": str(target), "lr": lr,
                                    "weight_decay": weight_decay, "warmup_steps": warmup_steps,
                                    "blocks_per_sequence": blocks_per_sequence, "gamma": gamma, "seed": seed})
-        self.drafter = DFlashDrafter(config)
+        self.drafter = build_drafter(config)  # the drafter of its family
         # the target's embedding and LM head, frozen (train mode only spares Lightning's
         # eval-mode warning: neither has dropout)
         self.head = TargetHead.from_pretrained(target).requires_grad_(False).train()

@@ -1,7 +1,7 @@
-"""The hidden-state cache: its format, its extraction, the task sets."""
+"""The hidden-state cache: its format, its extraction, the sampling settings of its answers, the task sets."""
 
 from ..lazy import exports
 
-__all__ = ["CacheError", "CacheMismatchError", "HiddenStateCache", "load_tasks"]
+__all__ = ["CacheError", "CacheMismatchError", "HiddenStateCache", "Sampling", "load_tasks"]
 __getattr__ = exports(__name__, {"CacheError": ".format", "CacheMismatchError": ".format",
-                                 "HiddenStateCache": ".format", "load_tasks": ".tasks"})
+                                 "HiddenStateCache": ".format", "Sampling": ".sampling", "load_tasks": ".tasks"})

@@ -7,6 +7,11 @@ target's greedy completion (`generate(do_sample=False)`, KV cache, stop at EOS o
 published convention: layer id i = output of decoder layer i), concatenated along the
 feature dimension, in the dtype the target runs in.
 
+At a temperature > 0 the completions are sampled instead, as a request is served
+(`sampling.served_logprobs`: temperature, top-k, top-p), `samples` answers per prompt, each
+drawn with its own torch.Generator seeded from `seed` (`Sampling.generator`), and each
+token's served log-probability is stored beside it (`target_logprob`, format.py).
+
 Extraction resumes: tasks already in the cache folder (same prompt, file intact) are
 skipped, and a killed run leaves no half-written file behind (see format.py).
 
@@ -25,7 +30,7 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 from ..checks import DTYPES, check_device, check_int, dtype_name
@@ -39,6 +44,7 @@ from .format import (
     open_for_writing,
     write_task,
 )
+from .sampling import Sampling, served_logprobs
 from .tasks import Task, load_tasks, task_name_problem
 
 log = logging.getLogger(__name__)
@@ -167,6 +173,52 @@ def greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos: li
     )
 
 
+def cache_argument(model) -> str:
+    """The name the model's forward takes its KV cache by (transformers 5: `cache`, before: `past_key_values`)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def crop_cache(kv: DynamicCache, length: int) -> None:
+    """Keep the first `length` positions of `kv` (a negative crop removes that many from the
+    end in every transformers version; a crop of 0 does not mean the same in all)."""
+    extra = kv.get_seq_length() - length
+    if extra > 0:
+        kv.crop(-extra)
+
+
+@torch.no_grad()
+def sampled_generate(model, input_ids: torch.Tensor, sampling: Sampling, generators: Sequence[torch.Generator],
+                     max_new_tokens: int, eos: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One answer per generator to the prompt `input_ids` [1, P], drawn from the served
+    distribution with that generator (KV cache; all answers side by side, until each has
+    reached EOS or `max_new_tokens`): (tokens [n, P + m], served log-probability of each
+    drawn token [n, m] float32). Rows that ended early go on past their EOS; cut them there."""
+    n = len(generators)
+    ids = input_ids.expand(n, -1)
+    cache_arg, kv = cache_argument(model), DynamicCache()
+    tokens, logprobs = [], []
+    ended = torch.zeros(n, dtype=torch.bool, device=ids.device)
+    eos_ids = torch.tensor(eos, dtype=torch.long, device=ids.device)
+    step_ids = ids
+    for _ in range(max_new_tokens):
+        logits = model(input_ids=step_ids, use_cache=True, **{cache_arg: kv}).logits[:, -1]
+        served = served_logprobs(logits, sampling)
+        drawn = torch.cat([torch.multinomial(row.exp().cpu(), 1, generator=g) for row, g in zip(served, generators)])
+        step_ids = drawn.to(ids.device)[:, None]
+        tokens.append(step_ids)
+        logprobs.append(served.gather(1, step_ids))
+        ended |= torch.isin(step_ids[:, 0], eos_ids)
+        if bool(ended.all()):
+            break
+    return torch.cat([ids, *tokens], dim=1), torch.cat(logprobs, dim=1).float()
+
+
+def answer_length(tokens: torch.Tensor, prompt_len: int, eos: list[int]) -> int:
+    """Tokens of one answer row up to and including its first EOS after the prompt (all without one)."""
+    stops = [t for t in range(prompt_len, tokens.shape[0]) if int(tokens[t]) in eos]
+    return stops[0] + 1 if stops else tokens.shape[0]
+
+
 @torch.no_grad()
 def target_hidden_states(model, input_ids: torch.Tensor, layer_ids: Sequence[int]) -> torch.Tensor:
     """`input_ids` [B, T] -> [B, T, len(layer_ids) * H]: hidden_states[i + 1] for each layer id i.
@@ -188,18 +240,28 @@ def extract_cache(
     chat_template: bool = True,
     block_size: int | None = None,
     progress: bool = True,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    samples: int = 1,
+    seed: int = 0,
 ) -> HiddenStateCache:
     """Extract (or finish extracting) the cache of `tasks` from the target folder `target`
     into the folder `out`; returns the cache opened for reading.
 
     `tasks`: a built-in task-set name ("coding10"), a task YAML file, or a list of Task.
     `block_size`: recorded in the manifest as the block size the cache was made for.
+    `temperature` 0 is greedy (the default); above 0, `samples` answers per prompt are sampled
+    at `temperature`, `top_p` and `top_k` from generators seeded by `seed`, and the manifest
+    records them (`sampling`); its tasks are named by `Sampling.answer_names`.
     A rerun finishes an interrupted extraction: it skips tasks whose entry and file are
     intact. A folder holding a cache made otherwise (target shape/dtype/head, layer ids,
     block size, max_new_tokens, chat template, another task list, a task of another
     prompt) is refused, before the target is loaded.
     """
     tasks = resolve_tasks(tasks)
+    sampling = Sampling(temperature, top_p, top_k, samples, seed)
+    answers = [(task, i, name) for task in tasks for i, name in enumerate(sampling.answer_names(task.name))]
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     check_int("block_size", block_size, 2, optional=True)
@@ -212,34 +274,48 @@ def extract_cache(
         layer_ids,
         block_size=block_size,
         extraction={"max_new_tokens": max_new_tokens, "chat_template": chat_template, "tasks": [t.name for t in tasks]},
+        sampling=sampling,
     )
     manifest = open_for_writing(out, header)
     done = {entry["name"]: entry for entry in manifest["tasks"]}
-    other = [t.name for t in tasks if t.name in done and done[t.name].get("prompt") not in (None, t.prompt)]
+    other = [name for task, _, name in answers if name in done and done[name].get("prompt") not in (None, task.prompt)]
     if other:
         raise CacheError(f"{out} holds the tasks {other} extracted from other prompts: write to another folder "
                          "or delete this one")
-    todo = []
-    for task in tasks:
-        if task.name in done:
+    todo: dict[str, list[int]] = {}  # task name -> its answers to (re-)extract
+    for task, i, name in answers:
+        if name in done:
             try:
-                check_task_file(Path(out), done[task.name])
-                log.info("%s: already in the cache, skipped", task.name)
+                check_task_file(Path(out), done[name])
+                log.info("%s: already in the cache, skipped", name)
                 continue
             except CacheError as e:
-                log.warning("%s: re-extracting, %s", task.name, e)
-        todo.append(task)
+                log.warning("%s: re-extracting, %s", name, e)
+        todo.setdefault(task.name, []).append(i)
     if not todo:
         return HiddenStateCache(out)
     model, tokenizer = load_target(target, device=device, dtype=dtype)
     eos, pad = stop_token_ids(model, tokenizer)
-    for task in tqdm(todo, desc="tasks", unit="task", disable=not progress):
+    for task in tqdm([t for t in tasks if t.name in todo], desc="tasks", unit="task", disable=not progress):
         prompt_ids = torch.tensor([prompt_token_ids(tokenizer, task.prompt, chat_template)], device=model.device)
-        with tqdm(total=max_new_tokens, desc=task.name, unit="tok", leave=False, disable=not progress) as bar:
-            ids = greedy_generate(model, prompt_ids, max_new_tokens, eos, pad, streamer=TokenProgress(bar))
-        hidden = target_hidden_states(model, ids, layer_ids)
-        write_task(out, task.name, ids[0].cpu(), hidden[0].cpu(), prompt_ids.shape[1], prompt=task.prompt)
-        log.info("%s: extracted %d prompt + %d completion tokens", task.name, prompt_ids.shape[1], ids.shape[1] - prompt_ids.shape[1])
+        prompt_len = prompt_ids.shape[1]
+        if sampling.greedy:
+            with tqdm(total=max_new_tokens, desc=task.name, unit="tok", leave=False, disable=not progress) as bar:
+                ids = greedy_generate(model, prompt_ids, max_new_tokens, eos, pad, streamer=TokenProgress(bar))
+            hidden = target_hidden_states(model, ids, layer_ids)
+            write_task(out, task.name, ids[0].cpu(), hidden[0].cpu(), prompt_len, prompt=task.prompt)
+            log.info("%s: extracted %d prompt + %d completion tokens", task.name, prompt_len, ids.shape[1] - prompt_len)
+            continue
+        generators = [sampling.generator(task.name, i) for i in range(sampling.samples)]  # all: the same batch each run
+        ids, logprobs = sampled_generate(model, prompt_ids, sampling, generators, max_new_tokens, eos)
+        hidden = target_hidden_states(model, ids, layer_ids)  # causal: a row's answer ignores what follows its EOS
+        names = sampling.answer_names(task.name)
+        for i in todo[task.name]:
+            length = answer_length(ids[i], prompt_len, eos)
+            logprob = torch.cat([torch.zeros(prompt_len), logprobs[i, : length - prompt_len].cpu()])
+            write_task(out, names[i], ids[i, :length].cpu(), hidden[i, :length].cpu(), prompt_len, prompt=task.prompt,
+                       target_logprob=logprob, sample=i)
+            log.info("%s: sampled %d prompt + %d completion tokens", names[i], prompt_len, length - prompt_len)
     return HiddenStateCache(out)
 
 
@@ -271,6 +347,13 @@ def add_extract_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-chat-template", dest="chat_template", action="store_false", help="feed prompts as raw text"
     )
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy completions (default); above 0: sample them as served at this temperature")
+    parser.add_argument("--top-p", type=float, default=1.0, help="served top-p of sampled answers, in (0, 1] (1: off)")
+    parser.add_argument("--top-k", type=int, default=0, help="served top-k of sampled answers (0: off)")
+    parser.add_argument("--samples", type=int, default=1,
+                        help="sampled answers per prompt (tasks NAME.s0, NAME.s1, ... when above 1)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled answers")
 
 
 def run_extract(args: argparse.Namespace) -> int:
@@ -301,6 +384,11 @@ def run_extract(args: argparse.Namespace) -> int:
         dtype=DTYPES[args.dtype],
         chat_template=args.chat_template,
         block_size=block_size,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        samples=args.samples,
+        seed=args.seed,
     )
     print(f"cache {cache.path}: {len(cache)} tasks, layer ids {cache.layer_ids}, fingerprint {cache.fingerprint}")
     return 0

@@ -6,12 +6,21 @@
                   "dtype": "float32"},
        "layer_ids": [1, 2],            # layer id i = hidden_states[i + 1] of the target
        "block_size": 16 | null,        # the block size it was made for, if any
+       "sampling": {"temperature": 0.7, "top_p": 0.95, "top_k": 0, "samples": 4, "seed": 0},
+                                       # only in a cache of sampled answers (absent: greedy)
        "extraction": {...},            # optional: settings the extractor used
        "tasks": [{"name": "fizzbuzz", "file": "fizzbuzz.safetensors", "prompt_len": 52,
                   "num_tokens": 180, "num_bytes": 92312, "sha256": "<64 hex>",
-                  "prompt": "..."}]}   # "prompt" optional
+                  "prompt": "...",     # "prompt" optional
+                  "sample": 0}]}       # sampled caches: which answer of its prompt (0..samples-1)
     <task>.safetensors: input_ids [T] int64 (prompt then completion),
-                        hidden [T, len(layer_ids) * hidden_size] in the target's dtype
+                        hidden [T, len(layer_ids) * hidden_size] in the target's dtype,
+                        target_logprob [T] float32 (sampled caches only): the log-probability
+                        of each completion token under the served distribution it was drawn
+                        from (`sampling.served_logprobs`); 0 at prompt positions
+
+A sampled cache holds `samples` answers per prompt, each a task: the prompt's name for one
+answer, else `name.s0`, `name.s1`, ... (`Sampling.answer_names`).
 
 Writers never leave half a file visible: each task file and every manifest update is
 written under a hidden temporary name and renamed into place. Readers validate the
@@ -35,6 +44,7 @@ from safetensors.torch import save as safetensors_bytes
 
 from ..checks import DTYPES
 from ..files import atomic_write, atomic_write_json
+from .sampling import SAMPLING_KEYS, Sampling, sampling_problems
 from .tasks import task_name_problem
 
 FORMAT_NAME = "dflash-hidden-cache"
@@ -66,12 +76,15 @@ class TargetInfo:
 @dataclass
 class CacheTask:
     """One task of a cache: `input_ids` [T] int64 = prompt (first `prompt_len`) then the
-    target's greedy completion; `hidden` [T, n_layers * H], the target's hidden states."""
+    target's completion (greedy, or sampled); `hidden` [T, n_layers * H], the target's hidden
+    states; `target_logprob` [T] float32 in a sampled cache (else None): each completion
+    token's log-probability under the served distribution it was drawn from, 0 in the prompt."""
 
     name: str
     prompt_len: int
     input_ids: torch.Tensor
     hidden: torch.Tensor
+    target_logprob: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -139,6 +152,15 @@ def validate_manifest(raw: Any, where: str) -> dict:
     if block_size is not None and block_size < 2:
         raise CacheError(f"{where}: block_size must be at least 2 or null, got {block_size}")
     _field(raw, "extraction", "object", where, required=False)
+    sampling = _field(raw, "sampling", "object", where, required=False)
+    if sampling is not None:
+        keys = sorted(set(sampling) ^ set(SAMPLING_KEYS))
+        problems = [f"has the fields {sorted(sampling)}, expected {list(SAMPLING_KEYS)}"] if keys else sampling_problems(
+            *(sampling[k] for k in SAMPLING_KEYS))
+        if not problems and sampling["temperature"] == 0:
+            problems = ["temperature 0 is greedy: a greedy cache records no sampling"]
+        if problems:
+            raise CacheError(f"{where}: sampling: " + "; ".join(problems) + " (re-extract the cache)")
 
     names: set[str] = set()
     files: set[str] = set()
@@ -153,6 +175,12 @@ def validate_manifest(raw: Any, where: str) -> dict:
         num_bytes = _field(task, "num_bytes", "int", at)
         sha = _field(task, "sha256", "str", at)
         _field(task, "prompt", "str", at, required=False)
+        sample = _field(task, "sample", "int", at, required=sampling is not None)
+        if sampling is None and sample is not None:
+            raise CacheError(f"{at}: a greedy cache (no 'sampling') has no sampled answers, but the task records "
+                             f"sample {sample}")
+        if sample is not None and not 0 <= sample < sampling["samples"]:
+            raise CacheError(f"{at}: sample {sample} is outside 0..{sampling['samples'] - 1} (sampling.samples)")
         problem = task_name_problem(name)
         if problem:
             raise CacheError(f"{at}: {problem}")
@@ -218,9 +246,15 @@ def write_manifest(folder: str | os.PathLike, manifest: dict) -> None:
 
 
 def new_manifest(
-    target: TargetInfo, layer_ids: list[int], *, block_size: int | None = None, extraction: dict | None = None
+    target: TargetInfo,
+    layer_ids: list[int],
+    *,
+    block_size: int | None = None,
+    extraction: dict | None = None,
+    sampling: Sampling | None = None,
 ) -> dict:
-    """The manifest of an empty cache; `extraction` records the extractor's settings."""
+    """The manifest of an empty cache; `extraction` records the extractor's settings, `sampling`
+    those its answers were sampled at (None or greedy: none recorded, a greedy cache)."""
     manifest = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
@@ -228,6 +262,8 @@ def new_manifest(
         "layer_ids": [int(i) for i in layer_ids],
         "block_size": block_size,
     }
+    if sampling is not None and not sampling.greedy:
+        manifest["sampling"] = sampling.to_dict()
     if extraction is not None:
         manifest["extraction"] = dict(extraction)
     manifest["tasks"] = []
@@ -261,6 +297,7 @@ def open_for_writing(folder: str | os.PathLike, header: dict) -> dict:
             ("layer ids", manifest["layer_ids"], header["layer_ids"]),
             ("block size", manifest.get("block_size"), header.get("block_size")),
             ("extraction settings", manifest.get("extraction"), extraction),
+            ("sampling", manifest.get("sampling"), header.get("sampling")),
         ]
         if theirs != mine
     ]
@@ -280,9 +317,12 @@ def write_task(
     prompt_len: int,
     *,
     prompt: str | None = None,
+    target_logprob: torch.Tensor | None = None,
+    sample: int | None = None,
 ) -> dict:
     """Store one task in a cache opened with `open_for_writing`: the file first (atomic),
-    then the manifest entry (replacing one of the same name; atomic). Returns the entry."""
+    then the manifest entry (replacing one of the same name; atomic). Returns the entry.
+    A sampled cache's task also takes its `target_logprob` [T] and which `sample` of its prompt it is."""
     folder = Path(folder)
     manifest = read_manifest(folder)
     target = manifest["target"]
@@ -299,8 +339,17 @@ def write_task(
         raise ValueError(f"{name}: hidden is {hidden.dtype} but the cache holds {target['dtype']}")
     if not 0 <= prompt_len <= num_tokens or num_tokens < 1:
         raise ValueError(f"{name}: prompt_len {prompt_len} does not fit {num_tokens} tokens")
+    sampled = "sampling" in manifest
+    if sampled != (target_logprob is not None) or sampled != (sample is not None):
+        raise ValueError(f"{name}: a {'sampled' if sampled else 'greedy'} cache's task "
+                         f"{'needs' if sampled else 'takes no'} target_logprob and sample")
+    if target_logprob is not None and (target_logprob.dtype != torch.float32 or tuple(target_logprob.shape) != (num_tokens,)):
+        raise ValueError(f"{name}: target_logprob must be float32 [{num_tokens}], got {target_logprob.dtype} "
+                         f"{list(target_logprob.shape)}")
 
     tensors = {"input_ids": input_ids.to(torch.int64).cpu().contiguous(), "hidden": hidden.cpu().contiguous()}
+    if target_logprob is not None:
+        tensors["target_logprob"] = target_logprob.cpu().contiguous()
     data = safetensors_bytes(tensors, metadata={"task": name})  # one key: byte-identical on every write
     file = f"{name}.safetensors"
     atomic_write(folder / file, data)
@@ -315,6 +364,8 @@ def write_task(
     }
     if prompt is not None:
         entry["prompt"] = prompt
+    if sample is not None:
+        entry["sample"] = int(sample)
     others = [t for t in manifest["tasks"] if t["name"] != name]
     if len(others) == len(manifest["tasks"]):
         manifest["tasks"].append(entry)
@@ -368,6 +419,9 @@ class HiddenStateCache:
                                     if f.name in self.manifest["target"]})
         self.layer_ids: list[int] = list(self.manifest["layer_ids"])
         self.block_size: int | None = self.manifest.get("block_size")
+        sampling = self.manifest.get("sampling")
+        # the settings its answers were sampled at; None: a greedy cache
+        self.sampling: Sampling | None = None if sampling is None else Sampling(**sampling)
         self._entries = {entry["name"]: entry for entry in self.manifest["tasks"]}
         self._verified: set[str] = set()
 
@@ -410,7 +464,7 @@ class HiddenStateCache:
         path = check_task_file(self.path, entry) if first_read else self.path / entry["file"]
         try:
             with safe_open(str(path), framework="pt") as f:
-                missing = {"input_ids", "hidden"} - set(f.keys())
+                missing = {"input_ids", "hidden", *(["target_logprob"] if self.sampling else [])} - set(f.keys())
                 if missing:
                     raise CacheError(f"task {name!r}: file {path} has no tensor(s) {sorted(missing)}")
                 written_for = (f.metadata() or {}).get("task", name)  # write_task records it
@@ -418,6 +472,7 @@ class HiddenStateCache:
                     raise CacheError(f"task {name!r}: file {path} was written for task {written_for!r}: the manifest "
                                      "was edited or files were swapped; re-extract these tasks")
                 input_ids, hidden = f.get_tensor("input_ids"), f.get_tensor("hidden")
+                logprob = f.get_tensor("target_logprob") if self.sampling else None
         except SafetensorError as e:
             raise CacheError(f"task {name!r}: file {path} is not a readable safetensors file (truncated or corrupt?): {e}") from e
         width = len(self.layer_ids) * self.hidden_size
@@ -430,13 +485,20 @@ class HiddenStateCache:
             )
         if T and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < self.vocab_size:
             raise CacheError(f"task {name!r}: {path} holds token ids outside the vocabulary [0, {self.vocab_size})")
+        if logprob is not None and (logprob.dtype != torch.float32 or tuple(logprob.shape) != (T,)):
+            raise CacheError(f"task {name!r}: {path} target_logprob is {logprob.dtype} {list(logprob.shape)}, "
+                             f"expected float32 [{T}]")
         if first_read:
             bad = int((~torch.isfinite(hidden)).any(dim=-1).sum())
             if bad:
                 raise CacheError(f"task {name!r}: {path} holds NaN or Inf hidden states at {bad} of {T} positions; "
                                  "re-extract this task")
+            if logprob is not None and not bool((torch.isfinite(logprob) & (logprob <= 0)).all()):
+                raise CacheError(f"task {name!r}: {path} target_logprob holds values that are not finite log-probabilities "
+                                 "(<= 0); re-extract this task")
             self._verified.add(name)
-        return CacheTask(name=name, prompt_len=entry["prompt_len"], input_ids=input_ids, hidden=hidden)
+        return CacheTask(name=name, prompt_len=entry["prompt_len"], input_ids=input_ids, hidden=hidden,
+                         target_logprob=logprob)
 
     def tasks(self):
         """Every task, in manifest order (one at a time, so memory holds one task)."""

@@ -54,6 +54,19 @@ Backends:
   elementwise passes over fp32 tiles). `benchmarks/gpu_check.sh` measures both; an
   entry changes to "triton" only with a measurement showing it faster at that size.
 
+Top-K with ids (`head_topk`, what DFlash 2's candidate selector reads): the k largest z_v of
+each row and their ids, [M, k] fp32 values and int64 ids, descending, ties to the lower id,
+never materialising [M, V] either. "reference": the fp32 logits sorted (a stable descending
+sort, so ties keep the ascending id order). "torch": the same tiles as above; each tile's
+logits are turned into int64 keys that order them as (value descending, id ascending)
+(the fp32 bits made monotone, in the high 32 bits; the complement of the id, in the low),
+so `torch.topk` on the keys is exact and deterministic, and the running top-k of the tiles
+merges by one more `topk` (peak extra memory: a few int64 temporaries of the tile's size). A
+NaN logit is kept as the largest key, so it surfaces as a NaN value. "triton" and "auto" run the torch path (the Triton kernel keeps no ids). Values are
+the tile's own logits, so they differ from the reference's by fp32 summation order only;
+ids equal the reference's wherever no two logits lie within that rounding of each other at
+the k-th place (exact logits, e.g. small-integer inputs: always).
+
 Tolerances against the reference: lse, label_logprob and top_logprobs differ only by
 fp32 summation-order rounding (the matmul's, about sqrt(H) * 6e-8 * |z|, and the
 online logsumexp's); the tests hold them to 1e-5 absolute (+1e-6 relative).
@@ -79,7 +92,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .types import BACKENDS, HeadStats
+from .types import BACKENDS, HeadStats, HeadTopK
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DEFAULT_CHUNK_SIZE = 8192
 """Default vocabulary tile width of the torch path."""
@@ -165,6 +178,76 @@ def head_stats_torch(
     if row_chunk_size is not None and (_not_int(row_chunk_size) or row_chunk_size < 1):
         raise ValueError(f"row_chunk_size must be None or an integer >= 1; got {row_chunk_size!r}")
     return _chunked(hidden, weight, labels, top_n, chunk_size, row_chunk_size)
+
+
+def head_topk(hidden: Tensor, weight: Tensor, k: int, *, backend: str = "auto",
+              chunk_size: int | None = None) -> HeadTopK:
+    """The k largest logits of each row of `hidden @ weight.T` and their ids (module doc), 1 <= k <= V.
+    Every backend but "reference" runs the chunked torch path (`chunk_size` its vocabulary tile)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    _check_topk(hidden, weight, k, chunk_size)
+    if backend == "reference":
+        return _reference_topk(hidden, weight, k)
+    return _chunked_topk(hidden, weight, k, chunk_size, None)
+
+
+def head_topk_reference(hidden: Tensor, weight: Tensor, k: int) -> HeadTopK:
+    """The plain definition: materialised fp32 logits, a stable descending sort."""
+    _check_topk(hidden, weight, k, None)
+    return _reference_topk(hidden, weight, k)
+
+
+def head_topk_torch(hidden: Tensor, weight: Tensor, k: int, *, chunk_size: int | None = None,
+                    row_chunk_size: int | None = None) -> HeadTopK:
+    """The chunked torch path of `head_topk` with both tile sizes exposed (row_chunk_size >= 1)."""
+    _check_topk(hidden, weight, k, chunk_size)
+    if row_chunk_size is not None and (_not_int(row_chunk_size) or row_chunk_size < 1):
+        raise ValueError(f"row_chunk_size must be None or an integer >= 1; got {row_chunk_size!r}")
+    return _chunked_topk(hidden, weight, k, chunk_size, row_chunk_size)
+
+
+def _reference_topk(hidden: Tensor, weight: Tensor, k: int) -> HeadTopK:
+    z = _fp32_matmul(hidden.float(), weight.float())
+    values, ids = torch.sort(z, dim=-1, descending=True, stable=True)
+    return HeadTopK(values[:, :k], ids[:, :k])
+
+
+_LOW = 1 << 32  # the id's share of an order key: its low 32 bits
+
+
+def _order_keys(z: Tensor, first_id: int) -> Tensor:
+    """int64 keys of fp32 logits z [rows, cols] (ids first_id + column) whose order is (value
+    descending, id ascending): the value's bits made monotone (negative floats' magnitude bits
+    flipped; -0.0 is 0.0, NaN the largest), times 2^32, plus 2^32 - 1 - id."""
+    bits = torch.where(z.isnan(), z.new_tensor(float("nan")), z + 0.0).view(torch.int32)
+    monotone = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
+    ids = torch.arange(first_id, first_id + z.shape[1], device=z.device)
+    return monotone * _LOW + (_LOW - 1 - ids)
+
+
+def _from_order_keys(keys: Tensor) -> HeadTopK:
+    monotone = keys >> 32  # arithmetic shift: the high half, sign included
+    bits = torch.where(monotone < 0, monotone ^ 0x7FFFFFFF, monotone).int()
+    return HeadTopK(bits.view(torch.float32), _LOW - 1 - (keys & (_LOW - 1)))
+
+
+def _chunked_topk(hidden: Tensor, weight: Tensor, k: int, chunk_size: int | None, row_chunk: int | None) -> HeadTopK:
+    m, v = hidden.shape[0], weight.shape[0]
+    tile = min(chunk_size or DEFAULT_CHUNK_SIZE, v)
+    row_chunk = row_chunk or max(1, TILE_ELEMENTS // tile)
+    keys = torch.empty(m, k, dtype=torch.int64, device=hidden.device)
+    for r0 in range(0, m, row_chunk):
+        r1 = min(m, r0 + row_chunk)
+        h = _gemm_operand(hidden[r0:r1])
+        top = torch.empty(r1 - r0, 0, dtype=torch.int64, device=hidden.device)
+        for c0 in range(0, v, tile):
+            c1 = min(v, c0 + tile)
+            best = _order_keys(_logits(h, weight[c0:c1]), c0).topk(min(k, c1 - c0), dim=-1).values
+            both = torch.cat([top, best], dim=-1)
+            top = both.topk(min(k, both.shape[-1]), dim=-1).values
+        keys[r0:r1] = top
+    return _from_order_keys(keys)
 
 
 def _reference(hidden: Tensor, weight: Tensor, labels: Tensor, top_n: int) -> HeadStats:
@@ -286,11 +369,40 @@ def _not_int(x: object) -> bool:
     return isinstance(x, bool) or not isinstance(x, int)
 
 
+def _check_topk(hidden: Tensor, weight: Tensor, k: int, chunk_size: int | None) -> None:
+    """Checks `head_topk`'s arguments (those it shares with `head_stats` by the same rules)."""
+    for name, t in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    _check_operands(hidden, weight, chunk_size)
+    if _not_int(k) or not 1 <= k <= weight.shape[0]:
+        raise ValueError(f"k must be an integer from 1 to V = {weight.shape[0]}; got {k!r}")
+
+
 def _validate(hidden: Tensor, weight: Tensor, labels: Tensor, top_n: int, chunk_size: int | None) -> Tensor:
     """Checks the contract; returns labels as int64."""
     for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    _check_operands(hidden, weight, chunk_size)
+    if labels.dim() != 1 or labels.shape[0] != hidden.shape[0]:
+        raise ValueError(f"labels must be [M] with M = {hidden.shape[0]}; got {tuple(labels.shape)}")
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"labels must be torch.int64 (or int32); got {labels.dtype}")
+    if not (hidden.device == weight.device == labels.device):
+        raise ValueError(
+            f"hidden, weight and labels must be on one device; got {hidden.device}, {weight.device}, {labels.device}"
+        )
+    if _not_int(top_n) or top_n < 0:
+        raise ValueError(f"top_n must be an integer >= 0; got {top_n!r}")
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= weight.shape[0]):
+        raise ValueError(
+            f"labels must lie in [0, V) = [0, {weight.shape[0]}); got min {int(labels.min())}, max {int(labels.max())}"
+        )
+    return labels.long()
+
+
+def _check_operands(hidden: Tensor, weight: Tensor, chunk_size: int | None) -> None:
     if hidden.dim() != 2 or weight.dim() != 2:
         raise ValueError(
             f"hidden must be [M, H] and weight [V, H]; got {tuple(hidden.shape)} and {tuple(weight.shape)}"
@@ -304,20 +416,7 @@ def _validate(hidden: Tensor, weight: Tensor, labels: Tensor, top_n: int, chunk_
             f"hidden and weight must share one dtype among {[str(d) for d in DTYPES]}; "
             f"got {hidden.dtype} and {weight.dtype}"
         )
-    if labels.dim() != 1 or labels.shape[0] != hidden.shape[0]:
-        raise ValueError(f"labels must be [M] with M = {hidden.shape[0]}; got {tuple(labels.shape)}")
-    if labels.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"labels must be torch.int64 (or int32); got {labels.dtype}")
-    if not (hidden.device == weight.device == labels.device):
-        raise ValueError(
-            f"hidden, weight and labels must be on one device; got {hidden.device}, {weight.device}, {labels.device}"
-        )
-    if _not_int(top_n) or top_n < 0:
-        raise ValueError(f"top_n must be an integer >= 0; got {top_n!r}")
+    if hidden.device != weight.device:
+        raise ValueError(f"hidden and weight must be on one device; got {hidden.device}, {weight.device}")
     if chunk_size is not None and (_not_int(chunk_size) or chunk_size < 1):
         raise ValueError(f"chunk_size must be None or an integer >= 1; got {chunk_size!r}")
-    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= weight.shape[0]):
-        raise ValueError(
-            f"labels must lie in [0, V) = [0, {weight.shape[0]}); got min {int(labels.min())}, max {int(labels.max())}"
-        )
-    return labels.long()

@@ -55,10 +55,21 @@ entry pipelines the K loop (cp.async, 3 stages, 96 KiB shared) into wgmma and us
 255 registers with a 32-byte spill stack; 64 x 128 x 64 with 8 warps uses 196 and
 does not spill.
 
-Interpreter (TRITON_INTERPRET=1, CPU tensors): Triton 3.9's interpreter computes
-`tl.dot` of bfloat16 operands wrongly, so there the bf16 tiles are upcast to fp32
-before the dot (bf16 products are exact in fp32: the same math). Interpreter mode is
-fixed when the kernel is decorated, i.e. when this module is first imported:
+Interpreter (TRITON_INTERPRET=1, CPU tensors): `_logit_tile` does not use `tl.dot` there
+(constexpr INTERPRETED), for two reasons. The interpreter's `tl.dot` is `np.matmul`, and
+numpy's fp32 matmul (OpenBLAS sgemm) rounds an output element differently depending on
+the column it sits in: with the fp32 tiles (64 x 32 x 128) one weight row can give logits
+that differ in the last bit at tile columns 0-7 and 8-119, so a duplicate of y's row
+was not tied with the pivot (computed at another column) and label_order came out one
+short. And Triton 3.9's interpreter computes `tl.dot` of bfloat16 operands wrongly.
+Instead each BLOCK_H slice is multiplied out in fp64 (the products of fp32, fp16 and
+bf16 values are exact there) and summed by `tl.sum` over the slice (numpy's reduction
+runs the same loop for every output element), the slices accumulate in fp64 and the
+tile is rounded to fp32 once: each logit depends on its row and column values alone,
+never on where they sit, so duplicates tie exactly as the design above needs. The
+values can differ from the CUDA path's fp32 accumulation in the last bits (the tests'
+tolerances); the CUDA kernel is unchanged (the branch is compiled out). Interpreter
+mode is fixed when the kernel is decorated, i.e. when this module is first imported:
 TRITON_INTERPRET=1 must be in the environment by then. Triton is imported guarded:
 without it this module imports, `is_available()` is False and the launchers raise.
 """
@@ -137,9 +148,11 @@ if triton is not None:
         h_ptr, w_ptr, rows64, row_ok, cols64, col_ok, H,
         stride_hm, stride_hk, stride_wv, stride_wk,
         BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, DOT_FP32: tl.constexpr,
+        INTERPRETED: tl.constexpr,
     ):
-        """z [BLOCK_M, BLOCK_V] fp32 = hidden[rows] @ weight[cols].T (masked entries 0)."""
-        acc = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
+        """z [BLOCK_M, BLOCK_V] fp32 = hidden[rows] @ weight[cols].T (masked entries 0). In the
+        interpreter: fp64 products summed per element, one rounding to fp32 (see module doc)."""
+        acc = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float64 if INTERPRETED else tl.float32)
         for k0 in range(0, H, BLOCK_H):
             ks = k0 + tl.arange(0, BLOCK_H)
             k_ok = ks < H
@@ -151,11 +164,13 @@ if triton is not None:
                 w_ptr + cols64[:, None] * stride_wv + ks[None, :] * stride_wk,
                 mask=col_ok[:, None] & k_ok[None, :], other=0.0,
             )
-            if DOT_FP32:
+            if INTERPRETED:  # not tl.dot, which is np.matmul there: the same column at every tile position
+                acc += tl.sum(a.to(tl.float64)[:, None, :] * b.to(tl.float64)[None, :, :], axis=2)
+            elif DOT_FP32:
                 acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, tl.trans(b), acc)
-        return acc
+        return acc.to(tl.float32)
 
     @triton.jit(do_not_specialize=["M", "V", "SPLIT_V", "TOP_N"])  # vary per call: one compile per config
     def _split_kernel(
@@ -166,6 +181,7 @@ if triton is not None:
         TOP_K: tl.constexpr,  # register slots of the running top list (0: no list)
         BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
         DOT_FP32: tl.constexpr,  # upcast the operands and use IEEE fp32 products (see launcher)
+        INTERPRETED: tl.constexpr,  # Triton's CPU interpreter: position-independent fp64 sums (see module doc)
     ):
         pid_m = tl.program_id(0)
         pid_s = tl.program_id(1)
@@ -180,7 +196,8 @@ if triton is not None:
         lab_ok = (jj < BLOCK_M) & (row0 + jj < M)
         lab_cols = tl.load(y_ptr + row0 + jj, mask=lab_ok, other=0)
         zp = _logit_tile(h_ptr, w_ptr, rows64, row_ok, lab_cols.to(tl.int64), lab_ok, H,
-                         stride_hm, stride_hk, stride_wv, stride_wk, BLOCK_M, BLOCK_V, BLOCK_H, DOT_FP32)
+                         stride_hm, stride_hk, stride_wv, stride_wk, BLOCK_M, BLOCK_V, BLOCK_H, DOT_FP32,
+                         INTERPRETED)
         pivot = tl.sum(tl.where(tl.arange(0, BLOCK_M)[:, None] == jj[None, :], zp, 0.0), axis=1)
 
         # b. one stream over this split's columns
@@ -199,7 +216,8 @@ if triton is not None:
             cols = v0 + jj
             col_ok = cols < v_end
             acc = _logit_tile(h_ptr, w_ptr, rows64, row_ok, cols.to(tl.int64), col_ok, H,
-                              stride_hm, stride_hk, stride_wv, stride_wk, BLOCK_M, BLOCK_V, BLOCK_H, DOT_FP32)
+                              stride_hm, stride_hk, stride_wv, stride_wk, BLOCK_M, BLOCK_V, BLOCK_H, DOT_FP32,
+                              INTERPRETED)
             z = tl.where(col_ok[None, :], acc, float("-inf"))
 
             row_max = tl.max(z, axis=1)
@@ -245,7 +263,7 @@ if triton is not None:
                      mask=row_ok[:, None] & (kk < TOP_N)[None, :])
 
 
-def _constexprs(top_n: int, config: TileConfig, dot_fp32: bool) -> dict:
+def _constexprs(top_n: int, config: TileConfig, dot_fp32: bool, interpreted: bool = False) -> dict:
     """Validates the launch configuration; returns the kernel's constexpr arguments."""
     if isinstance(top_n, bool) or not isinstance(top_n, int) or not 0 <= top_n <= MAX_KERNEL_TOP_N:
         raise ValueError(f"the Triton kernel keeps 0 <= top_n <= {MAX_KERNEL_TOP_N}; got {top_n!r}")
@@ -257,7 +275,7 @@ def _constexprs(top_n: int, config: TileConfig, dot_fp32: bool) -> dict:
         raise ValueError(f"block_v must be >= block_m (the pivot tile holds one label column per row); got {config}")
     top_k = max(8, 1 << (top_n - 1).bit_length()) if top_n > 0 else 0
     return {"TOP_K": top_k, "BLOCK_M": config.block_m, "BLOCK_V": config.block_v, "BLOCK_H": config.block_h,
-            "DOT_FP32": dot_fp32}
+            "DOT_FP32": dot_fp32, "INTERPRETED": interpreted}
 
 
 def triton_head_partials(
@@ -285,9 +303,8 @@ def triton_head_partials(
     m, h = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
-    # the interpreter gets tl.dot of bf16 operands wrong: upcast there (exact products)
-    dot_fp32 = hidden.dtype == torch.float32 or (hidden.dtype == torch.bfloat16 and is_interpreted())
-    consts = _constexprs(top_n, config, dot_fp32)
+    # the interpreter gets its own logit tiles (see module doc); DOT_FP32 picks the CUDA dot
+    consts = _constexprs(top_n, config, hidden.dtype == torch.float32, is_interpreted())
     if num_splits is None:
         sm_count = torch.cuda.get_device_properties(dev).multi_processor_count if hidden.is_cuda else 1
         splits, width = split_plan(m, v, config.block_m, config.block_v, sm_count)

@@ -13,6 +13,13 @@ BACKENDS = ("auto", "torch", "triton", "reference")
 kernel, or the materialised reference."""
 
 
+class HeadTopK(NamedTuple):
+    """Per row: the k largest logits, descending (ties to the lower id), and their rows of the weight."""
+
+    values: Tensor  # [M, k] fp32
+    ids: Tensor  # [M, k] int64
+
+
 class HeadStats(NamedTuple):
     """Per row (see head_stats.py): the log-sum-exp, the label's log-prob, rank and tie order, the
     top-N log-probs."""

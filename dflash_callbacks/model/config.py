@@ -288,7 +288,7 @@ class DrafterConfig:
             raise FileNotFoundError(f"no drafter config at {path}: a drafter folder holds config.json and *.safetensors")
         try:
             return cls.from_dict(json.loads(path.read_text()))
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deeply for the parser
             raise ValueError(f"{path} is not valid JSON: {e}") from None
         except ValueError as e:
             raise ValueError(f"drafter config {path}: {e}") from None

@@ -257,6 +257,7 @@ class DFlashDrafter(nn.Module):
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         attention: list[LayerAttention] | None = None,
+        block_size: int | None = None,
     ) -> torch.Tensor:
         """Normed hidden states of the block positions.
 
@@ -270,6 +271,9 @@ class DFlashDrafter(nn.Module):
                         the mask: a causal layer hides a block key from a query at an earlier
                         position; a window counts back from each query's position, or, anchored,
                         from its block's anchor (the smallest position of a block key it sees).
+        block_size      the queries are blocks of this many consecutive rows (default the config's),
+                        for a family whose layers mix the rows of a block (DFlash 2's convolution);
+                        DFlash's layers do not read it.
         Returns [b, Q, H].
         """
         C = target_hidden.shape[1]
@@ -285,7 +289,8 @@ class DFlashDrafter(nn.Module):
         position_ids = position_ids.expand(b, C + Q)
         rope_block = self.rotary_emb(position_ids[:, C:], noise_embedding.dtype)
         masks = self._layer_masks(attention_mask, position_ids, C, Q, noise_embedding.dtype, attention or self.attention)
-        return self._layers(noise_embedding, [context] * len(self.layers), rope_block, masks)
+        return self._layers(noise_embedding, [context] * len(self.layers), rope_block, masks,
+                            block_size or self.config.block_size)
 
     def context(self, target_hidden: torch.Tensor, position_ids: torch.Tensor) -> Context:
         """hidden_norm(fc(target_hidden)) and its RoPE at `position_ids` [b|1, C]."""
@@ -323,9 +328,10 @@ class DFlashDrafter(nn.Module):
         rope_block = self.rotary_emb(positions, noise_embedding.dtype)
         attention = attention or self.attention
         masks = {p: block_masks(anchors, B, C, p, noise_embedding.dtype) for p in set(attention)}
-        return self._layers(noise_embedding, context, rope_block, [masks[p] for p in attention])
+        return self._layers(noise_embedding, context, rope_block, [masks[p] for p in attention], B)
 
-    def _layers(self, x, per_layer_context, rope_block, masks: list) -> torch.Tensor:
+    def _layers(self, x, per_layer_context, rope_block, masks: list, block_size: int) -> torch.Tensor:
+        """The layers and the final norm over x [b, Q, H], blocks of `block_size` rows (unread here)."""
         for layer, context, mask in zip(self.layers, per_layer_context, masks, strict=True):
             x = layer(x, context, rope_block, mask)
         return self.norm(x)

@@ -35,6 +35,11 @@ WRAPPER_PREFIXES = ("module.", "draft_model.", "_orig_mod.")
 training model (`draft_model.`), torch.compile (`_orig_mod.`)."""
 
 
+class UnreadableFile(ValueError):
+    """A weight or checkpoint file that can not be read as its format at all (truncated, corrupt,
+    not that format): the file's fault, whatever the caller asked of it. Worded naming the file."""
+
+
 def say(line: str) -> None:
     """Where the loaders say what they did to a checkpoint: one line on stderr."""
     print(line, file=sys.stderr, flush=True)
@@ -56,7 +61,7 @@ def read_weight_map(index: Path) -> dict[str, str]:
     """The `weight_map` of a shard index (tensor name -> shard file); ValueError naming the file."""
     try:
         raw = json.loads(index.read_text())
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply for the parser
         raise ValueError(f"{index} is not JSON: {e}") from None
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -91,7 +96,7 @@ def open_safetensors(file: Path, device: str = "cpu") -> Iterator:
         with safe_open(str(file), framework="pt", device=device) as f:
             yield f
     except SafetensorError as e:
-        raise ValueError(f"{file} is not a readable safetensors file (truncated or corrupt?): {e}") from e
+        raise UnreadableFile(f"{file} is not a readable safetensors file (truncated or corrupt?): {e}") from e
 
 
 def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
@@ -128,8 +133,8 @@ def read_checkpoint(path: str | os.PathLike, state_key: str | None = None, *,
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError) as e:
-        raise ValueError(f"{path} is not a torch checkpoint that loads with weights_only=True: "
-                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        raise UnreadableFile(f"{path} is not a torch checkpoint that loads with weights_only=True: "
+                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     what = str(path) if state_key is None else f"{path}[{state_key!r}]"
     if state_key is not None:
         if not isinstance(obj, Mapping) or state_key not in obj:
@@ -157,7 +162,7 @@ def read_snapshot_meta(folder: str | os.PathLike) -> dict | None:
         return None
     try:
         meta = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deeply for the parser
         raise ValueError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
         raise ValueError(f"{path} is not a snapshot description (no integer 'step')")

@@ -11,11 +11,25 @@ checkpoint once, in step order, as soon as it is complete:
   --state-file in a checkpoint folder (SpecForge: `run-step500/training_state.pt`), holding the
   drafter's state dict under KEY; read with `weights_only=True` (no code is unpickled), wrapper
   prefixes (`module.`, `draft_model.`, `_orig_mod.`) stripped, with the config of --drafter-config.
+  Without --state-key, torch files naming a step are not read, and a line says so.
 Complete means the trainer's own marker is there (the transformers Trainer writes
 `trainer_state.json` after the model files), or the checkpoint's files (names, sizes, mtimes)
 have not changed for --settle-seconds as this watcher saw them, by its own clock; an HF folder
 must also be whole (config.json, every shard its index or names announce, each safetensors file
-as long as its header says). A checkpoint is never read before that.
+as long as its header says), a torch file a whole zip archive, or in the legacy format
+(`_use_new_zipfile_serialization=False`, which has no end to test: settled is whole). A checkpoint
+is never read before that.
+
+Step order: a complete checkpoint is not scored while an earlier one is still being written (no
+marker, and its files changed within --settle-seconds), so a later save that completes first (the
+Trainer's marker, an atomic save, a busy watcher that saw the earlier one's last write late) waits
+for it. An earlier one that has settled and is still not whole (a save that died) holds nothing
+back: it is waited for, said once, and scored whenever it completes, after the later ones.
+
+A damaged checkpoint (a safetensors header that is none, a config.json that does not parse, a
+symlink loop; anything its reading raises) is one error line naming its file, and the watcher goes
+on; there at start, it is no reason to refuse the run (see `check`). A symlink loop that names no
+step (`latest -> latest`) is passed over like any entry without a step.
 
 Scoring and publishing go through the evaluation engine every adapter uses, into one run folder,
 --out (default DIR/dflash-eval): results.jsonl first, then W&B (--wandb-project: the `dflash/`
@@ -31,6 +45,7 @@ present at start, before anything is scored; for a later one, as its error line.
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import json
 import math
@@ -59,7 +74,7 @@ from ..engine.stop import ACTIONS, StopPolicy
 from ..files import atomic_write_json
 from ..model import DFlashDrafter, DrafterConfig, build_drafter, load_drafter
 from ..model.drafter import check_state_dict
-from ..model.io import INDEX_FILE, read_config, read_state_shapes, safetensors_files
+from ..model.io import INDEX_FILE, UnreadableFile, read_config, read_state_shapes, safetensors_files
 from ..model.io import read_checkpoint as load_checkpoint
 from ..scoring.cli import UsageError, scoring_config
 from ..scoring.service import ServiceSpec, preflight
@@ -72,6 +87,11 @@ STOP_FILE = "STOP.json"
 WANDB_HELD_SECONDS = 60.0
 """How long a restarted watcher waits for the W&B run a killed one held (its service outlives it a while)."""
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+LEGACY_TORCH_MAGIC = torch.serialization.MAGIC_NUMBER.to_bytes(10, "little")
+"""In the first bytes of a torch file in the legacy format (`_use_new_zipfile_serialization=False`):
+its first pickle holds this number."""
+SAFETENSORS_HEADER_LIMIT = 100_000_000
+"""The longest header the safetensors format reads (its own limit): a longer length is no header."""
 LAST_INTEGER = re.compile(r"(\d+)(?!.*\d)")
 SHARD_NAME = re.compile(r"-(\d+)-of-(\d+)\.safetensors\Z")
 
@@ -112,20 +132,49 @@ def _say_once(line: str) -> None:
 
 
 def safetensors_missing(file: Path) -> str | None:
-    """Why a safetensors file is not whole yet (shorter than its header says), None when it is."""
+    """Why a safetensors file is not whole yet (shorter than its header says), None when it is, and
+    when it never will be: a header that is not one (too long, not a JSON object of entries with
+    data_offsets) or a symlink loop; reading the file then names what is wrong."""
     try:
         with open(file, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
                 return f"{file.name} has no header yet"
             (length,) = struct.unpack("<Q", head)
+            if length > SAFETENSORS_HEADER_LIMIT:
+                return None
+            if 8 + length > size:
+                return f"{file.name} holds {size} of the {8 + length} bytes of its header"
             header = json.loads(f.read(length))
-            size = os.fstat(f.fileno()).st_size
-    except (OSError, ValueError):
-        return f"{file.name} has no readable header yet"
-    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
-    expected = 8 + length + max(ends, default=0)
+    except OSError as e:
+        return None if e.errno == errno.ELOOP else f"{file.name} can not be read yet ({e.strerror})"
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(header, dict):
+        return None
+    ends = [v.get("data_offsets") for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
+    if not all(isinstance(end, list) and len(end) == 2 and isinstance(end[1], int) for end in ends):
+        return None
+    expected = 8 + length + max((end[1] for end in ends), default=0)
     return None if size >= expected else f"{file.name} holds {size} of its {expected} bytes"
+
+
+def symlink_loop(path: Path) -> str | None:
+    """How `path` is a symbolic link that never resolves (it leads back to itself), None when it is not."""
+    try:
+        path.stat()
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return (f"{path} is a symbolic link that leads back to itself (it never resolves): remove it, or point "
+                    "it at the file it stands for")
+    return None
+
+
+def failure(source: Path, error: Exception) -> str:
+    """What reading a checkpoint raised, as one line naming it."""
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return text if str(source) in text else f"{source}: {type(error).__name__}: {text}"
 
 
 def drafter_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
@@ -160,6 +209,7 @@ class Checkpoints:
         self.config, self.exclude = config, exclude.resolve()
         self.drafter: Drafter | None = None  # set once known
         self.duplicates: dict[int, list[str]] = {}  # step -> every entry naming it, when more than one does
+        self.unread: list[str] = []  # torch files naming a step, not read without --state-key
 
     def step_of(self, name: str) -> int | None:
         if self.step_pattern is None:
@@ -171,18 +221,25 @@ class Checkpoints:
 
     def find(self) -> dict[int, Path]:
         """step -> what is read (a folder, or a torch file), for every entry of the folder that names
-        a step; of two naming one step, the first by name (`duplicates` says which)."""
+        a step; of two naming one step, the first by name (`duplicates` says which). A symlink loop
+        naming a step is one too (its read says what it is); one naming none is passed over."""
         found: dict[int, list[Path]] = {}
+        self.unread = []
         try:
             entries = sorted(self.root.iterdir())
         except FileNotFoundError:
             return {}
         for entry in entries:
-            if entry.name.startswith(".") or entry.resolve() == self.exclude or is_run_folder(entry):
+            loop = symlink_loop(entry) is not None
+            if entry.name.startswith(".") or (not loop and entry.resolve() == self.exclude) or is_run_folder(entry):
                 continue  # a writer's temporary, this watcher's own --out, a run folder of the engine
-            if self.state_key is None:
+            if loop:
+                source, name = entry, entry.stem if entry.suffix in TORCH_SUFFIXES else entry.name
+            elif self.state_key is None:
                 source = entry if entry.is_dir() else None
                 name = entry.name
+                if source is None and entry.suffix in TORCH_SUFFIXES and self.step_of(entry.stem) is not None:
+                    self.unread.append(entry.name)
             elif entry.is_dir():
                 source, name = entry / self.state_file, entry.name
             else:
@@ -194,9 +251,19 @@ class Checkpoints:
         self.duplicates = {step: [str(p) for p in paths] for step, paths in found.items() if len(paths) > 1}
         return {step: paths[0] for step, paths in found.items()}
 
+    def loop(self, source: Path) -> str | None:
+        """How what is read of the checkpoint is a symlink loop (itself; an HF folder's config.json,
+        index or weights), None when none is: such a file never reads."""
+        read = [source]
+        if self.state_key is None and source.is_dir():
+            read += [source / "config.json", source / INDEX_FILE, *source.glob("*.safetensors")]
+        return next((why for file in read if (why := symlink_loop(file))), None)
+
     def files(self, source: Path) -> list[Path]:
         """Every file of the checkpoint (what settles): the HF folder's, the checkpoint folder's that holds
         the state file, or the torch file in DIR itself."""
+        if symlink_loop(source):
+            return [source]
         if self.state_key is not None and source.parent == self.root:
             return [source] if source.is_file() else []
         folder = source if self.state_key is None else source.parent
@@ -208,8 +275,10 @@ class Checkpoints:
         for file in self.files(source):
             try:
                 st = file.stat()
-            except FileNotFoundError:
-                continue
+            except OSError as e:  # gone since it was listed, or a symlink loop (its link is what settles)
+                if e.errno != errno.ELOOP:
+                    continue
+                st = file.lstat()
             stats.append((str(file.relative_to(self.root)), st.st_size, st.st_mtime_ns))
         return hashlib.sha256(json.dumps(stats).encode()).hexdigest()[:16] if stats else None
 
@@ -224,17 +293,31 @@ class Checkpoints:
             return False
 
     def unfinished(self, source: Path) -> str | None:
-        """Why the checkpoint is not whole yet, None when it is."""
+        """Why the checkpoint is not whole yet (a file it announces is missing, or shorter than it says),
+        None when nothing more is waited for: it is whole, or damaged for good (reading it says how).
+        A torch file in the legacy format has no end to test: whole once it has settled."""
+        if self.loop(source):
+            return None
         if self.state_key is not None:
             if not source.is_file():
                 return f"no {source.name} yet"
-            return None if zipfile.is_zipfile(source) else f"{source.name} is not a whole torch zip archive yet"
+            try:
+                with open(source, "rb") as f:
+                    legacy = LEGACY_TORCH_MAGIC in f.read(64)
+                whole = legacy or zipfile.is_zipfile(source)
+            except OSError as e:
+                return f"{source.name} can not be read yet ({e.strerror})"
+            return None if whole else f"{source.name} is not a whole torch zip archive yet"
         if not (source / "config.json").is_file():
-            return "no config.json yet"
+            held = f" (it holds {self.state_file}: torch checkpoints are read with --state-key)" \
+                if (source / self.state_file).is_file() else ""
+            return f"no config.json yet{held}"
         try:
             files = safetensors_files(source)
-        except (OSError, ValueError) as e:
+        except OSError as e:  # a shard its index names, or any weights, not there yet
             return str(e)
+        except ValueError:  # an index that is not one: the read names it
+            return None
         shards = [(int(m.group(1)), int(m.group(2))) for f in files if (m := SHARD_NAME.search(f.name))]
         if shards and not (source / INDEX_FILE).is_file():
             return f"shards {sorted(n for n, _ in shards)} of {shards[0][1]} and no {INDEX_FILE} yet"
@@ -243,6 +326,8 @@ class Checkpoints:
     def shapes(self, source: Path) -> tuple[DrafterConfig, dict[str, tuple[int, ...]], Path]:
         """The checkpoint's config, its tensors' shapes and the file they are in (HF: from the
         safetensors headers alone)."""
+        if why := self.loop(source):
+            raise UnreadableFile(why)
         if self.state_key is None:
             files = safetensors_files(source)
             return read_config(source), read_state_shapes(source), files[0] if len(files) == 1 else source
@@ -271,6 +356,8 @@ class Checkpoints:
         deleted before it was read, and one that is not the run's drafter."""
         gone = (f"the checkpoint of step {step}, {source}, was deleted before it was scored (the trainer's checkpoint "
                 "rotation?): keep more checkpoints (e.g. save_total_limit) or start the watcher with the training")
+        if why := self.loop(source):
+            raise ValueError(why)
         if not source.exists():
             raise FileNotFoundError(gone)
         try:
@@ -280,10 +367,10 @@ class Checkpoints:
                 drafter = load_drafter(read_checkpoint(source, self.state_key, self.config)[1], config=self.config)
             problems = self.problems(source, drafter.config, {k: tuple(v.shape) for k, v in drafter.state_dict().items()},
                                      source)
-        except (OSError, ValueError):
+        except Exception as e:  # whatever a damaged file raises: one line naming it
             if not source.exists():
                 raise FileNotFoundError(gone) from None
-            raise
+            raise ValueError(failure(source, e)) from e
         if problems:
             raise ValueError("; ".join(problems))
         return drafter
@@ -379,7 +466,9 @@ class CheckpointWatcher:
         --drafter-config, else of the first one there), and the drafter, cache, target, baseline and
         scoring config fit together; else UsageError (or PreflightError) listing every problem.
         Without any checkpoint or --drafter-config yet, what needs no drafter is checked now and the
-        rest with the first checkpoint."""
+        rest with the first checkpoint. A damaged checkpoint (a file that does not read) is no
+        reason to refuse: it is an error line naming it when its turn comes; a torch file that reads
+        but holds no state dict under --state-key is (the flag is wrong)."""
         c = self.checkpoints
         if c.config is not None:
             given = f"--drafter-config {self.settings['drafter_config']}"
@@ -390,8 +479,9 @@ class CheckpointWatcher:
                 continue  # still being written (checked once it is whole), or scored before a restart
             try:
                 config, shapes, weights = c.shapes(source)
-            except (OSError, ValueError) as e:
-                problems.append(str(e))
+            except Exception as e:
+                if c.state_key is not None and isinstance(e, ValueError) and not isinstance(e, UnreadableFile):
+                    problems.append(str(e))
                 continue
             if c.drafter is None:
                 c.drafter = Drafter(config, dict(shapes), str(source / "config.json"))
@@ -460,34 +550,44 @@ class CheckpointWatcher:
 
     # ---- polling
     def scan(self) -> int:
-        """Submit every complete checkpoint not scored yet, in step order, and an error for each one
-        seen and then deleted before it was scored. Returns how many were submitted."""
-        found, now = self.checkpoints.find(), time.monotonic()
-        for step, names in self.checkpoints.duplicates.items():
+        """Submit every complete checkpoint not scored yet, in step order (one still being written holds
+        back the later ones: see the module doc), and an error for each one seen and then deleted
+        before it was scored. Returns how many were submitted."""
+        c, now = self.checkpoints, time.monotonic()
+        found = c.find()
+        for step, names in c.duplicates.items():
             self.say_once(("duplicate", step), f"watch: {', '.join(names)} all name step {step}: scoring {names[0]}")
-        ready = []
+        if c.unread:
+            shown = ", ".join(c.unread[:4]) + (f" and {len(c.unread) - 4} more" if len(c.unread) > 4 else "")
+            self.say_once("unread", f"watch: {shown} in {self.root}: torch checkpoint files are read only with "
+                                    "--state-key KEY (the key of the drafter's state dict in them, SpecForge: "
+                                    "draft_state_dict) and --drafter-config CONFIG; without them, HF-format folders")
+        ready, writing = [], None  # writing: the first step still being written
         for step, source in sorted(found.items()):
             if step in self.done:
                 continue
-            fingerprint = self.checkpoints.fingerprint(source)
+            fingerprint = c.fingerprint(source)
             if fingerprint is None:
                 continue  # no file yet
             seen = self.seen.get(step)
             if seen is None or (seen.source, seen.fingerprint) != (source, fingerprint):
                 self.seen[step] = seen = Seen(source, fingerprint, now)
-            if self.checkpoints.marked(source):  # the trainer says it is complete: read it, whatever it holds
+            marked = c.marked(source)  # the trainer says it is complete: read it, whatever it holds
+            if not marked and now - seen.since < self.settle:
+                writing = step if writing is None else writing  # still changing: the later steps wait for it
+                continue
+            why = None if marked else c.unfinished(source)
+            if why is not None:  # settled and not whole (a save that died?): it holds back no later step
+                self.say_once(step, f"watch: step {step}: waiting for {source}: {why}")
+            elif writing is None:
                 ready.append(step)
-            elif now - seen.since >= self.settle:
-                why = self.checkpoints.unfinished(source)
-                if why is None:
-                    ready.append(step)
-                else:
-                    self.say_once(step, f"watch: step {step}: waiting for {source}: {why}")
+            else:
+                self.say_once(("behind", step), f"watch: step {step} is complete: scored after step {writing}, "
+                                                "which is still being written (step order)")
         deleted = [step for step in self.seen if step not in found and step not in self.done]
         if not self.started:
-            if not ready:
+            if not ready or not self.start_with([self.seen[step].source for step in ready]):
                 return 0  # a checkpoint deleted before then is recorded once there is a run folder
-            self.start_with(self.seen[ready[0]].source)
         submitted = sorted(ready + deleted)
         for step in submitted:
             seen = self.seen[step]
@@ -497,16 +597,24 @@ class CheckpointWatcher:
             self.done.add(step)
         return len(submitted)
 
-    def start_with(self, source: Path) -> None:
-        """The first checkpoint, when none was there at start: it is the run's drafter."""
+    def start_with(self, sources: list[Path]) -> bool:
+        """The first of `sources` that reads, when no checkpoint was there at start: it is the run's
+        drafter. False while none reads (each says why, once); they are scored, as error lines naming
+        them, once one does."""
         c = self.checkpoints
         if c.drafter is None:
-            try:
-                config, shapes, _ = c.shapes(source)
-            except (OSError, ValueError) as e:
-                raise UsageError(f"the first checkpoint can not be read: {e}") from None
-            c.drafter = Drafter(config, dict(shapes), str(source / "config.json"))
+            for source in sources:
+                try:
+                    config, shapes, _ = c.shapes(source)
+                except Exception as e:
+                    self.say_once(("unreadable", source), f"watch: {failure(source, e)}")
+                    continue
+                c.drafter = Drafter(config, dict(shapes), str(source / "config.json"))
+                break
+            else:
+                return False
         self.begin()
+        return True
 
     def publish(self) -> None:
         """Publish what is finished. A stop decided is written to --out/STOP.json for the training loop
