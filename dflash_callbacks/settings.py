@@ -22,6 +22,7 @@ import difflib
 import inspect
 import os
 import re
+import types
 import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, dataclass, field
@@ -40,6 +41,7 @@ CONFIDENCE = 0.95
 """The level of the intervals every report carries (`scoring.intervals`)."""
 DEFAULT_MIN_RATIO = 0.9
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
+LIGHTNING_NAMES = {"every_n_steps": "every_n_train_steps"}  # Lightning's spelling (ModelCheckpoint's); both taken
 
 
 def setting(default: Any = MISSING, *, help: str, factory: Any = MISSING, aliases: tuple[str, ...] = (),
@@ -145,10 +147,10 @@ def to_dict(settings) -> dict[str, Any]:
 # ------------------------------------------------------------------ the CLI from the fields
 def add_arguments(parser, cls: type, *, exclude: Iterable[str] = (), prefix: str = "",
                   types: Mapping[str, Any] | None = None) -> None:
-    """One `--flag` per field of `cls` (not in `exclude`, nor marked flag=False), its help the field's with
-    its default; a flag not given leaves the field out (`argparse.SUPPRESS`), so a config file or the
-    default fills it. `types` converts a field's text (default: the field's type: int, float, str, a
-    bool flag, a comma-separated list)."""
+    """One `--flag` per field of `cls` (not in `exclude`, nor marked flag=False; its aliases are flags too), its
+    help the field's with its default; a flag not given leaves the field out (`argparse.SUPPRESS`), so a config
+    file or the default fills it. `types` converts a field's text (default: by the field's type: int, float,
+    str, a path, a bool (--x / --no-x), a comma-separated list)."""
     hints = typing.get_type_hints(cls)
     for f in fields_of(cls):
         if f.name in exclude or not f.metadata.get("flag", True):
@@ -157,13 +159,12 @@ def add_arguments(parser, cls: type, *, exclude: Iterable[str] = (), prefix: str
         default = f.default if f.default is not MISSING else (f.default_factory() if f.default_factory is not MISSING
                                                               else None)
         shown = "" if default in (None, [], ()) else f" (default {_show(default)})"
-        name = "--" + (prefix + f.name).replace("_", "-")
+        names = ["--" + (prefix + name).replace("_", "-") for name in (f.name, *f.metadata.get("aliases", ()))]
+        options = dict(dest=prefix + f.name, default=argparse.SUPPRESS, help=f.metadata["help"] + shown)
         if kind is bool:
-            parser.add_argument(name, dest=prefix + f.name, action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS, help=f.metadata["help"] + shown)
+            parser.add_argument(*names, action=argparse.BooleanOptionalAction, **options)
         else:
-            parser.add_argument(name, dest=prefix + f.name, type=kind, default=argparse.SUPPRESS,
-                                help=f.metadata["help"] + shown)
+            parser.add_argument(*names, type=kind, **options)
 
 
 def given_arguments(args: argparse.Namespace, cls: type, prefix: str = "") -> dict[str, Any]:
@@ -187,16 +188,13 @@ def name_list(text: str) -> list[str]:
 
 
 def _flag_type(hint: Any):
+    """How a flag's text becomes a field of type `hint` (an optional one: as its type)."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
-    base = args[0] if args and typing.get_origin(hint) in (typing.Union, getattr(__import__("types"), "UnionType", None)) \
-        else hint
-    if typing.get_origin(base) is list:
-        return int_list if typing.get_args(base) == (int,) else name_list
-    if base in (int, float, str, bool):
-        return base
-    if base is Path or base is os.PathLike:
-        return Path
-    return str
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
+        hint = args[0]
+    if typing.get_origin(hint) is list:
+        return int_list if typing.get_args(hint) == (int,) else name_list
+    return hint if hint in (int, float, str, bool, Path) else str
 
 
 # ------------------------------------------------------------------ the evaluation

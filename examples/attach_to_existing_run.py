@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from dflash_callbacks import DrafterEvalCallback, TrailingBaselineStop
 from dflash_callbacks.demos.toy import toy_world
-from dflash_callbacks.training import CacheSequences, DFlashTrainingModule, collate_sequences
+from dflash_callbacks.demos.training import CacheSequences, DFlashTrainingModule, collate_sequences
 
 torch.set_num_threads(1)  # the toy models are tiny: one thread trains, the other core scores
 world = toy_world("runs/attach-example/world")  # target, cache, baseline and training data folders

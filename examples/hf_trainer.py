@@ -17,7 +17,7 @@ from transformers import Trainer, TrainingArguments
 
 from dflash_callbacks import DFlashDrafter, DrafterEvalTrainerCallback, TargetHead, TrailingBaselineStop
 from dflash_callbacks.demos.toy import toy_world
-from dflash_callbacks.objective import CacheSequences, default_gamma, depth_weights, sequence_loss
+from dflash_callbacks.demos.objective import CacheSequences, default_gamma, depth_weights, sequence_loss
 
 torch.set_num_threads(1)  # the toy models are tiny: one thread trains, the other core scores
 world = toy_world("runs/hf-example/world")  # target, cache, baseline and training data folders

@@ -3,7 +3,7 @@
     python examples/plain_loop.py        (about a minute on 2 CPU cores)
 
 The loop below is "yours": a drafter, its optimizer, a DataLoader and the published training
-objective (`dflash_callbacks.objective.sequence_loss`). Here they train a toy drafter for the
+objective (`dflash_callbacks.demos.objective.sequence_loss`). Here they train a toy drafter for the
 toy target, whose folders stand in for your target, your cache (`dflash-callbacks extract`)
 and your baseline drafter. The evaluator writes its run folder under `dirpath/<run id>/`;
 under torchrun (DDP, FSDP2) every rank runs the same lines and rank 0 scores.
@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from dflash_callbacks import DFlashDrafter, DrafterEvaluator, TargetHead, TrailingBaselineStop
 from dflash_callbacks.demos.toy import toy_world
-from dflash_callbacks.objective import CacheSequences, collate_sequences, default_gamma, depth_weights, sequence_loss
+from dflash_callbacks.demos.objective import CacheSequences, collate_sequences, default_gamma, depth_weights, sequence_loss
 
 torch.set_num_threads(1)  # the toy models are tiny: one thread trains, the other core scores
 world = toy_world("runs/plain-loop-example/world")  # target, cache, baseline and training data folders

@@ -9,7 +9,7 @@ that hold each entry point to the same guarantees.
 - `two_ranks`: a training script of tests/scripts/ under torchrun, two gloo processes.
 
 Both train the synthetic world's drafter (tests/synthetic.py) with the published objective
-(`dflash_callbacks.objective.sequence_loss`) on the world's cache, one sequence per step, in a
+(`dflash_callbacks.demos.objective.sequence_loss`) on the world's cache, one sequence per step, in a
 fixed order, so two runs with the same seed compute the same weights.
 """
 
@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from dflash_callbacks import DFlashDrafter, DrafterConfig, DrafterEvaluator, TargetHead
-from dflash_callbacks.objective import CacheSequences, default_gamma, depth_weights, sequence_loss
+from dflash_callbacks.demos.objective import CacheSequences, default_gamma, depth_weights, sequence_loss
 
 LR = 3e-3
 SCORING = {"ddtree_budgets": [4], "device": "cpu"}

@@ -12,7 +12,7 @@ from dflash_callbacks.callbacks import DrafterEvalCallback
 from dflash_callbacks.engine.snapshot import StagingPool, capture
 from dflash_callbacks.cli import main as cli_main
 from dflash_callbacks.scoring.service import ScoringService, ServiceSpec
-from dflash_callbacks.training import CacheSequences, DFlashTrainingModule, collate_sequences
+from dflash_callbacks.demos.training import CacheSequences, DFlashTrainingModule, collate_sequences
 
 from runs import assert_clean, records, run_dir
 from synthetic import build_world

@@ -17,7 +17,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_callbacks.cli import main as cli_main
-from dflash_callbacks.cache.extract import add_extract_arguments, extract_cache, main, run_extract
+from dflash_callbacks.cache.extract import extract_cache
+from dflash_callbacks.cli.extract import add_extract_arguments, run_extract
 from dflash_callbacks.cache.format import HiddenStateCache
 from dflash_callbacks.cache.tasks import Task
 from dflash_callbacks.model.config import DrafterConfig
@@ -161,7 +162,7 @@ def test_killed_extraction_resumes_without_redoing_finished_tasks(random_target_
     first = (out / "t0.safetensors").stat()
 
     caplog.set_level(logging.INFO, logger="dflash_callbacks.cache.extract")
-    assert main(argv) == 0
+    assert cli_main(["extract", *argv]) == 0
     assert "t0: already in the cache, skipped" in caplog.text
     assert "t1: extracted" in caplog.text and "t0: extracted" not in caplog.text
     again = (out / "t0.safetensors").stat()

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from dflash_callbacks import DrafterEvaluator, TrailingBaselineStop
 from dflash_callbacks.callbacks import DrafterEvalCallback
 from dflash_callbacks.scoring.service import ScoringService, ServiceSpec
-from dflash_callbacks.training import CacheSequences, DFlashTrainingModule, collate_sequences
+from dflash_callbacks.demos.training import CacheSequences, DFlashTrainingModule, collate_sequences
 
 from loops import SCORING, plain_fit
 from runs import assert_clean, records, run_dir

@@ -10,6 +10,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -43,13 +45,38 @@ def test_the_wheel_ships_conf_and_an_install_finds_it(tmp_path):
 
 def test_the_engine_and_the_plain_loop_import_no_training_framework():
     """Only the adapters import the frameworks they adapt: the engine, the plain-loop evaluator, the
-    scoring service (the process worker's import path) and the checkpoint watcher load neither
-    Lightning nor the transformers Trainer (the drafter keeps its transformers building blocks)."""
+    scoring service (the process worker's import path), the watchers and the `score`, `compare` and
+    `watch` commands load neither Lightning nor the transformers Trainer (the drafter keeps its
+    transformers building blocks)."""
     code = ("import sys; import dflash_callbacks.engine, dflash_callbacks.loop, dflash_callbacks.scoring.service, "
-            "dflash_callbacks.watch.checkpoints, dflash_callbacks.engine.runners; "
+            "dflash_callbacks.watch.checkpoints, dflash_callbacks.watch.runs, dflash_callbacks.engine.runners, "
+            "dflash_callbacks.engine.evaluator, dflash_callbacks.cli.score, dflash_callbacks.cli.watch; "
             "from dflash_callbacks import DrafterEvaluator; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning') "
             "or m in ('transformers.trainer', 'transformers.trainer_callback')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+HELPS = [["--help"]] + [[command, "--help"] for command in ("demo", "extract", "score", "compare", "watch")]
+
+
+@pytest.mark.parametrize("argv", HELPS, ids=lambda argv: " ".join(argv))
+def test_every_help_and_every_refused_argument_answers_before_torch_loads(argv):
+    """`--help` of the command and of each subcommand, and an argument the CLI refuses (a demo monitor it
+    does not score, a watch given neither folder), answer from the settings alone: no torch, no
+    transformers, no Lightning, no W&B, no numpy imported (their imports alone take seconds on 2 cores)."""
+    heavy = ("torch", "transformers", "lightning", "wandb", "numpy")
+    code = ("import sys; from dflash_callbacks.cli import main\n"
+            "try:\n    code = main(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+            f"print(code, sorted({{m.split('.')[0] for m in sys.modules}} & set({heavy!r})))")
+    for args in (argv, ["demo", "stop.monitor=ddtree@16/live"] if argv == ["demo", "--help"] else None,
+                 ["watch", "--cache", "c", "--target", "t"] if argv == ["watch", "--help"] else None):
+        if args is None:
+            continue
+        done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120,
+                              cwd=REPO)
+        exit_code, imported = done.stdout.strip().splitlines()[-1].split(" ", 1)
+        assert exit_code == ("0" if args == argv else "2"), done.stderr
+        assert imported == "[]", (args, imported)

@@ -14,7 +14,7 @@ from dflash_callbacks.callbacks import DrafterEvalCallback
 from dflash_callbacks.engine.run_folder import RunFolder, RunFolderBusy
 from dflash_callbacks.watch.runs import Watcher
 from dflash_callbacks.scoring.service import ScoringService, ServiceSpec
-from dflash_callbacks.training import CacheSequences, DFlashTrainingModule, collate_sequences
+from dflash_callbacks.demos.training import CacheSequences, DFlashTrainingModule, collate_sequences
 
 from runs import assert_clean, records, run_dir, run_dirs
 from synthetic import build_world

@@ -12,7 +12,7 @@ from dflash_callbacks.callbacks.host import LightningHost
 from dflash_callbacks.engine.publish import Publisher
 from dflash_callbacks.engine.run_folder import RunFolder
 from dflash_callbacks.scoring.service import ScoringService, ServiceSpec
-from dflash_callbacks.training import CacheSequences, DFlashTrainingModule, collate_sequences
+from dflash_callbacks.demos.training import CacheSequences, DFlashTrainingModule, collate_sequences
 
 from synthetic import build_world
 from wandb_records import read_run

@@ -1,7 +1,7 @@
 """The Lightning adapters of the evaluation engine."""
 
-from .early_stopping import DrafterEarlyStopping
-from .eval_callback import DrafterEvalCallback
-from .stopping import TrailingBaselineStop
+from ..lazy import exports
 
 __all__ = ["DrafterEarlyStopping", "DrafterEvalCallback", "TrailingBaselineStop"]
+__getattr__ = exports(__name__, {"DrafterEarlyStopping": ".early_stopping", "DrafterEvalCallback": ".eval_callback",
+                                 "TrailingBaselineStop": ".stopping"})

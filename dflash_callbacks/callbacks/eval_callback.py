@@ -32,10 +32,10 @@ from ..engine.drafters import check_drafter_config, drafter_config_of, refuse_co
 from ..engine.evaluator import EvalEngine
 from ..engine.view import EngineView
 from ..model import DrafterConfig
-from ..settings import EvalSettings, built, describe, signature
+from ..settings import LIGHTNING_NAMES, EvalSettings, built, describe, signature
 from .host import LightningHost, fit_ends
 
-RENAME = {"every_n_steps": "every_n_train_steps"}  # Lightning's own spelling (`ModelCheckpoint`); both are taken
+RENAME = LIGHTNING_NAMES  # Lightning's own spelling (`ModelCheckpoint`'s every_n_train_steps); both are taken
 
 
 class DrafterEvalCallback(EngineView, Callback):

@@ -26,73 +26,24 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..callbacks import TrailingBaselineStop
-from ..checks import check_choice, check_int, check_number, problems_of
-from ..callbacks.schema import EvalConfig, StopConfig, build_eval_callback, build_stop_callback
-from ..config_files import CONF_DIR, load_config
+from ..callbacks.schema import build_eval_callback, build_stop_callback
 from ..scoring.intervals import paired_comparison
 from ..scoring.methods import Monitor
 from ..scoring.report import EvalReport, comparison_table
 from .plot import plot_live_tau
 from .toy.threads import torch_threads
-from .toy.world import TRAINING_PROMPT_LEN
-
-DEMO_YAML = CONF_DIR / "demo.yaml"
-WANDB_MODES = ("offline", "online", "disabled")
-
-
-@dataclass
-class TrainConfig:
-    """A drafter training recipe on the toy world (the demo's: deliberately weak)."""
-
-    max_steps: int = 600
-    lr: float = 3e-4
-    layers: int = 1
-    block_size: int = 8
-    blocks_per_sequence: int = 16
-    batch_size: int = 4
-    sequences: int = 256  # training sequences (target continuations of stdlib snippets)
-    seq_len: int = 160
-    seed: int = 0
-
-
-@dataclass
-class DemoConfig:
-    out: str = "runs/demo"
-    wandb: str = "offline"  # offline | online | disabled
-    wandb_project: str = "dflash-callbacks-demo"
-    train: TrainConfig = field(default_factory=TrainConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    stop: StopConfig = field(default_factory=StopConfig)
-
-
-def demo_config(overrides: list[str] | tuple = ()) -> DemoConfig:
-    """conf/demo.yaml over the defaults, then `key=value` overrides."""
-    return load_config(DemoConfig, DEMO_YAML, overrides)
-
-
-def config_keys(config: object = None, prefix: str = "") -> list[tuple[str, object]]:
-    """Every key of a (nested) config dataclass with its value, for `demo --help`."""
-    config = DemoConfig() if config is None else config
-    keys = []
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if dataclasses.is_dataclass(value):
-            keys += config_keys(value, f"{prefix}{f.name}.")
-        else:
-            keys.append((f"{prefix}{f.name}", value))
-    return keys
+from .settings import DemoConfig, TrainConfig, check_demo, demo_config  # noqa: F401  (the demo's settings)
 
 
 def training_data(world: Path, train: TrainConfig):
     from torch.utils.data import DataLoader
 
-    from ..training import CacheSequences, collate_sequences
+    from .training import CacheSequences, collate_sequences
     from .toy.world import build_toy_training_cache
 
     folder = world / f"train-{train.sequences}x{train.seq_len}"
@@ -103,7 +54,7 @@ def training_data(world: Path, train: TrainConfig):
 
 
 def toy_module(train: TrainConfig):
-    from ..training import DFlashTrainingModule
+    from .training import DFlashTrainingModule
     from .toy.world import toy_drafter_config, toy_target_path
 
     torch.manual_seed(train.seed)
@@ -125,51 +76,6 @@ def resolve_world(cfg: DemoConfig) -> tuple[str, str, str | None]:
             build_toy_cache(cache, block_size=cfg.train.block_size, progress=True)
     baseline = str(toy_baseline_path()) if cfg.eval.baseline == "toy" else cfg.eval.baseline
     return cache, target, baseline
-
-
-def check_demo(cfg: DemoConfig) -> None:
-    """Every problem of the demo's settings at once, one line each, before anything is built or
-    written: the recipe, the W&B mode, the callbacks' arguments (their constructors' checks), the
-    monitor against the methods scored, and the folders given in place of `toy`."""
-    train = cfg.train
-    problems = problems_of(
-        lambda: check_choice("wandb", cfg.wandb, WANDB_MODES),
-        lambda: check_int("train.max_steps", train.max_steps, 1),
-        lambda: check_number("train.lr", train.lr, above=0),
-        lambda: check_int("train.layers", train.layers, 1),
-        lambda: check_int("train.block_size", train.block_size, 2),
-        lambda: check_int("train.blocks_per_sequence", train.blocks_per_sequence, 1),
-        lambda: check_int("train.batch_size", train.batch_size, 1),
-        lambda: check_int("train.sequences", train.sequences, 1),
-        lambda: check_int("train.seq_len", train.seq_len, TRAINING_PROMPT_LEN + 1),
-        lambda: check_int("train.seed", train.seed, 0),
-    )
-    if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
-        problems.append(f"out {cfg.out} is a file: give the folder the demo writes into")
-    for key in ("cache", "target", "baseline"):
-        value = getattr(cfg.eval, key)
-        if value not in (None, "toy") and not Path(value).exists():
-            problems.append(f"eval.{key} {value} does not exist: give a folder, or toy for the toy world's")
-    if cfg.eval.runner == "external":
-        problems.append("eval.runner='external' scores nothing without a `dflash-callbacks watch`, and the demo starts "
-                        "none: use thread or process")
-    eval_cb = stop_cb = None
-    try:
-        eval_cb = build_eval_callback(cfg.eval)
-    except (ValueError, TypeError) as e:
-        problems += [f"eval: {line}" for line in str(e).splitlines()]
-    try:
-        stop_cb = build_stop_callback(cfg.stop)
-    except (ValueError, TypeError) as e:
-        problems.append(f"stop: {e}")
-    if eval_cb is not None and stop_cb is not None:
-        method = Monitor.parse(stop_cb.monitor).method
-        if str(method) not in eval_cb.scoring.methods:
-            where = {"ddtree": "eval.scoring.ddtree_budgets", "top": "eval.scoring.topk"}.get(method.kind)
-            problems.append(f"stop.monitor={cfg.stop.monitor!r}, but eval.scoring scores only {eval_cb.scoring.methods}: "
-                            f"monitor one of those, or add {method.n} to {where}")
-    if problems:
-        raise ValueError("\n".join(problems))
 
 
 class ReportLines:
@@ -291,19 +197,3 @@ def _run_demo(cfg: DemoConfig) -> dict:
     if "plot" in summary:
         print(f"live tau curves: {summary['plot']}")
     return summary
-
-
-def add_demo_arguments(p) -> None:
-    import argparse
-
-    keys = "\n".join(f"  {key} = {value!r}" for key, value in config_keys(demo_config()))
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.epilog = (f"settings (conf/demo.yaml over the callbacks' defaults; override any as key=value):\n{keys}\n\n"
-                "writes under OUT (default runs/demo): world/ (toy caches), baseline-reports/, dflash/<run id>/ "
-                "(results.jsonl, snapshots/), csv/version_N/metrics.csv, wandb/, live_tau.png")
-    p.add_argument("overrides", nargs="*", help="key=value settings of DemoConfig, e.g. train.max_steps=300")
-
-
-def run_demo_cli(args) -> int:
-    run_demo(demo_config(args.overrides))
-    return 0

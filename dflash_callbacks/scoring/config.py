@@ -33,14 +33,17 @@ def check_device_name(device: object) -> None:
 
 
 def _field(default: Any = dataclasses.MISSING, *, help: str, factory: Any = dataclasses.MISSING,
-           numbers: bool = False) -> Any:
-    """A field and its help; `numbers`: it changes the numbers (not only where or how fast they are computed)."""
-    return field(default=default, default_factory=factory, metadata={"help": help, "numbers": numbers})
+           numbers: bool = False, aliases: tuple[str, ...] = ()) -> Any:
+    """A field, its help and other names (as `settings.setting`); `numbers`: it changes the numbers (not only
+    where or how fast they are computed)."""
+    return field(default=default, default_factory=factory,
+                 metadata={"help": help, "numbers": numbers, "aliases": aliases, "flag": True})
 
 
 @dataclass(frozen=True)
 class ScoringConfig:
-    ddtree_budgets: list[int] = _field(factory=lambda: [4, 8], numbers=True, help="DDTree node budgets N")
+    ddtree_budgets: list[int] = _field(factory=lambda: [4, 8], numbers=True, aliases=("budgets",),
+                                       help="DDTree node budgets N")
     topk: list[int] = _field(factory=list, numbers=True, help="top@k widths (an upper bound, not a node budget)")
     window: int | None = _field(None, numbers=True, help="score the anchors in the first N tokens of each completion "
                                                          "(None: all)")

@@ -70,13 +70,13 @@ from ..engine.host import Host, Logger
 from ..engine.session import basis_changes
 from ..engine.run_folder import RunFolder, RunFolderBusy, is_run_folder
 from ..engine.runners import Job
-from ..engine.stop import ACTIONS, StopPolicy
+from ..engine.stop import StopPolicy
 from ..files import atomic_write_json
 from ..model import DFlashDrafter, DrafterConfig, build_drafter, load_drafter
 from ..model.drafter import check_state_dict
 from ..model.io import INDEX_FILE, UnreadableFile, read_config, read_state_shapes, safetensors_files
 from ..model.io import read_checkpoint as load_checkpoint
-from ..scoring.cli import UsageError, scoring_config
+from ..scoring.config import ScoringConfig
 from ..scoring.service import ServiceSpec, preflight
 from ..settings import EvalSettings
 
@@ -94,21 +94,6 @@ SAFETENSORS_HEADER_LIMIT = 100_000_000
 """The longest header the safetensors format reads (its own limit): a longer length is no header."""
 LAST_INTEGER = re.compile(r"(\d+)(?!.*\d)")
 SHARD_NAME = re.compile(r"-(\d+)-of-(\d+)\.safetensors\Z")
-
-# the flags only `watch --checkpoints` takes (dest -> default); `watch --dir` refuses them
-DEFAULTS: dict[str, Any] = {
-    "out": None, "state_key": None, "state_file": "training_state.pt", "drafter_config": None, "step_pattern": None,
-    "settle_seconds": 30.0, "wandb_project": None, "wandb_name": None, "wandb_group": None,
-    "monitor": "ddtree@8/live", "min_ratio": None, "min_delta": None, "patience": 3, "grace_steps": 0,
-    "projection": False, "projection_window": 5, "action": "stop", "max_steps": None,
-}
-STOP_SETTINGS = ("monitor", "min_ratio", "min_delta", "patience", "grace_steps", "projection", "projection_window",
-                 "action")
-
-
-def flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
-
 
 # ---------------------------------------------------------------- reading a checkpoint
 
@@ -425,14 +410,14 @@ class Seen:
 
 
 class CheckpointWatcher:
-    def __init__(self, args: argparse.Namespace, settings: dict[str, Any]):
+    def __init__(self, args: argparse.Namespace, settings: dict[str, Any], scoring: ScoringConfig):
         self.settings = s = settings
         self.root, self.out, self.settle = args.checkpoints, s["out"], s["settle_seconds"]
         self.poll_seconds, self.idle_exit, self.once = args.poll_seconds, args.idle_exit, args.once
         self.spec = ServiceSpec(
             cache=str(args.cache), target=str(args.target),
             baseline=None if args.baseline is None else str(args.baseline),
-            scoring=scoring_config(args).to_dict(),
+            scoring=scoring,
             baseline_cache_dir=None if args.baseline_cache_dir is None else str(args.baseline_cache_dir),
         )
         self.checkpoints = Checkpoints(self.root, s["step_pattern"], s["state_key"], s["state_file"], s["config"],
@@ -442,8 +427,8 @@ class CheckpointWatcher:
                                               runner="thread", keep_last=0, dirpath=self.out.parent,
                                               baseline_cache_dir=args.baseline_cache_dir))
         self.front = CheckpointFront(self.engine)
-        if args.baseline is not None:
-            self.engine.add_stop(StopPolicy(**{k: s[k] for k in STOP_SETTINGS}, verbose=True))
+        if s["stop"] is not None:
+            self.engine.add_stop(StopPolicy(s["stop"]))
         self.started = False
         self.done: set[int] = set(self.results_steps())  # steps with a report or an error line, or submitted
         self.seen: dict[int, Seen] = {}
@@ -464,7 +449,7 @@ class CheckpointWatcher:
     def check(self) -> None:
         """The checkpoints there now, whole and not scored yet, are all the run's drafter (that of
         --drafter-config, else of the first one there), and the drafter, cache, target, baseline and
-        scoring config fit together; else UsageError (or PreflightError) listing every problem.
+        scoring config fit together; else ValueError (or PreflightError) listing every problem.
         Without any checkpoint or --drafter-config yet, what needs no drafter is checked now and the
         rest with the first checkpoint. A damaged checkpoint (a file that does not read) is no
         reason to refuse: it is an error line naming it when its turn comes; a torch file that reads
@@ -487,7 +472,7 @@ class CheckpointWatcher:
                 c.drafter = Drafter(config, dict(shapes), str(source / "config.json"))
             problems += c.problems(source, config, shapes, weights)
         if problems:
-            raise UsageError("checkpoints the watcher can not score:\n  " + "\n  ".join(problems))
+            raise ValueError("checkpoints the watcher can not score:\n  " + "\n  ".join(problems))
         if c.drafter is None:
             preflight(self.spec, None)
         else:
@@ -500,7 +485,7 @@ class CheckpointWatcher:
         if is_run_folder(self.out):
             changed = basis_changes(self.engine.basis, RunFolder(self.out))
             if changed:
-                raise UsageError(f"--out {self.out} holds reports scored with {'; '.join(changed)}: watch with its "
+                raise ValueError(f"--out {self.out} holds reports scored with {'; '.join(changed)}: watch with its "
                                  "settings, or give another --out")
         elif self.out.is_dir() and not any(self.out.iterdir()):
             self.out.rmdir()  # an empty folder made beforehand: the run folder takes its place
@@ -509,7 +494,7 @@ class CheckpointWatcher:
         try:
             self.engine.start(self.host, None, run_id=self.out.name)
         except RunFolderBusy as e:
-            raise UsageError(f"--out {self.out}: {e}; another watcher writes there: stop it or give another "
+            raise ValueError(f"--out {self.out}: {e}; another watcher writes there: stop it or give another "
                              "--out") from None
         self.started = True
         try:
@@ -543,7 +528,7 @@ class CheckpointWatcher:
                           flush=True)
                     time.sleep(2.0)
                     continue
-                raise UsageError(f"W&B could not start a run: {type(e).__name__}: {e} (run `wandb login`, or set "
+                raise ValueError(f"W&B could not start a run: {type(e).__name__}: {e} (run `wandb login`, or set "
                                  "WANDB_MODE=offline)") from None
         self.engine.run.update_about({"wandb_id": run_id})
         return run
@@ -667,92 +652,9 @@ class CheckpointWatcher:
                 self.host.wandb_run = None
 
 
-# ---------------------------------------------------------------- command line
-
-
-def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of `watch --checkpoints` that `watch --dir` does not take."""
-    d = DEFAULTS
-    p.add_argument("--checkpoints", type=Path, default=None,
-                   help="the folder a trainer saves its checkpoints into: score each new one (no change to the "
-                        "trainer)")
-    g = p.add_argument_group("watch --checkpoints DIR", argument_default=argparse.SUPPRESS)
-    g.add_argument("--out", type=Path, help="the run folder of the reports (results.jsonl, run.json, STOP.json); "
-                                            "default DIR/dflash-eval")
-    g.add_argument("--state-key", help="read torch checkpoint files, the drafter's state dict under this key "
-                                       "(SpecForge: draft_state_dict); default: HF-format drafter folders")
-    g.add_argument("--state-file", help="with --state-key: the file read in a checkpoint folder "
-                                        f"(default {d['state_file']})")
-    g.add_argument("--drafter-config", type=Path, help="with --state-key: the drafter's config.json (or its folder)")
-    g.add_argument("--step-pattern", help="a regular expression whose first group (or match) is the step in a "
-                                          "checkpoint's name (default: the name's last integer)")
-    g.add_argument("--settle-seconds", type=float, help="a checkpoint without the trainer's completion marker is "
-                                                        "complete once its files are unchanged this long "
-                                                        f"(default {d['settle_seconds']:g})")
-    g.add_argument("--wandb-project", help="log the reports to this W&B project (default: no W&B)")
-    g.add_argument("--wandb-name", help="the W&B run's name")
-    g.add_argument("--wandb-group", help="the W&B group, e.g. the training run's, to see both together")
-    g.add_argument("--monitor", help=f"with --baseline, the stop's METHOD/AGGREGATE (default {d['monitor']})")
-    g.add_argument("--min-ratio", type=float, help="the stop: trailing means ours < this x baseline (default 0.9)")
-    g.add_argument("--min-delta", type=float, help="the stop: or ours < baseline + this (give one of the two)")
-    g.add_argument("--patience", type=int, help=f"the stop: consecutive trailing reports (default {d['patience']})")
-    g.add_argument("--grace-steps", type=int, help="the stop: reports before this step are never decided on "
-                                                   "(default 0)")
-    g.add_argument("--projection", action="store_true", help="the stop: only when a log fit stays below the threshold")
-    g.add_argument("--projection-window", type=int,
-                   help=f"the stop: reports the fit uses (default {d['projection_window']})")
-    g.add_argument("--action", choices=ACTIONS,
-                   help="the stop: 'stop' writes STOP.json, 'warn' only prints (default stop)")
-    g.add_argument("--max-steps", type=int, help="the training's last step: the projection's horizon; a report there "
-                                                 "only warns (training ends anyway)")
-
-
-def checkpoint_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The flags of `watch --checkpoints`, defaults filled in and checked; UsageError for what can not work."""
-    given = {dest for dest in DEFAULTS if hasattr(args, dest)}
-    s = {**DEFAULTS, **{dest: getattr(args, dest) for dest in given}}
-    root = args.checkpoints
-    if not root.is_dir():
-        raise UsageError(f"--checkpoints {root} is not a folder" + (" (it does not exist)" if not root.exists() else "")
-                         + ": give the folder your trainer saves its checkpoints into")
-    problems = []
-    seconds = (args.poll_seconds, args.idle_exit, s["settle_seconds"])
-    if not all(x is None or (math.isfinite(x) and x >= 0) for x in seconds):
-        problems.append("--poll-seconds, --idle-exit and --settle-seconds must be finite numbers >= 0")
-    if s["state_key"] is None and given & {"state_file", "drafter_config"}:
-        problems.append("--state-file and --drafter-config go with --state-key (torch checkpoint files); an HF-format "
-                        "drafter folder holds its own config.json")
-    s["config"] = None
-    if s["state_key"] is not None:
-        if s["drafter_config"] is None:
-            problems.append("--state-key reads torch checkpoint files, which hold no config: give the drafter's "
-                            "config.json with --drafter-config")
-        else:
-            try:
-                s["config"] = DrafterConfig.from_file(s["drafter_config"])
-            except (OSError, ValueError) as e:
-                problems.append(f"--drafter-config: {e}")
-    if s["step_pattern"] is not None:
-        try:
-            s["step_pattern"] = re.compile(s["step_pattern"])
-        except re.error as e:
-            problems.append(f"--step-pattern {s['step_pattern']!r} is not a regular expression ({e}); e.g. "
-                            r"'step_(\d+)'")
-    stop_flags = sorted(flag(k) for k in given & {*STOP_SETTINGS, "max_steps"})
-    if stop_flags and args.baseline is None:
-        problems.append(f"{', '.join(stop_flags)} set the stop, which compares with the baseline: give --baseline")
-    if s["wandb_project"] is None and given & {"wandb_name", "wandb_group"}:
-        problems.append("--wandb-name and --wandb-group name a run of --wandb-project: give the project")
-    s["out"] = s["out"] if s["out"] is not None else root / "dflash-eval"
-    if s["out"].exists() and not s["out"].is_dir():
-        problems.append(f"--out {s['out']} is a file: give the folder the reports go to")
-    if problems:
-        raise UsageError("\n".join(problems))
-    return s
-
-
-def run_watch_checkpoints(args: argparse.Namespace) -> int:
-    watcher = CheckpointWatcher(args, checkpoint_settings(args))
+def run_watch_checkpoints(args: argparse.Namespace, settings: dict[str, Any], scoring: ScoringConfig) -> int:
+    """`watch --checkpoints` with its flags (`cli.watch.checkpoint_settings`) and scoring config."""
+    watcher = CheckpointWatcher(args, settings, scoring)
     watcher.check()
     ok = False
     try:

@@ -322,66 +322,21 @@ class Watcher:
         return True
 
 
-def add_watch_arguments(p: argparse.ArgumentParser) -> None:
-    from ..scoring.cli import BASELINE_CACHE_HELP, SCORING_FLAGS, add_scoring_arguments
-
-    p.add_argument("--dir", type=Path, default=None,
-                   help="the callback's dirpath (one subfolder per run) or one run folder; waited for if it does not "
-                        "exist yet (with --once it must exist)")
-    p.add_argument("--cache", required=True, type=Path, help="hidden-state cache folder")
-    p.add_argument("--target", required=True, type=Path, help="target folder (only embed_tokens and lm_head are read)")
-    p.add_argument("--baseline", type=Path, default=None, help="the runs' baseline drafter folder or saved report JSON")
-    p.add_argument("--baseline-cache-dir", type=Path, default=None, help=BASELINE_CACHE_HELP)
-    p.add_argument("--poll-seconds", type=float, default=5.0, help="seconds between scans (>= 0)")
-    p.add_argument("--idle-exit", type=float, default=None, help="exit after this many seconds without a new snapshot")
-    p.add_argument("--once", action="store_true", help="score what is there now and exit")
-    add_scoring_arguments(p)
-    flags = {"--" + flag.replace("_", "-"): key in NUMBERS for flag, key in SCORING_FLAGS.items()}
-    p.epilog = (f"Each run is scored with the settings that change its numbers "
-                f"({', '.join(f for f, numbers in flags.items() if numbers)}) as its run.json records them; the other "
-                f"scoring flags ({', '.join(f for f, numbers in flags.items() if not numbers)}) say how this machine "
-                "computes them. A run that records none (an older run) is scored with the flags and --config. A run "
-                "that scores otherwise than a number-changing flag given here, or on another cache or target head, is "
-                "refused in one line, and nothing is written into its folder.")
-
-
-def given_settings(args: argparse.Namespace) -> dict[str, str]:
-    """The number-changing scoring settings given as flags -> the flag (`{"window": "--window"}`).
-    A key of --config is not one: like a default, it only stands in for what a run does not
-    record (the shipped conf/scoring.yaml lists every key)."""
-    from ..scoring.cli import SCORING_FLAGS
-
-    return {key: "--" + flag.replace("_", "-") for flag, key in SCORING_FLAGS.items()
-            if key in NUMBERS and hasattr(args, flag)}
-
-
-def open_watcher(args: argparse.Namespace, log=print) -> Watcher:
-    """The watcher `watch` runs: its own ScoringService from the flags, checked before any
-    work (preflight), and the number-changing settings its flags give."""
-    from ..scoring.cli import scoring_config
-
-    spec = ServiceSpec(
-        cache=str(args.cache), target=str(args.target),
-        baseline=None if args.baseline is None else str(args.baseline),
-        scoring=scoring_config(args).to_dict(),
-        baseline_cache_dir=None if args.baseline_cache_dir is None else str(args.baseline_cache_dir),
-    )
+def open_watcher(args: argparse.Namespace, config: ScoringConfig, given: dict[str, str], log=print) -> Watcher:
+    """The watcher `watch --dir` runs: its own ScoringService from the flags (`config`), checked before any
+    work (preflight), and the number-changing settings its flags give (`given`: setting -> flag)."""
+    spec = ServiceSpec(str(args.cache), str(args.target), None if args.baseline is None else str(args.baseline),
+                       config, None if args.baseline_cache_dir is None else str(args.baseline_cache_dir))
     preflight(spec, None)
-    return Watcher(ScoringService(spec, owns_process=True), args.dir, log, given_settings(args))
+    return Watcher(ScoringService(spec, owns_process=True), args.dir, log, given)
 
 
-def run_watch(args: argparse.Namespace) -> int:
-    from ..scoring.cli import UsageError
-
-    if args.dir.exists() and not args.dir.is_dir() or args.once and not args.dir.is_dir():
-        raise UsageError(f"--dir {args.dir} is not a folder: give the callback's dirpath (or a run folder in it)")
-    if not all(math.isfinite(x) and x >= 0 for x in (args.poll_seconds, args.idle_exit) if x is not None):
-        raise UsageError(f"--poll-seconds and --idle-exit must be finite numbers >= 0; got {args.poll_seconds:g} "
-                         f"and {'none' if args.idle_exit is None else format(args.idle_exit, 'g')}")
+def run_watch(args: argparse.Namespace, config: ScoringConfig, given: dict[str, str]) -> int:
+    """`watch --dir` with its flags (`cli.watch`), scoring config and number-changing flags given."""
     no_runs = not args.dir.is_dir() or not run_folders(args.dir)
     if no_runs and args.once:
-        raise UsageError(f"--dir {args.dir} holds no run folder{runs_hint(args.dir)}")
-    watcher = open_watcher(args, log=lambda line: print(line, flush=True))
+        raise ValueError(f"--dir {args.dir} holds no run folder{runs_hint(args.dir)}")
+    watcher = open_watcher(args, config, given, log=lambda line: print(line, flush=True))
     every = "once" if args.once else f"every {args.poll_seconds:g} s; Ctrl-C stops"
     print(f"watch: scoring the snapshots of the runs in {args.dir} ({every})", flush=True)
     if not args.dir.is_dir():  # a watcher started before the training run that makes it

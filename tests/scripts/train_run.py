@@ -44,7 +44,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from dflash_callbacks import DrafterConfig  # noqa: E402
 from dflash_callbacks.cache.format import HiddenStateCache, new_manifest, open_for_writing, write_task  # noqa: E402
 from dflash_callbacks.callbacks import DrafterEvalCallback, TrailingBaselineStop  # noqa: E402
-from dflash_callbacks.training import CacheSequences, DFlashTrainingModule, collate_sequences  # noqa: E402
+from dflash_callbacks.demos.training import CacheSequences, DFlashTrainingModule, collate_sequences  # noqa: E402
 
 LR = 3e-3
 

@@ -22,7 +22,7 @@ from dflash_callbacks.kernels.candidate_ddtree import candidate_ddtree_streaks
 from dflash_callbacks.model import build_drafter
 from dflash_callbacks.model.families.dflash2 import Drafter, Settings, block_conv, read_config
 from dflash_callbacks.model.families.dflash2_selector import NOT_PROPOSED
-from dflash_callbacks.objective import CacheSequences, default_gamma, depth_weights, sequence_loss
+from dflash_callbacks.demos.objective import CacheSequences, default_gamma, depth_weights, sequence_loss
 
 FULL = Path(__file__).resolve().parents[1] / "fixtures" / "families" / "dflash2-full"
 

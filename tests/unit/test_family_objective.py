@@ -1,4 +1,4 @@
-"""The families' training objective (`dflash_callbacks.family_objective`): for DFlash it is the published
+"""The families' training objective (`dflash_callbacks.demos.family_objective`): for DFlash it is the published
 objective, for DSpark DeepSpec's cross-entropy term, and 30 steps on the toy world's training data lower it
 for a DSpark and a Domino drafter."""
 
@@ -11,10 +11,10 @@ import torch
 
 from dflash_callbacks import load_drafter
 from dflash_callbacks.demos.toy import toy_drafter_config
-from dflash_callbacks.family_objective import block_loss, family_sequence_loss, slot_weights
+from dflash_callbacks.demos.family_objective import block_loss, family_sequence_loss, slot_weights
 from dflash_callbacks.model import TargetHead, build_drafter
 from dflash_callbacks.model.families import domino, dspark
-from dflash_callbacks.objective import CacheSequences, depth_weights, sequence_loss
+from dflash_callbacks.demos.objective import CacheSequences, depth_weights, sequence_loss
 
 from family_cases import FAMILIES, case, head
 

@@ -20,7 +20,9 @@ from dflash_callbacks.cli import build_parser
 from dflash_callbacks.cli import main as cli_main
 from dflash_callbacks.model import save_drafter
 from dflash_callbacks.model.io import UnreadableFile
-from dflash_callbacks.watch.checkpoints import CheckpointWatcher, Checkpoints, checkpoint_settings
+from dflash_callbacks.cli.score import scoring_config
+from dflash_callbacks.cli.watch import checkpoint_settings
+from dflash_callbacks.watch.checkpoints import CheckpointWatcher, Checkpoints
 
 from synthetic import build_world
 from test_watch_checkpoints import assert_same, results, scored, trained, watch_args
@@ -118,7 +120,7 @@ def test_a_damaged_first_checkpoint_waits_for_a_good_one_to_start_the_run(world,
     root = tmp_path / "ckpts"
     bad = spoiled(world, root, 1, "nested-config")
     args = build_parser().parse_args(watch_args(world, root, "--settle-seconds", "0"))
-    watcher = CheckpointWatcher(args, checkpoint_settings(args))
+    watcher = CheckpointWatcher(args, checkpoint_settings(args), scoring_config(args))
     watcher.check()
     assert watcher.scan() == 0 and not watcher.started
     assert f"watch: {bad} is not valid JSON" in capsys.readouterr().out
@@ -152,7 +154,7 @@ def test_a_later_checkpoint_that_completes_first_waits_for_an_earlier_one_still_
     marked(root / "checkpoint-2")
     marked(root / "checkpoint-6")
     args = build_parser().parse_args(watch_args(world, root, "--settle-seconds", "600"))
-    watcher = CheckpointWatcher(args, checkpoint_settings(args))
+    watcher = CheckpointWatcher(args, checkpoint_settings(args), scoring_config(args))
     watcher.check()
     assert watcher.scan() == 1 and watcher.done == {2}  # 4 settles for 600 s: 6 waits for it
     assert "watch: step 6 is complete: scored after step 4, which is still being written" in capsys.readouterr().out
@@ -168,7 +170,7 @@ def test_a_later_checkpoint_that_completes_first_waits_for_an_earlier_one_still_
     (root / "checkpoint-8" / "model.safetensors").write_bytes(weights[: len(weights) // 2])
     save_drafter(root / "checkpoint-10", world.config, trained(world, 10))
     args = build_parser().parse_args(watch_args(world, root, "--settle-seconds", "0"))
-    watcher = CheckpointWatcher(args, checkpoint_settings(args))
+    watcher = CheckpointWatcher(args, checkpoint_settings(args), scoring_config(args))
     watcher.check()
     assert watcher.scan() == 1 and 10 in watcher.done
     assert f"watch: step 8: waiting for {root / 'checkpoint-8'}: model.safetensors holds" in capsys.readouterr().out

@@ -37,7 +37,7 @@ from .tokenizer import MASK_ID
 TOY_TARGET_DIR = Path(__file__).resolve().parent / "assets" / "target"
 TOY_LAYER_IDS = [1, 2]  # of the toy target's 4 decoder layers
 TOY_MAX_NEW_TOKENS = 96
-TRAINING_PROMPT_LEN = 64  # tokens of each chat request in the drafter's training data
+from ..settings import TRAINING_PROMPT_LEN  # noqa: E402  (one value, the demo checks it too)
 
 
 def toy_target_path() -> Path:

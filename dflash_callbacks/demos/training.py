@@ -8,7 +8,7 @@ import os
 import lightning.pytorch as pl
 import torch
 
-from .model import DrafterConfig, TargetHead, build_drafter
+from ..model import DrafterConfig, TargetHead, build_drafter
 from .objective import CacheSequences, collate_sequences, default_gamma, depth_weights, sequence_loss
 
 __all__ = ["CacheSequences", "DFlashTrainingModule", "collate_sequences"]

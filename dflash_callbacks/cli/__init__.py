@@ -10,26 +10,28 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import importlib
 import itertools
 import os
 import sys
 
-# command -> (module, function adding its arguments, function running it, help)
-COMMANDS = {
-    "demo": ("dflash_callbacks.demos.demo", "add_demo_arguments", "run_demo_cli",
+from . import demo, extract, score, watch
+from .usage import USER_ERRORS, UsageError  # noqa: F401  (the CLI's error, importable from here)
+
+COMMANDS = {  # command -> (the function adding its arguments, the function running it, its help)
+    "demo": (demo.add_demo_arguments, demo.run_demo,
              "train a toy drafter on the CPU with both callbacks attached (the main job)"),
-    "extract": ("dflash_callbacks.cache.extract", "add_extract_arguments", "run_extract",
-                "cache a target's greedy completions and hidden states for a task set"),
-    "score": ("dflash_callbacks.scoring.cli", "add_score_arguments", "run_score",
+    "extract": (extract.add_extract_arguments, extract.run_extract,
+                "cache a target's completions (greedy, or sampled as served) and hidden states for a task set"),
+    "score": (score.add_score_arguments, score.run_score,
               "score a drafter folder (and a baseline) on a cache; print the per-task table"),
-    "compare": ("dflash_callbacks.scoring.cli", "add_compare_arguments", "run_compare",
+    "compare": (score.add_compare_arguments, score.run_compare,
                 "compare a report (or a step of results.jsonl) with the baseline's report"),
-    "watch": ("dflash_callbacks.watch.cli", "add_watch_arguments", "run_watch",
+    "watch": (watch.add_watch_arguments, watch.run_watch,
               "score the snapshots training runs write (--dir: DrafterEvalCallback(runner='external')) or the "
               "checkpoints a trainer saves (--checkpoints)"),
 }
-USER_ERRORS = (ValueError, OSError)  # bad input: CacheError, PreflightError, UsageError, missing files, ...
+"""Each command's module imports what it runs when it runs it: a help, or a refused argument, answers
+before torch loads."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -68,19 +70,18 @@ def build_parser() -> argparse.ArgumentParser:
                        help="show the traceback of an error (also DFLASH_DEBUG=1)")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error (also DFLASH_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (module, add_arguments, run, help_text) in COMMANDS.items():
+    for name, (add_arguments, run, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text, parents=[debug])
-        getattr(importlib.import_module(module), add_arguments)(p)
-        p.set_defaults(run=(module, run))
+        add_arguments(p)
+        p.set_defaults(run=run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    module, run = args.run
     debug = args.debug or os.environ.get("DFLASH_DEBUG", "") not in ("", "0")
     try:
-        return int(getattr(importlib.import_module(module), run)(args) or 0)
+        return int(args.run(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

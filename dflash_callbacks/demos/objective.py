@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from .cache.format import HiddenStateCache
-from .model import DFlashDrafter, TargetHead
-from .model.geometry import block_attention_mask, block_inputs, block_positions
+from ..cache.format import HiddenStateCache
+from ..model import DFlashDrafter, TargetHead
+from ..model.geometry import block_attention_mask, block_inputs, block_positions
 
 
 def default_gamma(block_size: int) -> float:

@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .model import TargetHead
-from .model.geometry import block_attention_mask, block_inputs, block_positions
+from ..model import TargetHead
+from ..model.geometry import block_attention_mask, block_inputs, block_positions
 from .objective import depth_weights
-from .scoring.scorer import draft_labels
+from ..scoring.scorer import draft_labels
 
 
 def slot_weights(proposals: int, gamma: float) -> torch.Tensor:

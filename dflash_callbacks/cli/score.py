@@ -1,4 +1,4 @@
-"""`dflash-callbacks score` and `dflash-callbacks compare`.
+"""`dflash-callbacks score` and `dflash-callbacks compare` (and the scoring flags `watch` takes too).
 
 Both check every input before any work starts (`score` runs the same preflight as the
 callback, the baseline included), then print a per-task table, every number with its 95%
@@ -12,56 +12,22 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from ..checks import DTYPES
-from ..kernels.head_stats import BACKENDS
-from ..model.attention import RULES as ATTENTION_RULES
-from .config import ScoringConfig
-from .basis import Basis, attention_difference
-from .report import EvalReport, comparison_table, read_results
-
-
-class UsageError(ValueError):
-    """A command-line argument that can not work; printed as one `error:` line."""
-
-
-def int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-# scoring flag -> ScoringConfig field; a flag that is not given leaves the field to --config (or its default)
-SCORING_FLAGS = {"budgets": "ddtree_budgets", "topk": "topk", "window": "window", "block_size": "block_size",
-                 "max_rounds": "max_rounds", "tasks": "tasks", "anchors_per_forward": "anchors_per_forward",
-                 "vocab_chunk": "vocab_chunk", "backend": "backend", "device": "device", "dtype": "dtype",
-                 "max_memory_gib": "max_memory_gib", "release_memory": "release_memory", "attention": "attention"}
+from ..scoring.config import ScoringConfig
+from ..settings import add_arguments, given_arguments
+from .usage import UsageError
 
 
 def add_scoring_arguments(p: argparse.ArgumentParser) -> None:
-    d = ScoringConfig()
-    g = p.add_argument_group("scoring (ScoringConfig; a flag given here wins over --config)",
-                             argument_default=argparse.SUPPRESS)
+    """A flag per ScoringConfig field (its help and default), and --config."""
+    g = p.add_argument_group("scoring (ScoringConfig; a flag given here wins over --config)")
     g.add_argument("--config", type=Path, default=None,
                    help="a ScoringConfig YAML (e.g. conf/scoring.yaml); flags given on the command line win")
-    g.add_argument("--budgets", type=int_list, help=f"DDTree node budgets (default {','.join(map(str, d.ddtree_budgets))})")
-    g.add_argument("--topk", type=int_list, help="top@k widths, e.g. 4,8 (default none)")
-    g.add_argument("--window", type=int, help="score the first N completion tokens (default all)")
-    g.add_argument("--block-size", type=int, help="default: the drafter's")
-    g.add_argument("--max-rounds", type=int, help=f"rounds of the live schedule (default {d.max_rounds})")
-    g.add_argument("--tasks", type=lambda s: [t.strip() for t in s.split(",") if t.strip()],
-                   help="comma-separated subset of tasks (default all)")
-    g.add_argument("--anchors-per-forward", type=int, help=f"blocks decoded side by side (default {d.anchors_per_forward})")
-    g.add_argument("--vocab-chunk", type=int, help="vocabulary tile of the torch LM-head path (default 8192)")
-    g.add_argument("--backend", choices=BACKENDS, help=f"LM-head statistics (default {d.backend})")
-    g.add_argument("--device", help=f"auto | cpu | cuda | cuda:N (default {d.device})")
-    g.add_argument("--dtype", choices=list(DTYPES), help=f"default {d.dtype}")
-    g.add_argument("--max-memory-gib", type=float, help="the scorer's memory budget in GiB (default none)")
-    g.add_argument("--release-memory", action="store_true",
-                   help="give the scorer's accelerator memory back after each report")
-    g.add_argument("--attention", choices=list(ATTENTION_RULES),
-                   help=f"the attention pattern inside a block (default {d.attention}: as vLLM serves the drafter; "
-                        "the others score it as another stack runs it)")
+    add_arguments(g, ScoringConfig)
+
+
+def scoring_flag(name: str) -> str:
+    """How the command line spells a ScoringConfig field."""
+    return "--" + name.replace("_", "-")
 
 
 def scoring_config(args: argparse.Namespace) -> ScoringConfig:
@@ -71,8 +37,7 @@ def scoring_config(args: argparse.Namespace) -> ScoringConfig:
 
     if args.config is not None and not args.config.is_file():
         raise UsageError(f"--config {args.config} is not a file: give a ScoringConfig YAML such as conf/scoring.yaml")
-    flags = {key: getattr(args, flag) for flag, key in SCORING_FLAGS.items() if hasattr(args, flag)}
-    return load_config(ScoringConfig, args.config, values=flags)
+    return load_config(ScoringConfig, args.config, values=given_arguments(args, ScoringConfig))
 
 
 BASELINE_CACHE_HELP = ("where baseline reports are cached (default $XDG_CACHE_HOME/dflash_callbacks/baselines, "
@@ -132,7 +97,9 @@ def drafter_source(args: argparse.Namespace):
 
 
 def run_score(args: argparse.Namespace) -> int:
-    from .service import ScoringService, ServiceSpec, preflight
+    from ..scoring.basis import attention_difference
+    from ..scoring.report import comparison_table
+    from ..scoring.service import ScoringService, ServiceSpec, preflight
 
     check_output("--json", args.json)
     check_output("--baseline-json", args.baseline_json)
@@ -174,10 +141,12 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
                                                         "or scoring fields differ (what is dropped is said)")
 
 
-def load_ours(path: Path, step: int | None) -> EvalReport:
+def load_ours(path: Path, step: int | None):
     if path.is_dir():
         raise UsageError(f"{path} is a folder: the first argument is our report JSON (from `score --json`) or a run's "
                          "results.jsonl; a drafter folder is scored with `dflash-callbacks score --drafter`")
+    from ..scoring.report import EvalReport, read_results
+
     if path.suffix != ".jsonl":
         if step is not None:
             raise UsageError("--step picks a report from a results.jsonl; this is a single report")
@@ -205,11 +174,13 @@ def load_ours(path: Path, step: int | None) -> EvalReport:
     return chosen[-1]
 
 
-def load_baseline(path: Path) -> EvalReport:
+def load_baseline(path: Path):
     if path.is_dir():
         raise UsageError(f"the baseline {path} is a folder: compare takes the baseline's report JSON; score a drafter "
                          f"folder with `dflash-callbacks score --drafter OURS --baseline {path} --baseline-json base.json` "
                          "and compare with base.json")
+    from ..scoring.report import EvalReport
+
     if path.suffix == ".jsonl":
         raise UsageError(f"the baseline {path} is a results.jsonl: the first argument may be a results.jsonl, the second "
                          "must be the baseline's report JSON (e.g. from `score --baseline-json`); are they swapped?")
@@ -217,6 +188,9 @@ def load_baseline(path: Path) -> EvalReport:
 
 
 def run_compare(args: argparse.Namespace) -> int:
+    from ..scoring.basis import Basis, attention_difference
+    from ..scoring.report import comparison_table
+
     ours, baseline = load_ours(args.ours, args.step), load_baseline(args.baseline)
     # anything that changes numbers refuses, a method scored on one side only included
     problems = replace(Basis.of_report(ours), methods=()).mismatches(baseline, f"the baseline {args.baseline}")
