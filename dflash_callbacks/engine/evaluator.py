@@ -302,7 +302,7 @@ class EvalEngine:
         if wait and runner.pending:
             self.host.info(f"{self.name}: waiting for {runner.pending} pending report(s) (steps "
                            f"{runner.pending_steps()}), at most {self.settings.wait_timeout:g} s")
-        runner.close(wait, self.settings.wait_timeout, reason)
+        runner.close(wait, self.settings.wait_timeout, reason, keep=not publish)
         try:  # on_error="raise" may raise from here: the folder is unlocked all the same
             if publish:
                 self.reports.drain(runner)  # a baseline polled now still comes before the recovered reports

@@ -410,6 +410,7 @@ class BackgroundRunner:
         self._baseline_report: EvalReport | None = None  # to compare each report with, on this thread
         self._cancel, self._closing = threading.Event(), threading.Event()
         self._cancel_reason = "scoring was cancelled"
+        self._keep = False  # closed after training failed: snapshots in memory are written for a resume
         self.scorer = SCORERS[kind](spec, run, self._cancel, self._closing)
         self._inbox: queue.Queue = queue.Queue()
         self._outbox: queue.Queue = queue.Queue()
@@ -450,10 +451,12 @@ class BackgroundRunner:
                     self._pending.pop(outcome.step, None)
             out.append(outcome)
 
-    def close(self, wait: bool, timeout: float, reason: str) -> None:
+    def close(self, wait: bool, timeout: float, reason: str, keep: bool = False) -> None:
         """With `wait`, let every submitted job finish within `timeout` seconds; whatever is
-        left then (or everything, without `wait`) ends as an error outcome saying `reason`."""
-        self._cancel_reason = reason
+        left then (or everything, without `wait`) ends as an error outcome saying `reason`.
+        With `keep` (training failed), a snapshot still in memory is written to the run folder
+        instead, its outcome `on_disk`: a resume scores it, as if a kill had left it there."""
+        self._cancel_reason, self._keep = reason, keep
         self._inbox.put(None)
         if wait:
             self._closing.set()
@@ -465,6 +468,16 @@ class BackgroundRunner:
         self.scorer.close()
 
     def _abandon(self, reason: str) -> None:
+        if self._keep:  # the jobs the stuck thread has not taken: written here, for a resume
+            while True:
+                try:
+                    job = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None and job.snapshot is not None:
+                    self._write_for_resume(job)
+                    job.snapshot.release()
+            self._inbox.put(None)  # the thread ends after its task
         with self._lock:
             self._abandoned = True
             ready = []
@@ -476,6 +489,16 @@ class BackgroundRunner:
                       for step, snapshot_id in sorted(self._pending.items()) if step not in handed]
             for outcome in ready:
                 self._outbox.put(outcome)
+
+    def _write_for_resume(self, job: Job) -> Path | None:
+        """`keep`: a cancelled job's snapshot still in memory, written to the run folder (None when
+        writing fails: its outcome is then an error line)."""
+        if job.folder is None and job.snapshot is not None:
+            try:
+                job.folder = self.run.write_snapshot(job.snapshot)
+            except Exception:
+                return None
+        return job.folder if job.folder is not None and job.folder.exists() else None
 
     def _written(self, step: int, snapshot_id: str) -> Path | None:
         """The snapshot folder of this step and id, when it is on disk."""
@@ -556,8 +579,10 @@ class BackgroundRunner:
             outcome = SnapshotOutcome(step=job.step, snapshot_id=job.snapshot_id, report=report,
                                       versus=versus_baseline(report, self._baseline_report))
         except Cancelled:
+            on_disk = self._write_for_resume(job) if self._keep else \
+                job.folder if job.folder is not None and job.folder.exists() else None
             outcome = SnapshotOutcome(step=job.step, snapshot_id=job.snapshot_id, error=f"not scored: {self._cancel_reason}",
-                                      on_disk=job.folder if job.folder is not None and job.folder.exists() else None)
+                                      on_disk=on_disk)
         except Exception as e:
             outcome = SnapshotOutcome(step=job.step, snapshot_id=job.snapshot_id, error=describe(e))
         finally:
