@@ -223,7 +223,8 @@ class EvalEngine:
         except Exception:  # before the runner starts: nothing queued is cancelled, the folder is let go
             self.run.unlock()
             raise
-        self.runner = BackgroundRunner(self.settings.runner, self._spec, self.run, self.settings.keep_last, self.basis)
+        self.runner = BackgroundRunner(self.settings.runner, self._spec, self.run, self.settings.keep_last, self.basis,
+                                       notes=self.reports.unresolvable)
         for job in opened.jobs:
             self.runner.submit(job)
         self.schedule.allocate(drafter)

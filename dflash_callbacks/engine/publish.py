@@ -77,6 +77,19 @@ def versus_record(versus: dict) -> dict:
     return out
 
 
+def results_record(report: EvalReport, score_seconds: float, versus: dict | None) -> tuple[dict, str | None]:
+    """The report's results.jsonl line (with `versus`, its run-level comparison with the baseline) and,
+    when the strict reader would refuse it, why (None: it reads back). Milliseconds of work: the runner
+    makes it off the training thread."""
+    record = {**report.to_dict(), "score_seconds": score_seconds,
+              **({"versus_baseline": versus_record(versus)} if versus else {})}
+    try:
+        EvalReport.from_dict(record)  # what the reader would refuse is never logged
+    except ValueError as e:
+        return record, str(e)
+    return record, None
+
+
 def wandb_name(key: str) -> str:
     """A logged key as `define_metric` takes it: W&B reads an unescaped '.' as a nested summary
     path, so a task or prefix with a dot (`py3.11`) would lose its axis and max summary."""
@@ -134,16 +147,14 @@ class Publisher:
             self.unsaved.pop(0)
         return written
 
-    def record_report(self, report: EvalReport, score_seconds: float, versus: dict | None = None) -> bool:
-        """Append the report's results.jsonl line (with `versus`, its run-level comparison with the
-        baseline: `versus_record`). A report the reader would refuse is an error line instead (and a
-        failure): False, and none of its numbers may be logged."""
-        record = {**report.to_dict(), "score_seconds": score_seconds,
-                  **({"versus_baseline": versus_record(versus)} if versus else {})}
-        try:
-            EvalReport.from_dict(record)  # what the reader would refuse is never logged
-        except ValueError as e:
-            error = f"step {report.step}: the report is refused, none of its numbers is logged: {e}"
+    def record_report(self, report: EvalReport, score_seconds: float, versus: dict | None = None,
+                      prepared: tuple[dict, str | None] | None = None) -> bool:
+        """Append the report's results.jsonl line (`results_record`; `prepared`: made already, by the
+        runner). A report the reader would refuse is an error line instead (and a failure): False, and
+        none of its numbers may be logged."""
+        record, refused = prepared or results_record(report, score_seconds, versus)
+        if refused is not None:
+            error = f"step {report.step}: the report is refused, none of its numbers is logged: {refused}"
             self.record({"step": report.step, "snapshot_id": report.snapshot_id, "error": error})
             self.fail(error)
             return False
@@ -151,11 +162,12 @@ class Publisher:
         return True
 
     def publish(self, report: EvalReport, baseline: EvalReport | None, score_seconds: float,
-                errors: int, versus: dict | None = None) -> dict[str, float] | None:
+                errors: int, versus: dict | None = None,
+                prepared: tuple[dict, str | None] | None = None) -> dict[str, float] | None:
         """Record, then log to every logger at the report's step (`versus`: the paired comparison
-        with the baseline, for the intervals of the deltas and ratios); returns what was logged
-        (None, and nothing logged, for a refused report)."""
-        if not self.record_report(report, score_seconds, versus):
+        with the baseline, for the intervals of the deltas and ratios; `prepared`: its line, made by
+        the runner); returns what was logged (None, and nothing logged, for a refused report)."""
+        if not self.record_report(report, score_seconds, versus, prepared):
             return None
         metrics = report_metrics(self.prefix, report, baseline)
         metrics.update(interval_metrics(self.prefix, report, baseline if versus else None, versus))

@@ -35,7 +35,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -48,6 +48,7 @@ from ..scoring.report import EvalReport
 from ..scoring.scorer import Cancelled, NonFiniteError
 from ..scoring.service import ScoringService, ServiceSpec, recorded_weights, weights_fingerprint
 from ..settings import RUNNERS  # noqa: F401  (importable from here too)
+from .publish import results_record
 from .run_folder import RunFolder, WatcherError
 from .snapshot import Snapshot
 
@@ -90,11 +91,12 @@ class SnapshotOutcome(Outcome):
     snapshot_id: str
     on_disk: Path | None = None  # cancelled or abandoned with its snapshot (or checkpoint) here: a resume scores it
     versus: dict | None = None  # the report against the baseline (intervals.paired_comparison), made off the training thread
+    record: tuple[dict, str | None] | None = None  # its results.jsonl line, and why the reader would refuse it (idem)
 
 
 @dataclass(kw_only=True)
 class BaselineOutcome(Outcome):
-    pass
+    notes: list[str] = field(default_factory=list)  # what the run is told of it, worked out off the training thread
 
 
 class ScorerError(RuntimeError):
@@ -404,8 +406,12 @@ def versus_baseline(report: EvalReport, baseline: EvalReport | None) -> dict | N
 
 
 class BackgroundRunner:
-    def __init__(self, kind: str, spec: ServiceSpec, run: RunFolder, keep_last: int, basis: Basis):
+    def __init__(self, kind: str, spec: ServiceSpec, run: RunFolder, keep_last: int, basis: Basis,
+                 notes: Callable[[EvalReport], list[str]] | None = None):
+        """`notes(baseline)`: the lines the run is told once the baseline's report is in (the stops' setup
+        warnings, `reports.unresolvable`), made on this runner's thread: they may take a while."""
         self.run, self.keep_last, self.basis, self.has_baseline = run, keep_last, basis, spec.baseline is not None
+        self._notes = notes
         self._baseline_failed = False
         self._baseline_report: EvalReport | None = None  # to compare each report with, on this thread
         self._cancel, self._closing = threading.Event(), threading.Event()
@@ -550,11 +556,19 @@ class BackgroundRunner:
             if problems:
                 raise RuntimeError("; ".join(problems))
             self._baseline_report = report
-            self._put(BaselineOutcome(report=report, seconds=time.monotonic() - started))
+            self._put(BaselineOutcome(report=report, seconds=time.monotonic() - started, notes=self._notes_on(report)))
             self._baseline_failed = False
         except Exception as e:
             self._put(BaselineOutcome(error=describe(e), seconds=time.monotonic() - started))
             self._baseline_failed = True
+
+    def _notes_on(self, report: EvalReport | None) -> list[str]:
+        if report is None or self._notes is None:
+            return []
+        try:
+            return self._notes(report)
+        except Exception as e:  # a note that can not be made is one line too, never a failed baseline
+            return [f"the notes on the baseline's report failed: {describe(e)}"]
 
     def _run(self, job: Job) -> SnapshotOutcome:
         started = time.monotonic()
@@ -596,4 +610,6 @@ class BackgroundRunner:
             elif job.folder is not None and job.folder.parent == self.run.snapshots_dir:
                 self._pruned(job.folder)
         outcome.seconds = time.monotonic() - started
+        if outcome.report is not None:
+            outcome.record = results_record(outcome.report, outcome.seconds, outcome.versus)
         return outcome
