@@ -34,7 +34,8 @@ from ..callbacks import TrailingBaselineStop
 from ..callbacks.schema import build_eval_callback, build_stop_callback
 from ..scoring.intervals import paired_comparison
 from ..scoring.methods import Monitor
-from ..scoring.report import EvalReport, comparison_table
+from ..engine.reports import final_table
+from ..scoring.report import EvalReport
 from .plot import plot_live_tau
 from .toy.threads import torch_threads
 from .settings import DemoConfig, TrainConfig, check_demo, demo_config  # noqa: F401  (the demo's settings)
@@ -183,8 +184,7 @@ def _run_demo(cfg: DemoConfig) -> dict:
         "errors": eval_cb.errors,
     }
     if eval_cb.reports:
-        last = max(eval_cb.reports, key=lambda r: r.step)
-        print("\n" + comparison_table(last, eval_cb.baseline_report) + "\n")
+        print(final_table(eval_cb.reports, eval_cb.baseline_report))
         title = f"demo run {eval_cb.run_id}: live tau of ours against the baseline ({len(eval_cb.reports)} reports)"
         reason = f"stopped at step {lines.stop_step}: {lines.stop_reason}" if lines.stop_step is not None else None
         summary["plot"] = str(plot_live_tau(eval_cb.reports, eval_cb.baseline_report, out / "live_tau.png", title=title,

@@ -46,7 +46,7 @@ from .host import Host
 from .metrics import RunState
 from .news import exchange
 from .publish import Publisher, Subscriber
-from .reports import Reports
+from .reports import Reports, final_table
 from .run_folder import RunFolder
 from .runners import BackgroundRunner
 from .schedule import Schedule, should_snapshot
@@ -299,6 +299,9 @@ class EvalEngine:
                 self.close(True, f"wait_timeout={self.settings.wait_timeout:g} s ran out at the end of training")
             else:
                 self.close(False, f"wait_on_end=False: {where} returned without waiting for it")
+        table = final_table(self.reports.reports, self.baseline_report) if error is None else None
+        if table is not None and self.settings.verbose:
+            self.host.info(table)
 
     def close(self, wait: bool, reason: str, publish: bool = True) -> None:
         """Rank 0: with `wait`, the pending reports within `wait_timeout` (what is left then is an error line

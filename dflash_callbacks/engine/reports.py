@@ -12,13 +12,23 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..scoring.intervals import resolution_warning
-from ..scoring.report import EvalReport
+from ..scoring.report import EvalReport, comparison_table
 from ..settings import EvalSettings
 from .host import Host
 from .metrics import MEAN_KEYS, RunState, history_entry
 from .publish import Publisher, Subscriber, summary_line, versus_record
 from .runners import BackgroundRunner, BaselineOutcome, SnapshotOutcome, is_non_finite, versus_baseline
 from .stop import Moment, Stops
+
+
+def final_table(reports: list[EvalReport], baseline: EvalReport | None) -> str | None:
+    """What a run ends with (the demo, and every adapter with verbose=True): the last report's live tau
+    per task against the baseline, each number with its 95% interval, and a verdict per method; None
+    before any report."""
+    if not reports:
+        return None
+    last = max(reports, key=lambda r: r.step)
+    return f"\n{comparison_table(last, baseline)}\n"
 
 
 class Reports:
