@@ -36,7 +36,7 @@ from ..scoring.intervals import paired_comparison
 from ..scoring.methods import Monitor
 from ..engine.reports import final_table
 from ..scoring.report import EvalReport
-from .plot import plot_live_tau
+from ..plot import plot_live_tau
 from .toy.threads import torch_threads
 from .settings import DemoConfig, TrainConfig, check_demo, demo_config  # noqa: F401  (the demo's settings)
 
