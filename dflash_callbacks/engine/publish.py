@@ -27,13 +27,16 @@ W&B also gets, per report, a table of the live aggregate per task (PREFIX/live_t
 one acceptance-curve plot per method (ours and the baseline: the share of anchors whose
 streak reaches each depth, mean over tasks), one band plot per method (PREFIX/band/METHOD:
 the live mean of ours and of the baseline at every report so far, each with its 95%
-interval), and, once, the cache fingerprint and block sizes in the run config.
+interval), and, once, the cache fingerprint and block sizes in the run config. Offline, the copies
+W&B keeps of the tables go into the run's own folder (`staged_in_run`).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
+from contextlib import contextmanager
 
 from ..scoring.intervals import interval_metrics
 from ..scoring.methods import AGGREGATES
@@ -224,7 +227,8 @@ class Publisher:
                 xs=depths, ys=ys, keys=keys, xname="depth (draft tokens)",
                 title=f"{method}: share of anchors accepting at least d tokens, step {report.step}")
         extras.update(self._band_plots(report, baseline))
-        log({**metrics, **extras}, report.step)
+        with staged_in_run(run):
+            log({**metrics, **extras}, report.step)
 
     def _band_plots(self, report: EvalReport, baseline: EvalReport | None) -> dict:
         """PREFIX/band/METHOD: the live mean of ours and of the baseline at every report so far, each
@@ -247,6 +251,29 @@ class Publisher:
                 xs=[r[0] for r in rows], ys=[[r[1 + i] for r in rows] for i in range(len(columns))], keys=columns,
                 xname="step", title=f"{method}/live: ours and the baseline, each with its 95% interval")
         return plots
+
+
+@contextmanager
+def staged_in_run(run):
+    """W&B copies every table (and plot) logged into a staging folder, for its upload; offline, nothing
+    uploads and the copies stay in the data folder (~/.local/share/wandb/artifacts/staging) for good: a
+    pile that grows with every report. Offline, our tables' copies go into the run's own folder instead
+    (W&B reads the folder from WANDB_DATA_DIR at each copy), where a later `wandb sync` reads them and
+    which goes with the run. Online, W&B moves each copy out once uploaded: nothing changes."""
+    settings = getattr(run, "settings", None)
+    folder = getattr(settings, "sync_dir", None) if getattr(settings, "_offline", False) else None
+    if not folder:
+        yield
+        return
+    before = os.environ.get("WANDB_DATA_DIR")
+    os.environ["WANDB_DATA_DIR"] = str(folder)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("WANDB_DATA_DIR", None)
+        else:
+            os.environ["WANDB_DATA_DIR"] = before
 
 
 class WandbRows:
