@@ -23,22 +23,25 @@ from ..cache.tasks import task_name_problem
 from ..checks import is_int
 from ..files import atomic_write
 from .aggregates import decode_streaks
-from .intervals import Estimate, paired_comparison
+from .intervals import MIN_TASKS, Estimate, paired_comparison
 from .methods import AGGREGATES, Method, Monitor
 
 TASK_FIELDS = ("dense", "live", "curve", "live_rounds", "anchors", "streaks")
 
 
-SCORER_VERSION = 4
+SCORER_VERSION = 5
 """The version of the numbers' definitions as this library computes them, bumped when a fix
 changes a report's numbers for the same inputs (2: a DDTree prefix whose score ties the
 budget's threshold is resolved as Algorithm 1 does; before, a confident drafter's
 `ddtree@N` streak could exceed N. 3: sliding layers attend inside the block as vLLM serves
 them, causal unless the config says otherwise, where they were bidirectional; a pruned draft
 vocabulary is scored over its own ids. 4: reports carry the per-anchor streaks and a 95% interval
-for every mean, so a baseline cached without them is scored again). A report of another
-version stands on another basis, and a cached baseline report of another version is scored
-again."""
+for every mean, so a baseline cached without them is scored again. 5: the intervals: a run-level
+interval whose between-task shrinkage is 0 is widened by t(T - 1) as every other, where it was
+widened by t over the blocks (narrower); a task's live rounds are resampled in at least 3 blocks,
+where one block could span them all (a live interval of zero width); a cache of fewer than 3
+tasks carries the within-task interval as its mean's). A report of another version stands on
+another basis, and a cached baseline report of another version is scored again."""
 
 
 @dataclass
@@ -389,7 +392,9 @@ def comparison_table(ours: EvalReport, baseline: EvalReport | None = None, aggre
     """`comparison` as a markdown table (ratios in percent, the mean row in bold), each number
     with its 95% interval, `mean [lo, hi]`, where the reports carry them (delta and ratio paired:
     `intervals.paired_comparison`), then a line per method with the run-level ratio and the
-    verdict against `other` (how the verdict names the other report)."""
+    verdict against `other` (how the verdict names the other report). Over fewer than
+    MIN_TASKS tasks the title names the mean's interval the within-task one, and each line says
+    why it gives no verdict."""
     columns, rows = comparison(ours, baseline, aggregate)
     kept = ours.intervals is not None and (baseline is None or baseline.intervals is not None)
     paired, unpaired = {}, []
@@ -416,7 +421,10 @@ def comparison_table(ours: EvalReport, baseline: EvalReport | None = None, aggre
         lines.append("| " + " | ".join([name] + [cell(c, row[0], x) for c, x in zip(columns[1:], row[1:])]) + " |")
     title = f"{aggregate} tau (tokens per target forward, 1 to {ours.block_size}; higher is better)"
     title += f", block size {ours.block_size}" + (f", step {ours.step}" if ours.step is not None else "")
-    if kept:
+    if kept and len(ours.tasks) < MIN_TASKS:
+        title += (f"; [95% within-task interval]: {len(ours.tasks)} task{'s' if len(ours.tasks) > 1 else ''}, too few "
+                  f"for a run-level one (at least {MIN_TASKS}), so the mean's is the text's noise alone")
+    elif kept:
         title += f"; [95% interval] over {len(ours.tasks)} tasks"
     verdicts = [f"{monitor.split('/')[0]} {aggregate}: {found['mean'].ratio.show(percent=True)} of {other}, "
                 f"{found['mean'].says('it')}" for monitor, found in paired.items() if monitor.endswith(f"/{aggregate}")]
