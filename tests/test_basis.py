@@ -23,6 +23,8 @@ from dflash_callbacks.engine.run_folder import RunFolder
 from dflash_callbacks.engine import runners
 from dflash_callbacks.engine.runners import BackgroundRunner, Job, SnapshotOutcome
 from dflash_callbacks.engine.snapshot import Snapshot
+from dflash_callbacks.cli.score import scoring_config
+from dflash_callbacks.cli.watch import given_settings
 from dflash_callbacks.watch.runs import Watcher, open_watcher
 from dflash_callbacks.cli import build_parser, main as cli_main
 from dflash_callbacks.model import DrafterConfig, load_drafter
@@ -159,7 +161,7 @@ class Watching(threading.Thread):
         args = build_parser().parse_args(["watch", "--dir", str(dirpath), "--cache", str(cache or world / "cache"),
                                           "--target", str(world / "target"), "--device", "cpu", *flags])
         self.lines: list[str] = []
-        self.watcher = open_watcher(args, log=self.lines.append)
+        self.watcher = open_watcher(args, scoring_config(args), given_settings(args), log=self.lines.append)
         self.stop, self.error = threading.Event(), None
 
     def run(self):

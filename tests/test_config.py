@@ -13,7 +13,7 @@ from dflash_callbacks import (
 )
 from dflash_callbacks.callbacks.schema import CallbacksConfig, EvalConfig, StopConfig, build_callbacks
 from dflash_callbacks.config_files import CONF_DIR, load_config
-from dflash_callbacks.demos.demo import DEMO_YAML, DemoConfig, TrainConfig, demo_config
+from dflash_callbacks.demos.settings import DEMO_YAML, DemoConfig, TrainConfig, demo_config
 
 REQUIRED = ["eval.cache=/data/cache", "eval.target=/models/target"]
 CONFIGURATION = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"  # the reference's argument tables

@@ -14,7 +14,7 @@ narrow. So the bootstrap respects how the data is made, in two stages:
   in them (live: their mean tau, a ratio of sums). The block length is the one the dense
   taus' own autocorrelation asks for (`block_lengths`: Politis & White 2004, as corrected by
   Patton, Politis & White 2009), per task: long stretches of easy or hard text, long blocks;
-  for live, cut so that the positions its rounds span hold LIVE_BLOCKS blocks (30 rounds can
+  for live, cut so that the positions its rounds span hold `aggregates.LIVE_BLOCKS` blocks (30 rounds can
   span fewer positions than one dense block).
 - Across tasks, the tasks are drawn with replacement; each drawn task brings one of its
   within-task resamples. A task's observed mean already carries its within-task noise, so the
@@ -57,8 +57,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .aggregates import decode_streaks
-from .methods import AGGREGATES, Monitor
+from .aggregates import AGGREGATES, LIVE_BLOCKS, decode_streaks  # noqa: F401  (LIVE_BLOCKS: importable from here too)
+from .methods import Monitor
 
 if TYPE_CHECKING:  # report.py renders these intervals in its table, so it imports this module
     from .report import EvalReport
@@ -278,32 +278,19 @@ def taus(report: EvalReport, task: str, method: str) -> np.ndarray:
     if "streaks" not in numbers:
         raise ValueError(f"the report of {report.drafter} keeps no per-anchor streaks (it was written before scorer "
                          "version 4): score it again for intervals")
-    return decode_streaks(numbers["streaks"], report.block_size).astype(np.float64) + 1
-
-
-LIVE_BLOCKS = 3
-"""The fewest blocks a task's live rounds are resampled in. Live holds at most max_rounds
-rounds (30), over fewer positions than the dense block length can be: one block over all of
-them would resample nothing (an interval of zero width)."""
+    return decode_streaks(numbers["streaks"], report.max_tau(method)).astype(np.float64) + 1
 
 
 def positions(arms: list[tuple[EvalReport, str]],
               task: str) -> tuple[dict[str, int], dict[str, tuple[np.ndarray, np.ndarray]]]:
-    """A task's block length for each aggregate and `Resampled`'s (values, counts) over its
-    positions for each; `arms` are (report, method) pairs scored on the same anchors. Dense:
-    the longest block the arms' dense taus ask for (`block_lengths`). Live: the same (the text's
-    dependence, in positions), but short enough that the positions the live rounds span hold
-    LIVE_BLOCKS blocks."""
+    """A task's block length for each aggregate and `Resampled`'s (values, counts) over its positions for
+    each (`aggregates.Aggregate.series`); `arms` are (report, method) pairs scored on the same anchors. The
+    text's dependence, in positions: the longest block the arms' dense taus ask for (`block_lengths`)."""
     dense = np.stack([taus(report, task, method) for report, method in arms])  # [A, n]
-    values, counts, span = np.zeros_like(dense), np.zeros_like(dense), 1
-    for a, (report, method) in enumerate(arms):
-        rounds = np.asarray(report.tasks[task][method]["live_rounds"], dtype=np.float64)
-        starts = np.concatenate([[0], np.cumsum(rounds)[:-1]]).astype(np.int64)  # a round's anchor, from the first
-        values[a, starts], counts[a, starts] = rounds, 1
-        span = max(span, min(dense.shape[1], int(rounds.sum())))
+    rounds = [np.asarray(report.tasks[task][method]["live_rounds"], dtype=np.float64) for report, method in arms]
     length = int(block_lengths(dense).max())
-    return ({"dense": length, "live": max(1, min(length, span // LIVE_BLOCKS))},
-            {"dense": (dense, np.ones_like(dense)), "live": (values[:, :span], counts[:, :span])})
+    found = {name: aggregate.series(dense, rounds, length) for name, aggregate in AGGREGATES.items()}
+    return {name: f[0] for name, f in found.items()}, {name: (f[1], f[2]) for name, f in found.items()}
 
 
 def _rng(seed: int, aggregate: str) -> np.random.Generator:
@@ -329,7 +316,7 @@ def report_intervals(report: EvalReport, resamples: int = RESAMPLES, seed: int =
     out = {"confidence": CONFIDENCE, "resamples": resamples, "seed": seed, "mean": {m: {} for m in report.methods},
            "tasks": {task: {m: {} for m in report.methods} for task in report.tasks}}
     methods = report.methods
-    bounds = [(1.0, float(report.block_size))] * len(methods)
+    bounds = [(1.0, float(report.max_tau(m))) for m in methods]
     for aggregate, resampled in _resampled([(report, m) for m in methods], list(report.tasks), seed, resamples).items():
         overall = resampled.run_level(_same, np.eye(len(methods)), bounds)
         per_task = resampled.per_task(_same, bounds)
@@ -392,7 +379,7 @@ def paired_comparison(ours: EvalReport, other: EvalReport, resamples: int = RESA
     if uneven:
         raise ValueError(f"tasks {uneven} were scored on other anchors in the two reports (another cache, window or "
                          "block size): a paired comparison needs the same anchors")
-    top = float(max(ours.block_size, other.block_size))
+    tops = [float(max(ours.max_tau(m), other.max_tau(m))) for m in methods]
     out: dict[str, dict[str, Comparison]] = {f"{m}/{agg}": {} for m in methods for agg in AGGREGATES}
     arms = [(report, m) for m in methods for report in (ours, other)]  # arm 2i: ours' method i, 2i + 1: the other's
 
@@ -400,7 +387,7 @@ def paired_comparison(ours: EvalReport, other: EvalReport, resamples: int = RESA
         return np.concatenate([means[0::2] - means[1::2], means[0::2] / means[1::2]])
 
     count = len(methods)
-    bounds = [(1 - top, top - 1)] * count + [(1 / top, top)] * count
+    bounds = [(1 - top, top - 1) for top in tops] + [(1 / top, top) for top in tops]
     for aggregate, resampled in _resampled(arms, tasks, seed, resamples).items():
         mean = resampled.means.mean(axis=1)
         gradients = np.zeros((2 * count, 2 * count))
