@@ -138,7 +138,7 @@ def test_killed_extraction_resumes_without_redoing_finished_tasks(random_target_
     argv = ["--target", str(random_target_dir), "--out", str(out), "--tasks", str(tasks_file),
             "--layer-ids", "1,2", "--max-new-tokens", "150"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "dflash_callbacks.cache.extract", *argv], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_callbacks.cli", "extract", *argv], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     manifest = out / "manifest.json"
     deadline = time.time() + 240

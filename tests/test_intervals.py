@@ -5,121 +5,64 @@ a worse drafter."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
 
-from dflash_callbacks.scoring.aggregates import encode_streaks, live_rounds
 from dflash_callbacks.scoring.intervals import (
     RESAMPLES, Estimate, Resampled, block_lengths, circular_block_sums, interval_below, interval_metrics,
     paired_comparison, report_intervals, resolution_warning, t_quantile, tasks_to_resolve,
 )
 from dflash_callbacks.scoring.report import EvalReport
+from simulated_caches import Model, coverage, report_of, spread_scan
 
-# ----- a simulated cache whose truth is known ---------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Model:
-    """Streaks drawn the way a cache makes them. The text has a difficulty z at every position
-    (an AR(1) process: stretches of easy and hard text), shifted per task by a task effect
-    ~ N(0, task_sd); the drafter accepts depth d at anchor a when z[a + d] + task effect +
-    noise > offset + slope (d - 1), and the streak is the run of accepted depths from d = 1.
-    Neighbouring anchors read the same positions, so their streaks move together (a streak
-    of 5 is followed by one of about 4). Two drafters (`offsets`) read the same text, and
-    share half their noise: what pairs them."""
-
-    tasks: int = 10
-    anchors: int = 150
-    block_size: int = 8
-    task_sd: float = 0.5
-    rho: float = 0.9
-    noise: float = 0.3
-    slope: float = 0.35
-    offsets: tuple[float, ...] = (0.3, 0.0)  # ours, the baseline's (lower: better)
-
-    def streaks(self, rng: np.random.Generator, reps: int, tasks: int | None = None) -> np.ndarray:
-        """int streaks [drafters, reps, tasks, anchors]."""
-        tasks = tasks or self.tasks
-        length = self.anchors + self.block_size
-        shocks = rng.standard_normal((reps, tasks, length))
-        z = np.empty_like(shocks)
-        z[..., 0] = shocks[..., 0]
-        for j in range(1, length):
-            z[..., j] = self.rho * z[..., j - 1] + math.sqrt(1 - self.rho**2) * shocks[..., j]
-        z += self.task_sd * rng.standard_normal((reps, tasks, 1))
-        reads = z[..., np.arange(self.anchors)[:, None] + np.arange(1, self.block_size)]  # [reps, tasks, anchors, B-1]
-        shared = rng.standard_normal(reads.shape)
-        out = []
-        for offset in self.offsets:
-            noise = self.noise * math.sqrt(0.5) * (shared + rng.standard_normal(reads.shape))
-            accepted = reads + noise > offset + self.slope * np.arange(self.block_size - 1)
-            out.append(np.cumprod(accepted, axis=-1).sum(axis=-1))
-        return np.stack(out)
+# ----- coverage on simulated caches (simulated_caches.Model) --------------------------------------------
 
 
-def report_of(streaks: np.ndarray, block_size: int, max_rounds: int = 30, name: str = "sim") -> EvalReport:
-    """A report of one method ("vanilla") over tasks [tasks, anchors] of streaks, as the scorer makes it."""
-    tasks = {}
-    for i, row in enumerate(torch.from_numpy(streaks)):
-        rounds = live_rounds(row, 0, max_rounds)
-        tasks[f"t{i}"] = {"vanilla": {"dense": float(row.double().mean() + 1), "live": sum(rounds) / len(rounds),
-                                      "curve": [], "live_rounds": rounds, "anchors": len(row),
-                                      "streaks": encode_streaks(row, block_size)}}
-    return EvalReport(drafter=name, cache={"path": "sim", "fingerprint": "sim"}, block_size=block_size, tasks=tasks,
-                      scoring={"max_rounds": max_rounds})
-
-
-def truths(model: Model, seed: int = 12345, tasks: int = 5000, max_rounds: int = 30) -> dict[str, float]:
-    """The population means (over task effects and text), by a large simulation: ours' dense and
-    live mean tau and the ratios ours / baseline."""
-    streaks = model.streaks(np.random.default_rng(seed), 1, tasks)[:, 0]  # [drafters, tasks, anchors]
-    dense = (streaks + 1).mean(axis=(1, 2))
-    live = np.array([[np.mean(live_rounds(torch.from_numpy(row), 0, max_rounds)) for row in drafter]
-                     for drafter in streaks]).mean(axis=1)
-    return {"dense": dense[0], "live": live[0], "dense ratio": dense[0] / dense[1], "live ratio": live[0] / live[1]}
-
-
-def coverage(model: Model, reps: int, seed: int, naive_reps: int = 100) -> dict[str, float]:
-    """How often the intervals of `reps` simulated caches hold the truth: ours' run-level mean
-    and the paired ratio (dense and live), and, on the first `naive_reps`, a naive i.i.d.
-    bootstrap of the anchors, tasks pooled, of ours' dense mean."""
-    truth = truths(model)
-    rng = np.random.default_rng(seed)
-    streaks = model.streaks(rng, reps)
-    hits = dict.fromkeys(["dense", "live", "dense ratio", "live ratio", "iid dense"], 0)
-    for rep in range(reps):
-        ours, base = (report_of(streaks[d, rep], model.block_size, name=n) for d, n in ((0, "ours"), (1, "base")))
-        own = report_intervals(ours)["mean"]["vanilla"]
-        paired = paired_comparison(ours, base)
-        for agg in ("dense", "live"):
-            lo, hi = own[agg]
-            hits[agg] += lo <= truth[agg] <= hi
-            ratio = paired[f"vanilla/{agg}"]["mean"].ratio
-            hits[f"{agg} ratio"] += ratio.lo <= truth[f"{agg} ratio"] <= ratio.hi
-        if rep < naive_reps:
-            anchors = (streaks[0, rep] + 1.0).ravel()
-            naive = anchors[rng.integers(0, anchors.size, (RESAMPLES, anchors.size))].mean(axis=1)
-            lo, hi = np.quantile(naive, [0.025, 0.975])
-            hits["iid dense"] += lo <= truth["dense"] <= hi
-    return {k: v / (naive_reps if k == "iid dense" else reps) for k, v in hits.items()}
-
-
+@pytest.mark.slow
 def test_coverage_of_the_run_level_mean_and_the_paired_ratio_and_an_iid_bootstrap_under_covers():
     """On 400 simulated caches of ten tasks (Model: task effects, stretches of easy and hard
     text, neighbouring anchors that move together; a baseline better by 0.3 in difficulty units),
-    the 95% intervals of ours' run-level mean and of the paired ratio to the baseline hold the
-    truth in 93-97% of them (dense), and live within a point more (over 1000 caches, dense
-    94.5% and 95.3%, live 95.2% and 97.2%). A bootstrap of the anchors one by one, tasks pooled
+    the 95% intervals of ours' run-level mean hold the truth in 93-97% of them (dense), live
+    within a point more, and the paired ratio to the baseline in 93-99% (it leans conservative).
+    Among the caches where the ratio's between-task shrinkage c is 0 (a third of them dense,
+    three in five live: pairing cancels the task effects), 91-99%: where c = 0 the interval was
+    widened by t over the blocks instead of t(9), and the dense ratio's held it in 0.893 of them
+    here (0.942 now; over 1000 caches, docs/numbers.md: 0.93 and 0.97). A bootstrap of the anchors one by one, tasks pooled
     (what ignoring how the data is made gives), holds it in about a quarter: the reason for
     resampling tasks and blocks. (With a true coverage of 95%, a count of 400 falls in 93-97%
-    with probability 0.93; the seed is fixed, the first one tried.)"""
+    with probability 0.93, and one of 120 in 91-99% with 0.97; the seed is fixed, the first
+    one tried.)"""
     found = coverage(Model(rho=0.7, offsets=(-0.5, -0.8)), reps=400, seed=1)
-    assert 0.93 <= found["dense"] <= 0.97 and 0.93 <= found["dense ratio"] <= 0.97, found
-    assert 0.92 <= found["live"] <= 0.98 and 0.92 <= found["live ratio"] <= 0.98, found
+    assert 0.93 <= found["dense"] <= 0.97 and 0.92 <= found["live"] <= 0.98, found
+    assert 0.93 <= found["dense ratio"] <= 0.99 and 0.93 <= found["live ratio"] <= 0.99, found
+    assert 0.2 <= found["dense ratio c=0"] <= 0.5 and 0.4 <= found["live ratio c=0"] <= 0.8, found
+    assert 0.91 <= found["dense ratio | c=0"] <= 0.99 and 0.91 <= found["live ratio | c=0"] <= 0.99, found
     assert found["iid dense"] < 0.5, found
+
+
+COVERAGE_SETTINGS = {  # setting: (the model, the band of ours' means, of the paired ratios, of the ratios where c = 0)
+    "3 tasks": (Model(tasks=3, rho=0.7, offsets=(-0.5, -0.8)), (0.93, 0.995), (0.95, 1.0), (0.95, 1.0)),
+    "heavy-tailed task effects": (Model(rho=0.7, task_df=3, offsets=(-0.5, -0.8)), (0.92, 0.98), (0.93, 0.995),
+                                  (0.90, 1.0)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", list(COVERAGE_SETTINGS))
+def test_coverage_with_three_tasks_and_with_heavy_tailed_task_effects(setting):
+    """400 simulated caches (docs/numbers.md gives each over 1000). 3 tasks: t(2) widens 2.2
+    times, and the intervals lean conservative (over 1000 caches: means 0.96 and 0.98, the
+    paired ratios 1.00, c = 0 in half of them). Ten tasks whose effects are Student's t with 3
+    degrees of freedom (heavy tails, the same sd): as with normal ones (0.94 and 0.95; the
+    ratios 0.97 and 0.99)."""
+    model, means, ratios, zero = COVERAGE_SETTINGS[setting]
+    found = coverage(model, reps=400, seed=1, naive_reps=0)
+    assert all(means[0] <= found[agg] <= means[1] for agg in ("dense", "live")), found
+    assert all(ratios[0] <= found[f"{agg} ratio"] <= ratios[1] for agg in ("dense", "live")), found
+    assert all(zero[0] <= found[f"{agg} ratio | c=0"] <= zero[1] for agg in ("dense", "live")), found
+    assert all(found[f"{agg} ratio c=0"] >= 0.2 for agg in ("dense", "live")), found
 
 
 def test_the_block_bootstrap_covers_a_tasks_mean_where_an_iid_one_does_not():
@@ -229,6 +172,102 @@ def test_block_lengths_against_a_plain_loop_and_the_dependence_they_see():
     assert list(block_lengths(same)) == sorted(block_lengths(same))  # more dependence, longer blocks
     assert block_lengths(same)[0] <= 2 and block_lengths(same)[-1] >= 10
     assert block_lengths(np.full((2, 50), 3.0)).tolist() == [1, 1]  # nothing to resample
+
+
+def test_block_lengths_of_every_short_series_against_the_plain_loop():
+    """n = 4 and 5 have fewer lags than the run of insignificant ones the rule looks for: an
+    argmax over no lags ('attempt to get argmax of an empty sequence') failed every report of a
+    task that short (`score --window 4`, a short cached answer). Every n from 1 to 12, alike and
+    mixed in one call, against the plain loop."""
+    rng = np.random.default_rng(8)
+    for n in range(1, 13):
+        rows = np.stack([rng.integers(0, 8, n), np.arange(n) % 3, np.cumsum(rng.standard_normal(n)),
+                         rng.standard_normal(n), np.full(n, 2.0)]).astype(np.float64)
+        found = block_lengths(rows).tolist()
+        assert found == [plain_block_length(list(row)) for row in rows], n
+        assert all(1 <= length <= max(1, math.ceil(min(3 * math.sqrt(n), n / 3))) for length in found), (n, found)
+
+
+def test_a_report_with_tasks_of_four_and_five_anchors_has_its_intervals_and_its_table():
+    from dflash_callbacks.scoring.report import comparison_table
+
+    rng = np.random.default_rng(9)
+    rows = [rng.integers(0, 8, n) for n in (4, 5, 40, 60)]
+    ours, base = report_of(rows, 8, name="ours"), report_of([np.maximum(row - 2, 0) for row in rows], 8, name="base")
+    ours.intervals, base.intervals = report_intervals(ours), report_intervals(base)
+    for task in ("t0", "t1"):
+        for aggregate in ("dense", "live"):
+            lo, hi = ours.interval(f"vanilla/{aggregate}", task)
+            assert 1 <= lo <= ours.value(f"vanilla/{aggregate}", task) <= hi <= 8, (task, aggregate)
+    table = comparison_table(ours, base, "dense")
+    assert all(f"\n| t{i} | " in table for i in range(4)) and "| **mean** |" in table and "over 4 tasks" in table
+    assert paired_comparison(ours, base)["vanilla/dense"]["t0"].ratio.value == pytest.approx(
+        ours.value("vanilla/dense", "t0") / base.value("vanilla/dense", "t0"))
+
+
+def test_the_interval_width_is_continuous_where_the_between_task_shrinkage_reaches_zero():
+    """Where c reached 0 the interval dropped the t(T - 1) widening for t over the blocks: at 3
+    tasks a spread of task means a hair below the point was x2.26 narrower than a hair above
+    (x1.16 at 10 tasks). Now always t(T - 1) and max(s^2, w) / T: the width moves smoothly
+    with the spread, steps of 0.005 in it move the width by under 6% across the point."""
+    for tasks in (3, 10):
+        rows = spread_scan(tasks, np.linspace(0.0, 0.3, 61))
+        assert rows[0]["c"] == 0 and rows[-1]["c"] > 0, tasks  # the scan crosses the point
+        step = max(max(b["width"] / a["width"], a["width"] / b["width"]) for a, b in zip(rows, rows[1:]))
+        assert step < 1.06, (tasks, step)
+        flat = [row["width"] for row in rows if row["c"] == 0]  # below the point: w alone, the same every time
+        assert max(flat) == pytest.approx(min(flat), rel=1e-9), tasks
+
+
+def test_a_tasks_live_rounds_are_resampled_in_several_blocks():
+    """Live holds at most max_rounds rounds, over fewer positions than a block of slowly varying
+    text can be long: one block over all of them resampled nothing, and the task's live
+    interval had zero width ('2.57 [2.57, 2.57]'). The live blocks are the dense ones, cut so
+    that the rounds' positions hold LIVE_BLOCKS of them."""
+    rng = np.random.default_rng(10)
+    anchors = np.arange(600)
+    rows = [np.clip(np.rint(3 + 3 * np.sin(2 * np.pi * anchors / 300 + phase) + rng.normal(0, 1.5, 600)), 0, 7)
+            .astype(np.int64) for phase in (0.0, 2.0, 4.0)]
+    report = report_of(rows, 8, max_rounds=8)
+    found = report_intervals(report)["tasks"]
+    for task in report.tasks:
+        rounds = report.tasks[task]["vanilla"]["live_rounds"]
+        lo, hi = found[task]["vanilla"]["live"]
+        assert len(set(rounds)) > 1 and lo < report.value("vanilla/live", task) < hi, (task, rounds, lo, hi)
+
+    from dflash_callbacks.scoring.intervals import LIVE_BLOCKS, positions
+
+    for task in report.tasks:  # the text asks for blocks longer than the rounds span: cut to LIVE_BLOCKS in it
+        lengths, series = positions([(report, "vanilla")], task)
+        span = series["live"][0].shape[1]
+        assert lengths["dense"] >= span and 1 <= lengths["live"] <= span // LIVE_BLOCKS, (task, lengths, span)
+
+
+def test_fewer_than_three_tasks_give_the_within_task_interval_and_no_verdict():
+    """One or two tasks can not tell the spread across tasks (coverage 0.42-0.73 measured):
+    the run-level interval is the within-task one, under that name, and gives no verdict, where
+    it gave "behind" and the stop acted. Three tasks judge as before; a task's own comparison
+    keeps its verdict."""
+    from dflash_callbacks.scoring.report import comparison_table
+
+    streaks = Model(rho=0.7, offsets=(0.3, -0.8)).streaks(np.random.default_rng(13), 1, 3)[:, 0]
+    for count in (1, 2, 3):
+        ours, base = (report_of(streaks[d, :count], 8, name=n) for d, n in ((0, "ours"), (1, "base")))
+        compared = paired_comparison(ours, base)["vanilla/dense"]
+        mean = compared["mean"]
+        assert mean.verdict == ("behind" if count == 3 else "too few tasks"), (count, mean)
+        assert mean.tasks == count and mean.ratio.hi < 0.9 and compared["t0"].verdict == "behind", count
+        assert interval_below(mean, min_ratio=0.9) == (count == 3) and mean.too_few_tasks == (count < 3)
+        if count == 3:
+            continue
+        tasks = f"{count} task{'s are' if count > 1 else ' is'}"
+        assert mean.says() == f"no verdict: {tasks} too few to tell (at least 3); the interval is the within-task one"
+        ours.intervals, base.intervals = report_intervals(ours), report_intervals(base)
+        table = comparison_table(ours, base, "dense")
+        assert f"[95% within-task interval]: {count} task" in table and "too few for a run-level one" in table
+        assert table.endswith(f"vanilla dense: {mean.ratio.show(percent=True)} of the baseline, {mean.says('it')}")
+        line = resolution_warning(base, "vanilla/dense", 0.9)
+        assert line.startswith(f"the cache's {count} task") and "the stop judges no report" in line, line
 
 
 def test_report_intervals_are_reproducible_and_narrow_with_more_text():

@@ -106,7 +106,7 @@ def test_exact_boundaries_stay_legal_and_the_largest_legal_numbers_keep_the_mean
             numbers.update(dense=1, live=float(B), curve=[1.0, 0.0, 1, 0, 0.5], live_rounds=[1, B, 3], anchors=1)
     report = EvalReport.from_dict(edge)
     assert report.value("vanilla/dense") == 1 and report.value("ddtree@4/live") == B and report.seconds == 0
-    huge = changed(raw, "block_size", INT_MAX)  # the largest legal block size, every tau at its top
+    huge = changed(changed(raw, "block_size", INT_MAX), "family", None)  # the largest legal block size (DFlash's
     for task in huge["tasks"].values():
         for numbers in task.values():
             streaks = encode_streaks(torch.full((numbers["anchors"],), INT_MAX - 1), INT_MAX)  # 13 digits each
@@ -124,7 +124,7 @@ def test_the_streaks_and_intervals_are_checked_against_the_numbers_made_from_the
     assert len(streaks) == entry["anchors"] and entry["dense"] == pytest.approx(streaks.mean() + 1)
     cases = [
         ("tasks.long.vanilla.streaks", entry["streaks"][:-1] + "!", r"'streaks' holds a character other than"),
-        ("tasks.long.vanilla.streaks", entry["streaks"][:-1] + "6", r"'streaks' holds the streak 6, above block_size - 1 = 5"),
+        ("tasks.long.vanilla.streaks", entry["streaks"][:-1] + "6", r"'streaks' holds the streak 6, above max_tau - 1 = 5"),
         ("tasks.long.vanilla.streaks", entry["streaks"][:-1], rf"'streaks' holds {len(streaks) - 1} anchors; 'anchors' says {len(streaks)}"),
         ("tasks.long.vanilla.streaks", "", r"'streaks' is not a non-empty string of base-36 digits, 1 per anchor"),
         ("tasks.long.vanilla.dense", entry["dense"] + 1e-6, r"task 'long', vanilla: 'dense' is .*; the streaks' mean tau is"),

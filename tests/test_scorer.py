@@ -94,17 +94,40 @@ def test_batched_equals_naive_with_a_window_under_a_block_from_anchor_0(world, a
     assert seen_nonzero
 
 
-def test_other_block_size_is_scored_recorded_and_warned(world):
+def test_a_smaller_block_size_is_scored_and_recorded_and_a_larger_one_refused(world):
+    """Served at num_speculative_tokens + 1, a drafter often runs at a smaller block than it was trained at:
+    scored, both recorded. A larger one is refused: its slots past the trained block never learnt to draft."""
     drafter, head, cache = world
     config = ScoringConfig(ddtree_budgets=[4], block_size=4, device="cpu")
-    with pytest.warns(UserWarning, match="block size 4 but the drafter was built for 6"):
-        report = score_drafter(drafter, cache, head, config)
+    report = score_drafter(drafter, cache, head, config)
     assert report.block_size == 4 and report.drafter_block_size == 6
     task = cache.task("long")
     slow = score_task_naive(drafter, head, task, config, block_size=4)
     curve = report.tasks["long"]["vanilla"]["curve"]
     assert len(curve) == 3
     assert report.tasks["long"]["vanilla"]["dense"] == pytest.approx(float(slow.streaks["vanilla"].double().mean() + 1))
+    with pytest.raises(ValueError, match=r"block size 7 is above the drafter's trained block size 6: the slots past it "
+                                         r"never learnt to draft; score at most block size 6"):
+        score_drafter(drafter, cache, head, ScoringConfig(ddtree_budgets=[4], block_sizes=[7], device="cpu"))
+
+
+def test_several_block_sizes_in_one_report_are_methods_of_their_own(world):
+    """`block_sizes` scores every method again at each other block size, named METHOD:bB, with the numbers,
+    curve and tau range of that block: each equals a report scored at that block alone, and the intervals
+    pair them on the same anchors."""
+    drafter, head, cache = world
+    both = score_drafter(drafter, cache, head, ScoringConfig(ddtree_budgets=[4], topk=[2], block_sizes=[3], device="cpu"))
+    alone = score_drafter(drafter, cache, head, ScoringConfig(ddtree_budgets=[4], topk=[2], block_size=3, device="cpu"))
+    full = score_drafter(drafter, cache, head, ScoringConfig(ddtree_budgets=[4], topk=[2], device="cpu"))
+    assert both.methods == ["vanilla", "ddtree@4", "top@2", "vanilla:b3", "ddtree@4:b3", "top@2:b3"]
+    assert both.family == {"name": "dflash", "proposals": {"6": 5, "3": 2}}
+    assert [both.max_tau(m) for m in both.methods] == [6, 6, 6, 3, 3, 3]
+    for task in both.tasks:
+        for method in alone.methods:
+            assert both.tasks[task][f"{method}:b3"] == alone.tasks[task][method]
+            assert both.tasks[task][method] == full.tasks[task][method]
+    assert EvalReport.from_dict(json.loads(both.to_json())).to_dict() == both.to_dict()
+    assert "vanilla:b3" in both.intervals["mean"] and both.value("ddtree@4:b3/live") == alone.value("ddtree@4/live")
 
 
 def test_report_shape_json_round_trip_and_table(world, tmp_path):

@@ -28,7 +28,6 @@ from __future__ import annotations
 import math
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,10 +38,10 @@ from ..kernels.ddtree import ddtree_streaks_from_stats
 from ..model import DFlashDrafter, TargetHead
 from ..model.attention import describe, resolve_attention
 from ..model.geometry import anchor_range, block_inputs
-from .aggregates import acceptance_curve, dense_tau, encode_streaks, live_rounds
+from .aggregates import AGGREGATES, acceptance_curve, encode_streaks, live_rounds
 from .config import ScoringConfig
 from .intervals import report_intervals
-from .methods import scored_methods
+from .methods import Method, scored_methods
 from .report import SCORER_VERSION, EvalReport
 
 
@@ -208,21 +207,42 @@ def draft_labels(labels: torch.Tensor, valid: torch.Tensor, vocab_ids: torch.Ten
     return torch.where(inside, index, 0), valid & inside
 
 
-def summarize(task: TaskStreaks, config: ScoringConfig, block_size: int) -> dict[str, dict]:
-    """The report entry of one task: per method dense/live tau, curve, live rounds, and the
-    per-anchor streaks they come from (for the intervals)."""
+def summarize(task: TaskStreaks, config: ScoringConfig, max_taus: dict[str, int]) -> dict[str, dict]:
+    """The report entry of one task: per method each aggregate (`aggregates.AGGREGATES`), the acceptance
+    curve, the live rounds, and the per-anchor streaks they come from (for the intervals); `max_taus`: each
+    method's largest tau."""
     out = {}
     for method, values in task.streaks.items():
-        rounds = live_rounds(values, task.first_anchor, config.max_rounds)
-        out[method] = {
-            "dense": dense_tau(values),
-            "live": sum(rounds) / len(rounds),
-            "curve": acceptance_curve(values, block_size - 1),
-            "live_rounds": rounds,
-            "anchors": int(values.numel()),
-            "streaks": encode_streaks(values, block_size),
-        }
+        values = values.numpy()
+        out[method] = {name: aggregate.value(values, task.first_anchor, config.max_rounds)
+                       for name, aggregate in AGGREGATES.items()}
+        out[method].update(curve=acceptance_curve(values, max_taus[method] - 1),
+                           live_rounds=live_rounds(values, task.first_anchor, config.max_rounds),
+                           anchors=int(values.size), streaks=encode_streaks(values, max_taus[method]))
     return out
+
+
+def family_of(drafter: DFlashDrafter, blocks: list[int]) -> dict:
+    """What a report records of the drafter's family: its name and the tokens its block proposes at each
+    block size scored (`EvalReport.family`)."""
+    return {"name": drafter.family, "proposals": {str(b): len(drafter.draft_rows(b)) for b in blocks}}
+
+
+def block_problems(drafter_config, config: ScoringConfig, trained: int | None = None) -> list[str]:
+    """What stops `config` from scoring a drafter of `drafter_config` (trained at block `trained`, default its
+    own): a block size above the trained one (its slots past the trained block never learnt to draft), and
+    DDTree for a family whose slots read the token before them (`Drafter.ddtree_refusal`)."""
+    from ..model import drafter_class
+
+    trained = trained or drafter_config.block_size
+    problems = [f"block size {b} is above the drafter's trained block size {trained}: the slots past it never "
+                f"learnt to draft; score at most block size {trained} (scoring.block_size / block_sizes)"
+                for b in [config.block_size, *config.block_sizes] if b is not None and b > trained]
+    refusal = drafter_class(drafter_config).ddtree_refusal
+    if config.ddtree_budgets and refusal is not None:
+        problems.append(f"ddtree@N can not be scored for a {drafter_config.family} drafter: {refusal}; score it without "
+                        "DDTree (scoring.ddtree_budgets=[]) and monitor vanilla or top@k")
+    return problems
 
 
 def _report_cache(cache, head: TargetHead) -> dict[str, str]:
@@ -265,12 +285,10 @@ def score_drafter(
     started, clock = time.time(), time.perf_counter()  # when (created) and how long (seconds)
     drafter_block = drafter.config.block_size
     block_size = config.block_size or drafter_block
-    if block_size != drafter_block:
-        warnings.warn(
-            f"scoring at block size {block_size} but the drafter was built for {drafter_block}; "
-            "the report records both",
-            stacklevel=2,
-        )
+    blocks = [block_size, *config.block_sizes]  # every method at each: `:bB` past the first
+    problems = block_problems(drafter.config, config)
+    if problems:
+        raise ValueError("; ".join(problems))
     cache.check_compatible(drafter.config, block_size=block_size)
     problems = drafter.head_problems(head.embed_tokens.weight, head.lm_head.weight)
     if problems:
@@ -283,19 +301,25 @@ def score_drafter(
     if unknown:
         raise ValueError(f"tasks {unknown} are not in the cache; it holds {cache.task_names}")
     longest = max(cache.entry(n)["num_tokens"] for n in names) if config.max_memory_gib is not None else 0
-    plan = memory_plan(config, drafter, head.vocab_size, longest, block_size)
+    plan = memory_plan(config, drafter, head.vocab_size, longest, max(blocks))
     measure_peak = owns_process and device.type == "cuda"
     if measure_peak:
         torch.cuda.reset_peak_memory_stats(device)
+    family = family_of(drafter, blocks)
+    max_taus = {m: family["proposals"][str(Method.parse(m).block or block_size)] + 1 for m in config.methods}
     tasks = {}
     for task_name in tqdm(names, desc=f"scoring {name or 'drafter'}", disable=not progress, unit="task"):
         if cancel is not None and cancel.is_set():
             raise Cancelled(f"scoring was cancelled before task {task_name!r}")
-        try:
-            streaks = score_task(drafter, head, cache.task(task_name), config, block_size, progress, plan)
-        except NonFiniteError as e:
-            raise NonFiniteError(f"task {task_name!r}: {e}") from None
-        tasks[task_name] = summarize(streaks, config, block_size)
+        task, streaks = cache.task(task_name), {}
+        for block in blocks:
+            try:
+                found = score_task(drafter, head, task, config, block, progress, plan)
+            except NonFiniteError as e:
+                raise NonFiniteError(f"task {task_name!r}: {e}") from None
+            at = None if block == block_size else block
+            streaks.update({str(Method.parse(m).at(at)): v for m, v in found.streaks.items()})
+        tasks[task_name] = summarize(TaskStreaks(task_name, found.first_anchor, streaks), config, max_taus)
     report = EvalReport(
         drafter=name or "drafter",
         cache=_report_cache(cache, head),
@@ -310,6 +334,7 @@ def score_drafter(
         created=started,
         scorer_version=SCORER_VERSION,
         attention=describe(resolve_attention(drafter.config, config.attention)),
+        family=family,
     )
     report.intervals = report_intervals(report)
     report.seconds = time.perf_counter() - clock

@@ -45,7 +45,7 @@ from ..model.target_head import head_fingerprint, head_shapes
 from .basis import Basis
 from .config import ScoringConfig
 from .report import SCORER_VERSION, EvalReport
-from .scorer import NonFiniteError, memory_plan, score_drafter
+from .scorer import NonFiniteError, block_problems, memory_plan, score_drafter
 
 VERIFY_BYTES = 4 << 30
 """Preflight reads every cache file (sha256, finite hidden states) when they total at most this;
@@ -105,6 +105,11 @@ def recorded_weights(report) -> str | None:
     return weights if isinstance(weights, str) else None
 
 
+def _plain(settings) -> dict | None:
+    """A family's settings (a frozen dataclass, or None) as JSON values."""
+    return None if settings is None else asdict(settings)
+
+
 def check_finite_weights(state: Mapping[str, torch.Tensor], what: str) -> None:
     bad = [name for name, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all()]
     if bad:
@@ -127,6 +132,8 @@ def preflight(spec: ServiceSpec, drafter: DrafterConfig | None, drafter_shapes: 
     problems += _device_problems(config)
     if drafter is not None and drafter_shapes is not None:
         problems += _shape_problems(drafter, drafter_shapes, "the drafter")
+    if drafter is not None:
+        problems += block_problems(drafter, config)
     block = config.block_size or (drafter.block_size if drafter is not None else None)
     try:
         cache = HiddenStateCache(spec.cache)
@@ -256,6 +263,7 @@ def _baseline_problems(source: Path, cache: HiddenStateCache, config: ScoringCon
         cache.check_compatible(drafter, block_size=block, warn=False)
     except (OSError, ValueError) as e:
         return [f"baseline {source}: {e}"]
+    problems += [f"baseline {source}: {p}" for p in block_problems(drafter, config)]
     scored_at = config.block_size or drafter.block_size  # the block size the baseline's report will have
     if block is not None and scored_at != block:
         problems.append(f"baseline {source} is a drafter of block size {drafter.block_size}, this run scores block "
@@ -350,9 +358,10 @@ class ScoringService:
         if source.is_file():
             report = EvalReport.load(source)
         else:
+            config = read_config(source)  # read as its family: one read as another is scored again
             key = {"weights": weights_fingerprint(source), "cache": self.cache.fingerprint,
                    "target": self.head.fingerprint, "scoring": self.config.fingerprint_fields(),
-                   "scorer": SCORER_VERSION}  # a fix to the definitions scores the baseline again
+                   "scorer": SCORER_VERSION, "family": config.family, "family_config": _plain(config.family_config)}
             digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
             cache_dir = Path(self.spec.baseline_cache_dir or default_baseline_cache_dir())
             cached = cache_dir / f"baseline-{digest}.json"
