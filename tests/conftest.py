@@ -24,6 +24,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from fixtures_cache import *  # noqa: E402,F401,F403  (toy world fixtures)
+from toy_families import *  # noqa: E402,F401,F403  (test-only toy baselines of the other families)
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")

@@ -28,25 +28,24 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from dflash_callbacks import DFlashDrafter, DrafterConfig, DrafterEvaluator, TargetHead
-from dflash_callbacks.demos.objective import CacheSequences, default_gamma, depth_weights, sequence_loss
+from dflash_callbacks import DrafterConfig, DrafterEvaluator, TargetHead, build_drafter
+from dflash_callbacks.demos.objective import CacheSequences, drafter_weights, sequence_loss
 
 LR = 3e-3
 SCORING = {"ddtree_budgets": [4], "device": "cpu"}
 
 
 class DrafterModel(nn.Module):
-    """A drafter with its loss, as a trainer holds it: `drafter` and the frozen target `head`;
-    forward returns the published objective's loss of one sequence (the transformers Trainer
+    """A drafter (of any family) with its loss, as a trainer holds it: `drafter` and the frozen target `head`;
+    forward returns the objective's loss of one sequence (the transformers Trainer
     passes the batch as keyword arguments and reads `loss`)."""
 
     def __init__(self, config: DrafterConfig, target: Path, seed: int = 0):
         super().__init__()
         torch.manual_seed(seed)
-        self.drafter = DFlashDrafter(config)
+        self.drafter = build_drafter(config)  # the drafter of the config's family
         self.head = TargetHead.from_pretrained(target).requires_grad_(False)
-        self.register_buffer("weights", depth_weights(config.block_size, default_gamma(config.block_size)),
-                             persistent=False)
+        self.register_buffer("weights", drafter_weights(self.drafter), persistent=False)
         self.generator = torch.Generator().manual_seed(seed)
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, prompt_len: torch.Tensor) -> dict:

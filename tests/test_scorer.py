@@ -120,7 +120,7 @@ def test_several_block_sizes_in_one_report_are_methods_of_their_own(world):
     alone = score_drafter(drafter, cache, head, ScoringConfig(ddtree_budgets=[4], topk=[2], block_size=3, device="cpu"))
     full = score_drafter(drafter, cache, head, ScoringConfig(ddtree_budgets=[4], topk=[2], device="cpu"))
     assert both.methods == ["vanilla", "ddtree@4", "top@2", "vanilla:b3", "ddtree@4:b3", "top@2:b3"]
-    assert both.family == {"name": "dflash", "proposals": {"6": 5, "3": 2}}
+    assert both.family == {"name": "dflash", "proposals": {"6": 5, "3": 2}, "settings": None}
     assert [both.max_tau(m) for m in both.methods] == [6, 6, 6, 3, 3, 3]
     for task in both.tasks:
         for method in alone.methods:

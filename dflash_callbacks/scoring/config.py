@@ -29,6 +29,16 @@ def _bad(message: str):
     raise ValueError(message)
 
 
+def check_probability(name: str, value: object) -> None:
+    """None, or a number strictly between 0 and 1."""
+    try:
+        number = check_number(name, value, optional=True)
+    except ValueError:
+        number = -1.0
+    if number is not None and not 0 < number < 1:
+        raise ValueError(f"{name} must be None or a number between 0 and 1 (exclusive); got {value!r}")
+
+
 def check_device_name(device: object) -> None:
     """The form of `device`; whether it exists here is checked before scoring starts."""
     if not isinstance(device, str) or not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", device):
@@ -66,6 +76,10 @@ class ScoringConfig:
     release_memory: bool = _field(False, help="give the scorer's accelerator memory back after each report")
     attention: str = _field("auto", numbers=True, help="the attention pattern inside a block: auto (as vLLM serves "
                                                        "the drafter) or another stack's rule (docs/numbers.md)")
+    confidence_threshold: float | None = _field(None, numbers=True,
+                                                help="a drafter with a confidence head (DSpark): score the draft cut "
+                                                     "before the first slot whose confidence is below this (0 to 1, "
+                                                     "as DeepSpec's evaluation); None: the full block")
 
     def __post_init__(self) -> None:
         """Every bad field at once, one line each (the CLIs print one `error:` line per line)."""
@@ -87,6 +101,7 @@ class ScoringConfig:
             lambda: check_number("max_memory_gib", self.max_memory_gib, above=0, optional=True),
             lambda: check_bool("release_memory", self.release_memory),
             lambda: check_choice("attention", self.attention, tuple(ATTENTION_RULES)),
+            lambda: check_probability("confidence_threshold", self.confidence_threshold),
         )
         if problems:
             raise ValueError("\n".join(problems))
@@ -95,6 +110,8 @@ class ScoringConfig:
         put("topk", [int(k) for k in self.topk])
         put("block_sizes", [int(b) for b in self.block_sizes])
         put("tasks", None if self.tasks is None else list(self.tasks))
+        if self.confidence_threshold is not None:
+            put("confidence_threshold", float(self.confidence_threshold))
 
     @property
     def methods(self) -> list[str]:
