@@ -33,8 +33,6 @@ from dflash_callbacks.scoring.service import PreflightError, ScoringService, Ser
 
 from runs import assert_clean, records, run_dir, run_dirs
 
-SCRIPTS = Path(__file__).parent / "scripts"
-sys.path.insert(0, str(SCRIPTS))
 from test_trust import HostileWatcher  # noqa: E402
 from train_run import SCORING, eval_cb, fit, shared_world, write_cache  # noqa: E402
 

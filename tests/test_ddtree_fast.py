@@ -1,5 +1,5 @@
 """The closed-form DDTree streaks (`kernels.ddtree`) equal the reference heap
-(`tests/oracles.py` `streaks`) on the same inputs: continuous logits, and exact ties
+(`tests/support/oracles.py` `streaks`) on the same inputs: continuous logits, and exact ties
 (small-integer logits, log-probs that round to 0.0), which the rank tuples decide."""
 
 import pytest

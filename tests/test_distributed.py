@@ -25,8 +25,7 @@ from safetensors import safe_open
 
 from runs import assert_clean, records, run_dir
 
-SCRIPTS = Path(__file__).parent / "scripts"
-sys.path.insert(0, str(SCRIPTS))
+from suite_paths import SCRIPTS  # noqa: E402
 from train_run import shared_world, write_cache  # noqa: E402
 
 

@@ -1,5 +1,5 @@
 """The transformers Trainer entry point (`dflash_callbacks.hf.DrafterEvalTrainerCallback`) holds what the
-Lightning callback holds, on a real `Trainer` run (tests/loops.py `hf_fit`) of the synthetic world's drafter:
+Lightning callback holds, on a real `Trainer` run (tests/support/loops.py `hf_fit`) of the synthetic world's drafter:
 background scoring of the weights of each snapshot's step, the run folder, W&B through the Trainer's own
 run, the stop, a resume through the Trainer's own checkpoint, and the faults of tests/test_reliability.py
 and tests/test_trust.py (SIGKILL and resume, a failing scorer, NaN weights, an unwritable results file, a
@@ -34,8 +34,7 @@ from runs import (assert_clean, kill_after_reports, records, run_dir, tear_as_a_
 from test_reliability import reads_update_atime
 from wandb_records import read_run
 
-SCRIPTS = Path(__file__).parent / "scripts"
-sys.path.insert(0, str(SCRIPTS))
+from suite_paths import SCRIPTS  # noqa: E402
 from train_run import shared_world, world_paths, write_cache  # noqa: E402
 
 

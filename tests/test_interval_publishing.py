@@ -17,8 +17,6 @@ from dflash_callbacks.scoring.intervals import interval_below, paired_comparison
 
 from runs import assert_clean, records
 
-SCRIPTS = Path(__file__).parent / "scripts"
-sys.path.insert(0, str(SCRIPTS))
 from train_run import eval_cb, fit, shared_world  # noqa: E402
 
 

@@ -25,8 +25,6 @@ from dflash_callbacks.demos.training import CacheSequences, DFlashTrainingModule
 from loops import SCORING, plain_fit
 from runs import assert_clean, records, run_dir
 
-SCRIPTS = Path(__file__).parent / "scripts"
-sys.path.insert(0, str(SCRIPTS))
 from train_run import shared_world, world_paths  # noqa: E402
 
 

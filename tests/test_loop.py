@@ -25,8 +25,7 @@ from dflash_callbacks.scoring.service import PreflightError, ScoringService, Ser
 from loops import SCORING, DrafterModel, plain_fit, two_ranks
 from runs import assert_clean, kill_after_reports, records, run_dir, unwritable_results_for_a_while, wait_until
 
-SCRIPTS = Path(__file__).parent / "scripts"
-sys.path.insert(0, str(SCRIPTS))
+from suite_paths import SCRIPTS  # noqa: E402
 from train_run import write_cache  # noqa: E402
 
 

@@ -30,8 +30,7 @@ from dflash_callbacks.scoring.service import PreflightError
 
 from runs import assert_clean, kill_after_reports, records, tear_as_a_kill_would
 
-SCRIPTS = Path(__file__).parent / "scripts"
-sys.path.insert(0, str(SCRIPTS))
+from suite_paths import SCRIPTS  # noqa: E402
 from train_run import SCORING, eval_cb, fit, shared_world, world_paths, write_cache  # noqa: E402
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from runs import assert_clean, records, run_dir, run_dirs
 from synthetic import build_world
 
 SCORING = {"ddtree_budgets": [4], "device": "cpu"}
-TESTS = Path(__file__).resolve().parent
+from suite_paths import SUPPORT
 
 
 def fit(world, tmp_path, cb, max_steps, ckpt_path=None, extra=()):
@@ -189,7 +189,7 @@ def test_the_process_worker_never_runs_the_training_script_again(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(f"""
 import os, sys
-sys.path.insert(0, {str(TESTS)!r})
+sys.path.insert(0, {str(SUPPORT)!r})
 import pathlib
 sys.path.append(pathlib.Path({str(tmp_path)!r}))
 print("top level ran", flush=True)

@@ -17,8 +17,6 @@ from dflash_callbacks import DrafterEarlyStopping
 
 from runs import assert_clean
 
-SCRIPTS = Path(__file__).parent / "scripts"
-sys.path.insert(0, str(SCRIPTS))
 from train_run import ValidatedModule, eval_cb, make_loader, make_module, shared_world  # noqa: E402
 
 MONITOR = "dflash/ddtree@4/live/mean"

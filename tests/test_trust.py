@@ -43,8 +43,7 @@ from dflash_callbacks.scoring.service import PreflightError, ScoringService, Ser
 from fixtures_cache import save_random_target
 from runs import assert_clean, records, run_dir, unwritable_results_for_a_while
 
-SCRIPTS = Path(__file__).parent / "scripts"
-sys.path.insert(0, str(SCRIPTS))
+from suite_paths import SCRIPTS  # noqa: E402
 from train_run import SCORING, eval_cb, fit, shared_world, world_paths, write_cache  # noqa: E402
 
 

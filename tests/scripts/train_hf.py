@@ -4,7 +4,7 @@ user runs a training script; the HF fault tests (tests/test_hf.py) start it as a
     python tests/scripts/train_hf.py --world W --root R --max-steps 100000 --every 2 --save-steps 3 \
         [--step-sleep 0.02] [--no-baseline] [--stop-min-ratio 10 --stop-patience 2] [--record]
 
-`--world` is a folder made by `tests/synthetic.py:build_world` (tests/scripts/train_run.py `shared_world`).
+`--world` is a folder made by `tests/support/synthetic.py:build_world` (tests/scripts/train_run.py `shared_world`).
 The Trainer writes its checkpoints to R/checkpoint-N/, the callback its run folder under R/dflash/. Under
 torchrun the Trainer runs DDP over gloo (tests/test_hf.py `test_two_ranks_*`); every rank writes
 R/rank{N}.json with `--record`: the step it ended at, the stop, and what its callback held.
@@ -21,7 +21,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 TESTS = Path(__file__).resolve().parents[1]
-for folder in (TESTS, TESTS / "scripts"):
+for folder in (TESTS / "support", TESTS / "scripts"):  # the suite's helpers, as conftest.py puts them
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 

@@ -7,7 +7,7 @@ runs a training script:
         [--devices 2 --strategy ddp|fsdp2] [--eval-cache C ...] [--stop-min-ratio 10] \
         [--ckpt-every 3] [--resume CKPT] [--record] [--corrupt-at-start FILE]
 
-- `--world` is a folder made by `tests/synthetic.py:build_world` (built here if missing).
+- `--world` is a folder made by `tests/support/synthetic.py:build_world` (built here if missing).
 - With `--strategy ddp` Lightning re-launches this script for rank 1 (gloo on CPU);
   `fsdp2` uses Lightning's ModelParallelStrategy, whose `configure_model` applies
   `fully_shard` to the drafter.
@@ -34,8 +34,9 @@ import time
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
-if str(TESTS) not in sys.path:
-    sys.path.insert(0, str(TESTS))
+for folder in (TESTS / "support", TESTS / "scripts"):  # the suite's helpers, as conftest.py puts them
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402

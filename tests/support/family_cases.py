@@ -11,8 +11,9 @@ from safetensors.torch import load_file, save_file
 
 from dflash_callbacks.cache.format import HiddenStateCache, TargetInfo, new_manifest, open_for_writing, write_task
 from dflash_callbacks.model import TargetHead
+from suite_paths import FIXTURES
 
-FAMILIES = Path(__file__).resolve().parent / "fixtures" / "families"
+FAMILIES = FIXTURES / "families"
 
 
 def case(name: str) -> tuple[dict, dict]:

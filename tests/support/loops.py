@@ -8,7 +8,7 @@ that hold each entry point to the same guarantees.
   Trainer's own `checkpoint-N/` folders; a resume goes through `resume_from_checkpoint`);
 - `two_ranks`: a training script of tests/scripts/ under torchrun, two gloo processes.
 
-Both train the synthetic world's drafter (tests/synthetic.py) with the published objective
+Both train the synthetic world's drafter (tests/support/synthetic.py) with the published objective
 (`dflash_callbacks.demos.objective.sequence_loss`) on the world's cache, one sequence per step, in a
 fixed order, so two runs with the same seed compute the same weights.
 """
