@@ -6,7 +6,6 @@ saying at setup when the cache is too small to ever resolve it."""
 
 from __future__ import annotations
 
-import sys
 import warnings
 from pathlib import Path
 

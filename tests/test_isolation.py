@@ -6,9 +6,6 @@ lose no report; the engine's state keys, bounds and failures hold across resumes
 
 from __future__ import annotations
 
-import math
-import os
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -23,9 +20,7 @@ from dflash_callbacks.scoring.service import ScoringService, ServiceSpec
 from dflash_callbacks.demos.training import CacheSequences, DFlashTrainingModule, collate_sequences
 
 from loops import SCORING, plain_fit
-from runs import assert_clean, records, run_dir
-
-from train_run import shared_world, world_paths  # noqa: E402
+from runs import assert_clean, records
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ import torch
 from dflash_callbacks import DrafterEvaluator, TrailingBaselineStop
 from dflash_callbacks.scoring.service import PreflightError, ScoringService, ServiceSpec
 
+from fsdp1 import FullyShardedDataParallel  # FSDP1 needs an accelerator: a stand-in of its name
 from loops import SCORING, DrafterModel, plain_fit, two_ranks
 from runs import assert_clean, kill_after_reports, records, run_dir, unwritable_results_for_a_while, wait_until
 
@@ -101,8 +102,6 @@ def test_every_mistake_is_listed_before_the_first_step(world, tmp_path):
                      r"hidden_norm.weight, layers.0.\S+ and \d+ more\): pass the optimizer", message)
     assert "cache:" in message and "no-cache" in message  # both problems, at once
     assert not (tmp_path / "d").exists()
-
-    from test_drafter import FullyShardedDataParallel  # FSDP1 needs an accelerator: a stand-in of its name
 
     sharded = DrafterModel(world.config, world.target)
     sharded.drafter.layers[0] = FullyShardedDataParallel(sharded.drafter.layers[0])

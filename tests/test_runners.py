@@ -22,6 +22,8 @@ from synthetic import build_world
 SCORING = {"ddtree_budgets": [4], "device": "cpu"}
 from suite_paths import SUPPORT
 
+HERE = Path(__file__).resolve().parent  # this module: the script below imports its `fit`
+
 
 def fit(world, tmp_path, cb, max_steps, ckpt_path=None, extra=()):
     torch.manual_seed(0)
@@ -189,7 +191,7 @@ def test_the_process_worker_never_runs_the_training_script_again(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(f"""
 import os, sys
-sys.path.insert(0, {str(SUPPORT)!r})
+sys.path[:0] = [{str(SUPPORT)!r}, {str(HERE)!r}]
 import pathlib
 sys.path.append(pathlib.Path({str(tmp_path)!r}))
 print("top level ran", flush=True)

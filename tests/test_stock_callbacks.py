@@ -6,7 +6,6 @@ on our keys is refused before training: it counted one report at every check).""
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl

@@ -1,7 +1,6 @@
 import dataclasses
 import inspect
 import re
-from pathlib import Path
 
 import pytest
 import yaml
@@ -15,8 +14,10 @@ from dflash_callbacks.callbacks.schema import CallbacksConfig, EvalConfig, StopC
 from dflash_callbacks.config_files import CONF_DIR, load_config
 from dflash_callbacks.demos.settings import DEMO_YAML, DemoConfig, TrainConfig, demo_config
 
+from suite_paths import REPO
+
 REQUIRED = ["eval.cache=/data/cache", "eval.target=/models/target"]
-CONFIGURATION = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"  # the reference's argument tables
+CONFIGURATION = REPO / "docs" / "configuration.md"  # the reference's argument tables
 
 
 def test_default_yaml_with_overrides_builds_both_callbacks():

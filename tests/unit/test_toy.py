@@ -3,7 +3,6 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3ForCausalLM
@@ -15,6 +14,8 @@ from dflash_callbacks.demos.toy.corpus import stdlib_sources
 from dflash_callbacks.demos.toy.threads import torch_threads
 from dflash_callbacks.demos.toy.tokenizer import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, MASK_ID, VOCAB_SIZE
 from dflash_callbacks.demos.toy.world import TOY_MAX_NEW_TOKENS, toy_drafter_config
+
+from suite_paths import REPO
 
 
 def test_shipped_target_loads_like_any_target(toy_target):
@@ -91,7 +92,7 @@ def test_stdlib_split_is_disjoint():
 
 def test_training_script_short_run(tmp_path):
     out = tmp_path / "target"
-    tool = Path(__file__).resolve().parents[1] / "tools" / "train_toy_target.py"
+    tool = REPO / "tools" / "train_toy_target.py"
     args = ["--out", str(out), "--steps", "12", "--batch-size", "4", "--seq-len", "64", "--max-bytes", "60000"]
     run = subprocess.run([sys.executable, str(tool), *args], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr

@@ -25,8 +25,8 @@ from dflash_callbacks.model.config import DrafterConfig
 from dflash_callbacks.demos.toy.threads import torch_threads
 from dflash_callbacks.demos.toy.world import toy_drafter_config
 from fixtures_cache import save_random_target
+from suite_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)

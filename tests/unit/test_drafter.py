@@ -10,6 +10,8 @@ from dflash_callbacks import DFlashDrafter, DrafterConfig, load_drafter, save_dr
 from dflash_callbacks.model.attention import resolve_attention
 from dflash_callbacks.model.config import UNIMPLEMENTED, build_target_layer_ids
 
+from fsdp1 import FullyShardedDataParallel
+
 
 def test_reproduces_reference_forward(zlab_tiny):
     drafter = load_drafter(zlab_tiny)
@@ -293,21 +295,6 @@ def test_a_config_field_of_the_wrong_type_is_refused_naming_file_and_field(zlab_
     (folder / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match=f"drafter config {folder / 'config.json'}: .*{match}"):
         load_drafter(folder)
-
-
-class FullyShardedDataParallel(torch.nn.Module):
-    """Stands in for FSDP1, which refuses to be built without an accelerator (this machine has none);
-    the refusal goes by the wrapper's class name. Like FSDP1, it forwards attribute reads to the module."""
-
-    def __init__(self, module):
-        super().__init__()
-        self.module = module
-
-    def __getattr__(self, name):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.module, name)
 
 
 def test_forwarding_wrappers_are_looked_through_and_collective_ones_refused_wherever_they_sit():

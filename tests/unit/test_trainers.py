@@ -26,8 +26,9 @@ from dflash_callbacks.scoring.report import EvalReport
 from dflash_callbacks.scoring.scorer import score_drafter, score_task
 
 from naive_scorer import score_task_naive
+from suite_paths import FIXTURES
 
-TRAINERS = Path(__file__).resolve().parent / "fixtures" / "trainers"
+TRAINERS = FIXTURES / "trainers"
 STATE = "checkpoints/run-step10/training_state.pt"
 SPECFORGE_STATE = {"state_key": "draft_state_dict"}  # + config: the case's draft_config.json
 

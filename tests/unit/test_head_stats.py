@@ -44,9 +44,9 @@ from dflash_callbacks.kernels.head_stats import (
     head_stats_torch,
 )
 from dflash_callbacks.kernels.split_merge import SplitPartials, merge_splits
+from suite_paths import REPO
 
 hs = importlib.import_module("dflash_callbacks.kernels.head_stats")  # the module (the package exports the function)
-REPO = Path(__file__).resolve().parents[1]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_CUDA = torch.cuda.is_available()
 KERNEL_LIMIT = 64  # triton_head_stats.MAX_KERNEL_TOP_N, without importing triton here
