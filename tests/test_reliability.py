@@ -28,7 +28,7 @@ from dflash_callbacks.callbacks.schema import CallbacksConfig, build_callbacks
 from dflash_callbacks.config_files import CONF_DIR, load_config
 from dflash_callbacks.scoring.service import PreflightError
 
-from runs import assert_clean, kill_after_reports, records, tear_as_a_kill_would
+from runs import assert_clean, kill_after_reports, reads_update_atime, records, tear_as_a_kill_would
 
 from suite_paths import SCRIPTS  # noqa: E402
 from train_run import SCORING, eval_cb, fit, shared_world, world_paths, write_cache  # noqa: E402
@@ -93,16 +93,6 @@ def test_scorer_raising_with_on_error_raise_stops_the_fit_naming_the_step(world,
     assert records[-1]["step"] == failed and "CacheError" in records[-1]["error"]
     assert cb.engine.runner is None  # closed by on_exception
     assert_clean(tmp_path / "d", cb.reports)
-
-
-def reads_update_atime(folder: Path) -> bool:
-    """Whether this filesystem records reads in atime (relatime does, for a file not read
-    since its last write); noatime mounts do not."""
-    probe = folder / "atime-probe"
-    probe.write_bytes(b"x")
-    os.utime(probe, ns=(probe.stat().st_mtime_ns - 10**9, probe.stat().st_mtime_ns))
-    probe.read_bytes()
-    return probe.stat().st_atime_ns > probe.stat().st_mtime_ns
 
 
 def test_killed_scoring_worker_fails_its_step_and_a_new_worker_scores_the_next(world, tmp_path):

@@ -33,7 +33,6 @@ from dflash_callbacks.settings import EvalSettings
 from dflash_callbacks.engine.publish import Publisher
 from dflash_callbacks.engine.run_folder import RunFolder
 from dflash_callbacks.cli import main as cli_main
-from dflash_callbacks.files import atomic_write_json
 from dflash_callbacks.model.target_head import head_fingerprint
 from dflash_callbacks.scoring.basis import Basis
 from dflash_callbacks.scoring.report import EvalReport
@@ -42,6 +41,7 @@ from dflash_callbacks.scoring.service import PreflightError, ScoringService, Ser
 
 from fixtures_cache import save_random_target
 from runs import assert_clean, records, run_dir, unwritable_results_for_a_while
+from watchers import HostileWatcher
 
 from suite_paths import SCRIPTS  # noqa: E402
 from train_run import SCORING, eval_cb, fit, shared_world, world_paths, write_cache  # noqa: E402
@@ -119,40 +119,6 @@ def test_a_subscriber_that_raises_is_counted_and_training_goes_on(world, tmp_pat
         trainer = fit(world, tmp_path, [cb], max_steps=6)
     assert trainer.global_step == 6 and calls == [2, 4, 6] and cb.errors == 3
     assert_clean(tmp_path / "d", cb.reports)
-
-
-class HostileWatcher(threading.Thread):
-    """Plays `dflash-callbacks watch` badly: for each new snapshot of the run it writes the
-    next of `payloads` (a function of (step, snapshot_id) -> JSON value) as its report."""
-
-    def __init__(self, dirpath: Path, payloads):
-        super().__init__(daemon=True)
-        self.dirpath, self.payloads, self.done, self.stop = dirpath, list(payloads), set(), threading.Event()
-
-    def run(self):
-        from dflash_callbacks.engine.run_folder import write_heartbeat
-
-        while not self.stop.is_set():
-            if self.dirpath.is_dir():
-                write_heartbeat(self.dirpath)
-                for folder in [p for p in self.dirpath.iterdir() if (p / "run.json").is_file()]:
-                    run = RunFolder(folder)
-                    for step, snap in run.list_snapshots():
-                        if step in self.done or not self.payloads:
-                            continue
-                        self.done.add(step)
-                        payload = self.payloads.pop(0)(step, run.snapshot_id(snap))
-                        run.reports_dir.mkdir(exist_ok=True)
-                        atomic_write_json(run.report_path(step), payload)
-            time.sleep(0.05)
-
-    def __enter__(self):  # with HostileWatcher(...): the fit; it stops (and is joined) however the fit ends
-        self.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.join()
 
 
 def test_malformed_watcher_reports_are_errors_not_crashes(world, tmp_path):

@@ -9,6 +9,7 @@ them at the end of the session, and any non-zero count fails the session.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -89,6 +90,16 @@ def assert_clean(folder: Path, scored_elsewhere: list[EvalReport] = ()) -> dict:
     counts = audit(folder, scored_elsewhere)
     assert counts["lost"] == counts["duplicated"] == counts["mismatched"] == 0, counts
     return counts
+
+
+def reads_update_atime(folder: Path) -> bool:
+    """Whether this filesystem records reads in atime (relatime does, for a file not read
+    since its last write); noatime mounts do not."""
+    probe = folder / "atime-probe"
+    probe.write_bytes(b"x")
+    os.utime(probe, ns=(probe.stat().st_mtime_ns - 10**9, probe.stat().st_mtime_ns))
+    probe.read_bytes()
+    return probe.stat().st_atime_ns > probe.stat().st_mtime_ns
 
 
 def kill_after_reports(cmd: list[str], dirpath: Path, log: Path, reports: int = 3, timeout: float = 300) -> Path:

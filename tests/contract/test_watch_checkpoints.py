@@ -30,8 +30,9 @@ from runs import audit
 from synthetic import build_world
 from test_cli import fails
 from wandb_records import finished_records, read_run
+from suite_paths import FIXTURES
 
-SPECFORGE = Path(__file__).resolve().parent / "fixtures" / "trainers" / "specforge-full"
+SPECFORGE = FIXTURES / "trainers" / "specforge-full"
 SAME = ("tasks", "mean", "block_size", "drafter_block_size", "cache", "scoring")  # what `score` and `watch` share
 
 

@@ -32,7 +32,7 @@ from dflash_callbacks.scoring.service import PreflightError, ScoringService, Ser
 
 from runs import assert_clean, records, run_dir, run_dirs
 
-from test_trust import HostileWatcher  # noqa: E402
+from watchers import HostileWatcher
 from train_run import SCORING, eval_cb, fit, shared_world, write_cache  # noqa: E402
 
 

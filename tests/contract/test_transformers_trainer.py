@@ -29,9 +29,8 @@ from dflash_callbacks.hf import DrafterEvalTrainerCallback
 from dflash_callbacks.scoring.service import PreflightError, ScoringService, ServiceSpec
 
 from loops import SCORING, hf_fit, two_ranks
-from runs import (assert_clean, kill_after_reports, records, run_dir, tear_as_a_kill_would,
+from runs import (assert_clean, kill_after_reports, reads_update_atime, records, run_dir, tear_as_a_kill_would,
                   unwritable_results_for_a_while)
-from test_reliability import reads_update_atime
 from wandb_records import read_run
 
 from suite_paths import SCRIPTS  # noqa: E402

@@ -8,11 +8,10 @@ import os
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
 
 import pytest
+from suite_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_the_wheel_ships_conf_and_an_install_finds_it(tmp_path):
