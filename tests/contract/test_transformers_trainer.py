@@ -1,20 +1,16 @@
 """The transformers Trainer entry point (`dflash_callbacks.hf.DrafterEvalTrainerCallback`) holds what the
-Lightning callback holds, on a real `Trainer` run (tests/support/loops.py `hf_fit`) of the synthetic world's drafter:
-background scoring of the weights of each snapshot's step, the run folder, W&B through the Trainer's own
-run, the stop, a resume through the Trainer's own checkpoint, and the faults of tests/test_reliability.py
-and tests/test_trust.py (SIGKILL and resume, a failing scorer, NaN weights, an unwritable results file, a
-killed scoring worker). Every run folder goes through the audit (runs.py)."""
+Lightning callback holds, on a real `Trainer` run (tests/support/loops.py `hf_fit`) of the synthetic world's
+drafter: background scoring of the weights of each snapshot's step, the run folder, W&B through the Trainer's
+own run, the stop, a resume through the Trainer's own checkpoint, two ranks under DDP, every mistake before
+the first step. The faults every adapter survives are in test_faults_every_adapter.py. Every run folder goes
+through the audit (runs.py)."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import shutil
-import signal
-import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -29,12 +25,10 @@ from dflash_callbacks.hf import DrafterEvalTrainerCallback
 from dflash_callbacks.scoring.service import PreflightError, ScoringService, ServiceSpec
 
 from loops import SCORING, hf_fit, two_ranks
-from runs import (assert_clean, kill_after_reports, reads_update_atime, records, run_dir, tear_as_a_kill_would,
-                  unwritable_results_for_a_while)
+from runs import assert_clean, records, run_dir, wait_until
+from suite_paths import SCRIPTS
+from train_run import shared_world, world_paths
 from wandb_records import read_run
-
-from suite_paths import SCRIPTS  # noqa: E402
-from train_run import shared_world, world_paths, write_cache  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -77,11 +71,9 @@ class Settle(TrainerCallback):
         runner = self.cb.engine.runner
         if runner is None or state.global_step not in runner.pending_steps():
             return
-        deadline = time.time() + 120
         step = state.global_step
-        while not any(isinstance(o, SnapshotOutcome) and o.step == step for o in list(runner._outbox.queue)):
-            assert time.time() < deadline, f"step {state.global_step} was never scored"
-            time.sleep(0.01)
+        wait_until(lambda: any(isinstance(o, SnapshotOutcome) and o.step == step for o in list(runner._outbox.queue)),
+                   what=f"the report of step {step}")
 
 
 class CountSteps(TrainerCallback):
@@ -298,180 +290,6 @@ def test_two_ranks_under_ddp_score_on_rank0_alone_and_stop_together(world, tmp_p
 
 
 # ---------------------------------------------------------------- faults while training
-
-
-def test_sigkilled_training_resumes_from_its_trainer_checkpoint_and_loses_nothing(world, tmp_path):
-    """train_hf.py (a Trainer checkpoint every 3 steps) is SIGKILLed once results.jsonl has 3 lines; a
-    torn last line and a half-written snapshot folder are left behind, as a kill in the middle of an
-    append or of a snapshot write would. Resuming from the newest checkpoint that loads reopens the same
-    run folder: every line parses, nothing finished before the kill is lost or rescored, and a snapshot
-    the killed run wrote but never scored is scored."""
-    root = tmp_path / "run"
-    results_path = kill_after_reports(
-        [sys.executable, str(SCRIPTS / "train_hf.py"), "--world", str(world.path), "--root", str(root),
-         "--max-steps", "100000", "--every", "2", "--no-baseline", "--save-steps", "3", "--step-sleep", "0.02"],
-        root / "dflash", tmp_path / "train.log")
-
-    left = {step: RunFolder.snapshot_id(folder) for step, folder in RunFolder(results_path.parent).list_snapshots()}
-    before = results_path.read_text()
-    lines = before[: before.rfind("\n") + 1].splitlines()
-    steps_before = [json.loads(line)["step"] for line in lines]
-    stale = tear_as_a_kill_would(results_path)
-
-    def loads(folder: Path) -> int | None:
-        try:
-            from safetensors.torch import load_file
-
-            load_file(str(folder / "model.safetensors"))
-            return json.loads((folder / "trainer_state.json").read_text())["global_step"]
-        except Exception:
-            return None
-
-    ckpts = sorted(root.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]), reverse=True)
-    ckpt = next(p for p in ckpts if loads(p) is not None and loads(p) < max(steps_before))  # reports came after it
-    resumed_from = loads(ckpt)
-    max_steps = max(steps_before + [resumed_from]) + 4
-
-    stop = TrailingBaselineStop(monitor="ddtree@4/live", verbose=False)
-    cb = eval_cb(world, tmp_path, dirpath=root / "dflash", stop=stop)
-    at_start = AtStart(cb, stop)
-    with pytest.warns(UserWarning, match="ended in a torn line"):
-        trainer, _ = hf_fit(world, root, max_steps, [cb, at_start], save_steps=3, resume=str(ckpt))
-    assert trainer.state.global_step == max_steps and cb.run.path == results_path.parent
-    # the stop's history was rebuilt from results.jsonl: it has the reports appended between the
-    # checkpoint and the kill, not only those in the checkpoint
-    assert at_start.stop_steps == sorted(steps_before) and any(step > resumed_from for step in at_start.stop_steps)
-
-    text = results_path.read_text()
-    assert text.startswith("".join(line + "\n" for line in lines)), "a line finished before the kill changed"
-    parsed = [json.loads(line) for line in text.splitlines()]  # every line parses
-    steps = [r["step"] for r in parsed]
-    assert len(steps) == len(set(steps)) and 999998 not in steps
-    new = [r.step for r in cb.reports]
-    assert new and set(new).isdisjoint(steps_before) and new[-1] == max_steps
-    # a report of a step before the checkpoint is the killed run's snapshot it left unscored, scored now
-    assert all(r.step > resumed_from or r.snapshot_id == left.get(r.step) for r in cb.reports)
-    assert sorted(steps) == sorted(steps_before + new)
-    assert {h["step"] for h in cb.history} == set(steps)
-    assert not stale.exists() and len(cb.run.list_snapshots()) <= 2
-    assert_clean(root / "dflash", cb.reports)
-
-
-def zero_task_files(cache: Path) -> None:
-    for file in cache.glob("*.safetensors"):
-        file.write_bytes(b"\0" * file.stat().st_size)
-
-
-def test_a_scorer_failing_mid_run_is_counted_and_training_finishes(world, tmp_path):
-    """The evaluation cache is zeroed once the first report is in: every later step is an error line."""
-    cache = shutil.copytree(world.cache, tmp_path / "eval-cache")  # training reads the world's copy
-    cb = eval_cb(world, tmp_path, cache=cache)
-    first = []
-
-    def corrupt(report, baseline):
-        if not first:
-            first.append(report.step)
-            zero_task_files(cache)
-
-    cb.subscribe(corrupt)
-    with pytest.warns(UserWarning, match=r"dflash: step \d+ failed: CacheError: .*not a readable safetensors file"):
-        trainer, _ = hf_fit(world, tmp_path / "out", 10, [cb])
-    assert trainer.state.global_step == 10
-    lines = records(tmp_path / "d")
-    good, bad = [r for r in lines if "tasks" in r], [r for r in lines if "error" in r]
-    assert [r["step"] for r in good] == first == [r.step for r in cb.reports]
-    assert bad and all(r["step"] > first[0] and "CacheError" in r["error"] for r in bad)
-    assert cb.errors == len(bad) and [h["step"] for h in cb.history] == first
-    assert_clean(tmp_path / "d", cb.reports)
-
-
-def test_nan_weights_at_one_step_are_an_error_line_and_never_a_logged_number(world, tmp_path):
-    """At step 4 (after its optimizer step) one weight is NaN while the snapshot is taken, and restored
-    right after: steps 2 and 6 are scored and logged, step 4 is an error line and only the error count."""
-
-    class SetNaN(TrainerCallback):  # before ours
-        saved = None
-
-        def on_step_end(self, args, state, control, model=None, **kwargs):
-            if state.global_step == 4:
-                with torch.no_grad():
-                    self.saved = model.drafter.fc.weight[0, 0].item()
-                    model.drafter.fc.weight[0, 0] = float("nan")
-
-    class Restore(TrainerCallback):  # after ours
-        def on_step_end(self, args, state, control, model=None, **kwargs):
-            if state.global_step == 4:
-                with torch.no_grad():
-                    model.drafter.fc.weight[0, 0] = nan.saved
-
-    nan, logged = SetNaN(), []
-    cb = eval_cb(world, tmp_path, busy="queue", max_pending=8, log=lambda metrics, step: logged.append((step, metrics)))
-    with pytest.warns(UserWarning, match=r"step 4 failed: NonFiniteError: step 4 holds NaN or Inf weights in fc\.w"):
-        trainer, model = hf_fit(world, tmp_path / "out", 6, [nan, cb, Restore()])
-    assert trainer.state.global_step == 6 and torch.isfinite(model.drafter.fc.weight).all()
-    lines = records(tmp_path / "d")
-    assert [r["step"] for r in lines] == [2, 4, 6]
-    assert "NaN or Inf" in lines[1]["error"] and "tasks" not in lines[1]
-    assert cb.errors == 1 and [h["step"] for h in cb.history] == [2, 6]
-    assert [step for step, metrics in logged if "dflash/vanilla/live/mean" in metrics] == [2, 6]
-    assert all(math.isfinite(v) for _, metrics in logged for v in metrics.values())
-    assert any(metrics == {"dflash/errors": 1.0} for _, metrics in logged)
-    assert_clean(tmp_path / "d", cb.reports)
-
-
-def test_a_results_file_unwritable_for_a_while_costs_no_report(world, tmp_path):
-    """After the first report a folder takes the place of results.jsonl (every append fails); after the
-    third it is put back: each failure is counted, and the lines held in memory land once each, in order."""
-    cb = eval_cb(world, tmp_path, busy="queue", max_pending=8)
-    seen = unwritable_results_for_a_while(cb)
-    with pytest.warns(UserWarning, match=r"appending to .*results.jsonl failed|can not open .*results.jsonl"):
-        trainer, _ = hf_fit(world, tmp_path / "out", 10, [cb])
-    assert trainer.state.global_step == 10 and seen == [2, 4, 6, 8, 10]
-    assert cb.errors == 2  # the appends of steps 4 and 6
-    assert [r["step"] for r in records(tmp_path / "d")] == [2, 4, 6, 8, 10]
-    assert_clean(tmp_path / "d", cb.reports)
-
-
-def test_a_killed_scoring_worker_fails_its_step_and_a_new_worker_scores_the_next(world, tmp_path):
-    """runner="process": SIGKILL the worker while it scores step 2, as soon as it has loaded the snapshot's
-    weights (the file's atime moves past its mtime), with a cache that takes it a second or more to score.
-    Step 2 is an error line, step 4 is scored by a new worker."""
-    slow = write_cache(world.path, tmp_path / "slow-cache", [("slow", 300, 4)])
-    cb = eval_cb(world, tmp_path, cache=slow, runner="process", busy="queue", max_pending=4, keep_last=2,
-                 scoring={**SCORING, "anchors_per_forward": 1})
-
-    class KillWorker(TrainerCallback):  # after ours: training waits here, no step 4 before the kill
-        killed = scorer = None
-        loaded = False
-
-        def on_step_end(self, args, state, control, **kwargs):
-            runner = cb.engine.runner
-            if self.killed is not None or runner is None or runner.pending == 0:
-                return
-            deadline = time.time() + 240
-            while time.time() < deadline:
-                proc, snaps = runner.scorer.process, runner.run.list_snapshots()
-                if proc is not None and proc.poll() is None and snaps:
-                    weights = os.stat(snaps[-1][1] / "model.safetensors")
-                    self.loaded = weights.st_atime_ns > weights.st_mtime_ns
-                    if self.loaded or not precise:
-                        os.kill(proc.pid, signal.SIGKILL)
-                        self.killed, self.scorer = snaps[-1][0], runner.scorer
-                        return
-                time.sleep(0.005)
-            raise AssertionError("the scoring worker never loaded the snapshot")
-
-    precise = reads_update_atime(tmp_path)
-    killer = KillWorker()
-    with pytest.warns(UserWarning, match=r"step 2 failed: RuntimeError: the scoring worker died \(exit code -9\)"):
-        hf_fit(world, tmp_path / "out", 4, [cb, killer])
-    assert killer.killed == 2 and (killer.loaded or not precise)
-    lines = records(tmp_path / "d")
-    assert [r["step"] for r in lines] == [2, 4]
-    assert "the scoring worker died (exit code -9)" in lines[0]["error"] and "tasks" in lines[1]
-    assert cb.errors == 1 and [r.step for r in cb.reports] == [4]
-    assert killer.scorer.restarts == 1 and not killer.scorer.process  # closed after the run
-    assert_clean(tmp_path / "d", cb.reports)
 
 
 # ---------------------------------------------------------------- bad input, before any step

@@ -11,27 +11,21 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import shutil
-import signal
-import sys
-import time
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
-import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from dflash_callbacks.callbacks import DrafterEvalCallback, TrailingBaselineStop
+from dflash_callbacks.callbacks import DrafterEvalCallback
 from dflash_callbacks.callbacks.schema import CallbacksConfig, build_callbacks
 from dflash_callbacks.config_files import CONF_DIR, load_config
 from dflash_callbacks.scoring.service import PreflightError
 
-from runs import assert_clean, kill_after_reports, reads_update_atime, records, tear_as_a_kill_would
+from runs import assert_clean, records
 
-from suite_paths import SCRIPTS  # noqa: E402
-from train_run import SCORING, eval_cb, fit, shared_world, world_paths, write_cache  # noqa: E402
+from train_run import SCORING, eval_cb, fit, shared_world, world_paths  # noqa: E402
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> Path:
@@ -63,23 +57,6 @@ def zero_task_files(cache: Path) -> None:
 # ---------------------------------------------------------------- faults while training
 
 
-def test_scorer_raising_mid_run_is_counted_and_training_finishes(world, tmp_path):
-    cache = shutil.copytree(world / "cache", tmp_path / "eval-cache")  # training reads the world's copy
-    cb = eval_cb(world, tmp_path, cache=cache)
-    corrupt = OnFirstReport(cb, lambda: zero_task_files(cache))
-    with pytest.warns(UserWarning, match=r"dflash: step \d+ failed: CacheError: .*not a readable safetensors file"):
-        trainer = fit(world, tmp_path, [cb], max_steps=10)
-    assert trainer.global_step == 10
-    records = results(tmp_path)
-    good = [r for r in records if "tasks" in r]
-    bad = [r for r in records if "error" in r]
-    assert [r["step"] for r in good] == [corrupt.at] == [r.step for r in cb.reports]
-    assert bad and all(r["step"] > corrupt.at and "CacheError" in r["error"] for r in bad)
-    assert cb.errors == len(bad) and len({r["step"] for r in records}) == len(records)
-    assert [h["step"] for h in cb.history] == [corrupt.at]
-    assert_clean(tmp_path / "d", cb.reports)
-
-
 def test_scorer_raising_with_on_error_raise_stops_the_fit_naming_the_step(world, tmp_path):
     cache = shutil.copytree(world / "cache", tmp_path / "eval-cache")
     cb = eval_cb(world, tmp_path, cache=cache, on_error="raise")
@@ -92,49 +69,6 @@ def test_scorer_raising_with_on_error_raise_stops_the_fit_naming_the_step(world,
     assert records[0]["step"] == corrupt.at and "tasks" in records[0]
     assert records[-1]["step"] == failed and "CacheError" in records[-1]["error"]
     assert cb.engine.runner is None  # closed by on_exception
-    assert_clean(tmp_path / "d", cb.reports)
-
-
-def test_killed_scoring_worker_fails_its_step_and_a_new_worker_scores_the_next(world, tmp_path):
-    """runner="process": SIGKILL the worker while it scores step 2: as soon as it has loaded
-    the snapshot's weights (the file's atime moves past its mtime), with a cache that takes
-    it about a second to score. Step 2 is an error; step 4 is scored by a new worker."""
-    slow = write_cache(world, tmp_path / "slow-cache", [("slow", 300, 4)])  # ~300 forwards: a second or more
-    cb = eval_cb(world, tmp_path, cache=slow, runner="process", busy="queue", max_pending=4, keep_last=2,
-                 scoring={**SCORING, "anchors_per_forward": 1})
-    precise = reads_update_atime(tmp_path)
-
-    class KillWorkerMidScore(pl.Callback):
-        killed = scorer = None
-        loaded = False
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            runner = cb.engine.runner
-            if self.killed is not None or runner is None or runner.pending == 0:
-                return
-            deadline = time.time() + 240
-            while time.time() < deadline:  # the training thread waits here: no step 4 before the kill
-                proc, snaps = runner.scorer.process, runner.run.list_snapshots()
-                if proc is not None and proc.poll() is None and snaps:
-                    weights = os.stat(snaps[-1][1] / "model.safetensors")
-                    self.loaded = weights.st_atime_ns > weights.st_mtime_ns
-                    if self.loaded or not precise:
-                        os.kill(proc.pid, signal.SIGKILL)
-                        self.killed, self.scorer = (proc.pid, snaps[-1][0]), runner.scorer
-                        return
-                time.sleep(0.005)
-            raise AssertionError("the scoring worker never loaded the snapshot")
-
-    killer = KillWorkerMidScore()
-    with pytest.warns(UserWarning, match=r"step 2 failed: RuntimeError: the scoring worker died \(exit code -9\)"):
-        fit(world, tmp_path, [cb, killer], max_steps=4)
-    pid, step = killer.killed
-    assert step == 2 and (killer.loaded or not precise)
-    lines = results(tmp_path)
-    assert [r["step"] for r in lines] == [2, 4]
-    assert "the scoring worker died (exit code -9)" in lines[0]["error"] and "tasks" in lines[1]
-    assert cb.errors == 1 and [r.step for r in cb.reports] == [4]
-    assert killer.scorer.restarts == 1 and not killer.scorer.process  # closed after the run
     assert_clean(tmp_path / "d", cb.reports)
 
 
@@ -180,41 +114,6 @@ def test_cache_folder_vanishing_mid_run_is_counted_and_training_goes_on(world, t
     assert_clean(tmp_path / "d", cb.reports)
 
 
-def test_nan_weights_are_reported_as_such_and_not_logged_as_a_score(world, tmp_path):
-    """At step 4 (after its optimizer step) one weight is NaN while the snapshot is taken,
-    and restored right after: steps 2 and 6 are scored, step 4 is an error, never a row."""
-    cb = eval_cb(world, tmp_path, busy="queue", max_pending=8)
-
-    class SetNaN(pl.Callback):
-        saved = None
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if trainer.global_step == 4:
-                with torch.no_grad():
-                    self.saved = pl_module.drafter.fc.weight[0, 0].item()
-                    pl_module.drafter.fc.weight[0, 0] = float("nan")
-
-    class Restore(pl.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if trainer.global_step == 4:
-                with torch.no_grad():
-                    pl_module.drafter.fc.weight[0, 0] = nan.saved
-
-    nan = SetNaN()
-    logger = CSVLogger(tmp_path / "logs", name="run")
-    with pytest.warns(UserWarning, match=r"step 4 failed: NonFiniteError: step 4 holds NaN or Inf weights in fc\.weight"):
-        trainer = fit(world, tmp_path, [nan, cb, Restore()], max_steps=6, logger=logger)
-    assert trainer.global_step == 6 and torch.isfinite(trainer.lightning_module.drafter.fc.weight).all()
-    lines = results(tmp_path)
-    assert [r["step"] for r in lines] == [2, 4, 6]
-    assert "NaN or Inf" in lines[1]["error"] and "tasks" not in lines[1]
-    assert cb.errors == 1 and [h["step"] for h in cb.history] == [2, 6]
-    rows = list(csv.DictReader(open(next((tmp_path / "logs").rglob("metrics.csv")))))
-    scored = sorted(int(r["step"]) for r in rows if r.get("dflash/vanilla/live/mean"))
-    assert scored == [2, 6]
-    assert any(r.get("dflash/errors") == "1.0" for r in rows)
-
-
 def test_broken_wandb_logger_does_not_cost_the_csv_logger_its_numbers(world, tmp_path, monkeypatch):
     """The W&B run is finished once training has started (its service gone): every call on
     it raises. The CSV logger attached next to it still receives every dflash number."""
@@ -244,68 +143,6 @@ def test_broken_wandb_logger_does_not_cost_the_csv_logger_its_numbers(world, tmp
     for record in lines:
         logged = float(rows[record["step"]]["dflash/ddtree@4/live/mean"])
         assert logged == pytest.approx(record["mean"]["ddtree@4"]["live"])
-
-
-def test_sigkilled_training_resumes_from_its_checkpoint_and_loses_nothing(world, tmp_path):
-    """train_run.py (checkpoint every 3 steps) is SIGKILLed once results.jsonl has 3 lines.
-    As a kill in the middle of an append or of a snapshot write would, a torn last line and
-    a half-written snapshot folder are left behind. Resuming from the newest checkpoint
-    that loads reopens the same run folder: every line parses, nothing finished before the
-    kill is lost or rescored, and a snapshot the killed run wrote but never scored is scored."""
-    root = tmp_path / "run"
-    results_path = kill_after_reports(
-        [sys.executable, str(SCRIPTS / "train_run.py"), "--world", str(world), "--root", str(root),
-         "--max-steps", "100000", "--every", "2", "--no-baseline", "--ckpt-every", "3", "--step-sleep", "0.02"],
-        root / "dflash", tmp_path / "train.log")
-
-    from dflash_callbacks.engine.run_folder import RunFolder
-
-    left = {step: RunFolder.snapshot_id(folder) for step, folder in RunFolder(results_path.parent).list_snapshots()}
-    before = results_path.read_text()
-    lines = before[: before.rfind("\n") + 1].splitlines()
-    steps_before = [json.loads(line)["step"] for line in lines]
-    stale = tear_as_a_kill_would(results_path)
-
-    def loads(path):
-        try:
-            return torch.load(path, weights_only=False, map_location="cpu")["global_step"]
-        except Exception:
-            return None
-
-    ckpts = sorted(root.glob("ckpt/step=*.ckpt"), key=lambda p: int(p.stem.split("=")[1]), reverse=True)
-    ckpt = next(p for p in ckpts if loads(p) is not None and loads(p) < max(steps_before))  # reports came after it
-    resumed_from = loads(ckpt)
-    max_steps = max(steps_before + [resumed_from]) + 4
-
-    cb = eval_cb(world, tmp_path, dirpath=root / "dflash")
-    stop = TrailingBaselineStop(monitor="ddtree@4/live", verbose=False)
-
-    class StopHistoryAtStart(pl.Callback):
-        def on_train_start(self, trainer, pl_module):
-            self.steps = [s for s, _ in stop.history]
-
-    at_start = StopHistoryAtStart()
-    with pytest.warns(UserWarning, match="ended in a torn line"):
-        trainer = fit(world, root, [cb, stop, at_start], max_steps=max_steps, ckpt_path=ckpt)
-    assert trainer.global_step == max_steps and cb.run.path == results_path.parent
-    # the stop callback's history was rebuilt from results.jsonl: it has the reports that
-    # were appended between the checkpoint and the kill, not only those in the checkpoint
-    assert at_start.steps == sorted(steps_before) and any(step > resumed_from for step in at_start.steps)
-
-    text = results_path.read_text()
-    assert text.startswith("".join(line + "\n" for line in lines)), "a line finished before the kill changed"
-    parsed = [json.loads(line) for line in text.splitlines()]  # every line parses
-    steps = [r["step"] for r in parsed]
-    assert len(steps) == len(set(steps)) and 999998 not in steps
-    new = [r.step for r in cb.reports]
-    assert new and set(new).isdisjoint(steps_before) and new[-1] == max_steps
-    # a report of a step before the checkpoint is the killed run's snapshot it left unscored, scored now
-    assert all(r.step > resumed_from or r.snapshot_id == left.get(r.step) for r in cb.reports)
-    assert sorted(steps) == sorted(steps_before + new)
-    assert {h["step"] for h in cb.history} == set(steps)
-    assert not stale.exists() and len(cb.run.list_snapshots()) <= 2
-    assert sorted(p.name for p in cb.run.snapshots_dir.iterdir() if p.name.startswith(".")) == []
-    assert_clean(root / "dflash", cb.reports)
 
 
 # ---------------------------------------------------------------- bad inputs, before training

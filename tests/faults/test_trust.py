@@ -40,7 +40,7 @@ from dflash_callbacks.scoring.scorer import NonFiniteError
 from dflash_callbacks.scoring.service import PreflightError, ScoringService, ServiceSpec
 
 from fixtures_cache import save_random_target
-from runs import assert_clean, records, run_dir, unwritable_results_for_a_while
+from runs import assert_clean, records, run_dir
 from watchers import HostileWatcher
 
 from suite_paths import SCRIPTS  # noqa: E402
@@ -94,20 +94,6 @@ def test_a_failed_append_leaves_no_torn_line_and_is_written_once_the_disk_takes_
     first, last = out.stdout.strip().splitlines()
     assert first.startswith("refused True") and "File too large" in first
     assert json.loads(last) == [1, 2]
-
-
-def test_results_file_unwritable_for_a_while_costs_no_report(world, tmp_path):
-    """After the first report, a folder takes the place of results.jsonl (every append fails);
-    after the third it is put back. Training goes on, each failure is counted, the reports
-    are still logged, and the lines held in memory land in the file, once each, in order."""
-    cb = eval_cb(world, tmp_path, busy="queue", max_pending=8)
-    seen = unwritable_results_for_a_while(cb)
-    with pytest.warns(UserWarning, match=r"appending to .*results.jsonl failed|can not open .*results.jsonl"):
-        trainer = fit(world, tmp_path, [cb], max_steps=10)
-    assert trainer.global_step == 10 and seen == [2, 4, 6, 8, 10]
-    assert cb.errors == 2  # the appends of steps 4 and 6
-    assert [r["step"] for r in records(tmp_path / "d")] == [2, 4, 6, 8, 10]
-    assert_clean(tmp_path / "d", cb.reports)
 
 
 def test_a_subscriber_that_raises_is_counted_and_training_goes_on(world, tmp_path):

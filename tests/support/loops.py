@@ -20,7 +20,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -76,11 +75,12 @@ def one(items: list[dict]) -> dict:
 
 
 def plain_fit(world, max_steps: int, evaluator: DrafterEvaluator | None = None, *, ckpt_dir: Path | None = None,
-              ckpt_every: int = 0, resume: Path | None = None, before_step: Callable | None = None,
-              after_step: Callable | None = None, step_sleep: float = 0.0) -> DrafterModel:
+              ckpt_every: int = 0, resume: Path | None = None, before_eval: Callable | None = None,
+              after_step: Callable | None = None) -> DrafterModel:
     """Train for `max_steps` steps (from a resume's step, with `resume`), with `evaluator` attached
-    (None: no evaluation). `before_step(model, step)` runs before each optimizer step, `after_step(model,
-    step)` after the evaluator's step; a True from the evaluator ends training."""
+    (None: no evaluation). `before_eval(model, step)` runs after each optimizer step, before the evaluator's
+    step (which takes the snapshot), `after_step(model, step)` after it; a True from the evaluator ends
+    training."""
     model = DrafterModel(world.config, world.target)
     optimizer = torch.optim.AdamW(model.drafter.parameters(), lr=LR)
     data = Sequences(world.cache, 10**6)
@@ -100,11 +100,9 @@ def plain_fit(world, max_steps: int, evaluator: DrafterEvaluator | None = None, 
             loss = model(**one([data[step - 1]]))["loss"]
             optimizer.zero_grad()
             loss.backward()
-            if before_step is not None:
-                before_step(model, step)
             optimizer.step()
-            if step_sleep:
-                time.sleep(step_sleep)
+            if before_eval is not None:
+                before_eval(model, step)
             stop = evaluator.step(step) if evaluator is not None else False
             if after_step is not None:
                 after_step(model, step)
