@@ -18,22 +18,26 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from dflash_callbacks import TrailingBaselineStop
-from dflash_callbacks.engine.run_folder import RunFolder
-from dflash_callbacks.engine import runners
-from dflash_callbacks.engine.runners import BackgroundRunner, Job, SnapshotOutcome
-from dflash_callbacks.engine.snapshot import Snapshot
+from dflash_callbacks.cache.extract import extract_cache
+from dflash_callbacks.cache.tasks import Task
+from dflash_callbacks.cli import build_parser, main as cli_main
 from dflash_callbacks.cli.score import scoring_config
 from dflash_callbacks.cli.watch import given_settings
-from dflash_callbacks.watch.runs import Watcher, open_watcher
-from dflash_callbacks.cli import build_parser, main as cli_main
+from dflash_callbacks.engine import runners
+from dflash_callbacks.engine.run_folder import RunFolder
+from dflash_callbacks.engine.runners import BackgroundRunner, Job, SnapshotOutcome
+from dflash_callbacks.engine.snapshot import Snapshot
 from dflash_callbacks.model import DrafterConfig, load_drafter
+from dflash_callbacks.model.target_head import head_fingerprint
 from dflash_callbacks.scoring.basis import Basis
+from dflash_callbacks.scoring.report import EvalReport
 from dflash_callbacks.scoring.service import PreflightError, ScoringService, ServiceSpec, preflight
+from dflash_callbacks.watch.runs import Watcher, open_watcher
 
+from fixtures_cache import save_random_target
 from runs import assert_clean, records, run_dir, run_dirs
-
+from train_run import SCORING, eval_cb, fit, shared_world, write_cache
 from watchers import HostileWatcher
-from train_run import SCORING, eval_cb, fit, shared_world, write_cache  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -637,3 +641,29 @@ def test_a_watcher_survives_run_folders_it_can_not_read(world, tmp_path):
     assert keyless.read_report(keyless.report_path(None)).extra == own.extra  # another's: replaced
     odd.unlock()
     keyless.unlock()
+
+
+def test_the_baseline_is_cached_per_target_head_and_every_report_names_its_target(random_target_dir, zlab_tiny, tmp_path):
+    """Two real tiny targets of the same shapes and other weights (a re-trained target): the
+    baseline scored against one is never taken from the shared baseline cache for the other;
+    each report names the head it was scored with, and two reports of two heads are not
+    comparable (`scoring.basis`). A report written before the target was recorded still loads and compares."""
+    other = save_random_target(tmp_path / "other-target", seed=1)
+    cache = extract_cache(random_target_dir, tmp_path / "cache", [Task("t", "def f(x):")], [1, 2, 4],
+                          max_new_tokens=12, chat_template=False, progress=False)
+
+    def baseline(target: Path, cache_dir: str) -> EvalReport:
+        spec = ServiceSpec(str(cache.path), str(target), str(zlab_tiny), SCORING, str(tmp_path / cache_dir))
+        return ScoringService(spec).baseline()
+
+    first, second = baseline(random_target_dir, "bc"), baseline(other, "bc")
+    assert first.cache["target"] == head_fingerprint(random_target_dir) != second.cache["target"] == head_fingerprint(other)
+    assert len(list((tmp_path / "bc").glob("baseline-*.json"))) == 2  # one per head, none reused
+    assert baseline(other, "bc").to_dict() == second.to_dict()  # each head's is reused
+    assert baseline(other, "fresh").tasks == second.tasks
+    def differences(a: EvalReport, b: EvalReport) -> list[str]:
+        return Basis.of_report(a).differences(Basis.of_report(b))
+
+    assert any(d.startswith("target head ") for d in differences(second, first))
+    old = EvalReport.from_dict({**first.to_dict(), "cache": {k: v for k, v in first.cache.items() if k != "target"}})
+    assert differences(second, old) == [] and differences(first, first) == []

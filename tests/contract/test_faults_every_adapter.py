@@ -23,8 +23,8 @@ from dflash_callbacks.engine.run_folder import RunFolder
 
 from adapters import ADAPTERS
 from loops import SCORING
-from runs import (assert_clean, kill_after_reports, reads_update_atime, records, tear_as_a_kill_would,
-                  unwritable_results_for_a_while, wait_until)
+from runs import (OnFirstReport, assert_clean, kill_after_reports, reads_update_atime, records, tear_as_a_kill_would,
+                  unwritable_results_for_a_while, wait_until, zero_task_files)
 from train_run import shared_world, write_cache
 
 
@@ -38,38 +38,27 @@ def adapter(request, world):
     return ADAPTERS[request.param](world)
 
 
-def zero_task_files(cache: Path) -> None:
-    for file in cache.glob("*.safetensors"):
-        file.write_bytes(b"\0" * file.stat().st_size)
-
-
 def test_a_scorer_failing_mid_run_is_an_error_line_per_snapshot_and_training_finishes(adapter, tmp_path):
     """The evaluation cache is zeroed once the first report is in: every later snapshot is an error line.
     Training waits at step 2 until its snapshot is scored, so that the report is published while training
     goes on (at step 3), whatever the machine's load."""
     cache = shutil.copytree(adapter.paths.cache, tmp_path / "eval-cache")  # training reads the world's copy
     ev = adapter.evaluation(tmp_path, cache=cache)  # busy="skip": the next snapshot once this report is in
-    first = []
-
-    def corrupt(report, baseline):
-        if not first:
-            first.append(report.step)
-            zero_task_files(cache)
+    corrupt = OnFirstReport(ev, lambda: zero_task_files(cache))
 
     def scored(model, step):
         if step == 2:
             wait_until(lambda: not ev.engine.runner._outbox.empty(), what="the report of step 2")
 
-    ev.subscribe(corrupt)
     with pytest.warns(UserWarning, match=r"dflash: step \d+ failed: CacheError: .*not a readable safetensors file"):
         steps, _ = adapter.train(ev, tmp_path, 10, after_step=scored)
     assert steps == 10
     lines = records(tmp_path / "d")
     good, bad = [r for r in lines if "tasks" in r], [r for r in lines if "error" in r]
-    assert [r["step"] for r in good] == first == [r.step for r in ev.reports]
-    assert bad and all(r["step"] > first[0] and "CacheError" in r["error"] for r in bad)
+    assert [r["step"] for r in good] == [corrupt.at] == [r.step for r in ev.reports]
+    assert bad and all(r["step"] > corrupt.at and "CacheError" in r["error"] for r in bad)
     assert ev.errors == len(bad) and len({r["step"] for r in lines}) == len(lines)
-    assert [h["step"] for h in ev.history] == first
+    assert [h["step"] for h in ev.history] == [corrupt.at]
     assert_clean(tmp_path / "d", ev.reports)
 
 

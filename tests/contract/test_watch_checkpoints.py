@@ -1,17 +1,13 @@
 """`dflash-callbacks watch --checkpoints DIR`: a watcher of the checkpoints any trainer saves. Each
 report equals `dflash-callbacks score` on the same weights (HF folders, single and sharded, and
-torch checkpoint files, SpecForge's own among them); a checkpoint is never read half-written; a
-SIGKILLed watcher restarted scores nothing twice and loses nothing; W&B gets each report at its
-checkpoint's step; the stop lands in STOP.json; bad input is one line each, before any scoring."""
+torch checkpoint files, SpecForge's own among them); a checkpoint is never read half-written; W&B
+gets each report at its checkpoint's step; bad input is one line each, before any scoring. (A SIGKILLed
+watcher started again: faults/test_killed_processes.py.)"""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -20,61 +16,24 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_callbacks.cli import build_parser
-from dflash_callbacks.cli import main as cli_main
-from dflash_callbacks.engine.run_folder import RunFolder
+from dflash_callbacks.cli import build_parser, main as cli_main
 from dflash_callbacks.model import DFlashDrafter, DrafterConfig, save_drafter
 from dflash_callbacks.scoring.report import EvalReport
 
+from checkpoint_watch import assert_same, results, scored, spawn_watcher, trained, wait_for, watch_args
 from runs import audit
+from suite_paths import FIXTURES
 from synthetic import build_world
 from test_cli import fails
 from wandb_records import finished_records, read_run
-from suite_paths import FIXTURES
+
 
 SPECFORGE = FIXTURES / "trainers" / "specforge-full"
-SAME = ("tasks", "mean", "block_size", "drafter_block_size", "cache", "scoring")  # what `score` and `watch` share
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     return build_world(tmp_path_factory.mktemp("watch-world"))
-
-
-def trained(world, step: int) -> dict[str, torch.Tensor]:
-    """The world's drafter, moved as if `step` steps had trained it."""
-    g = torch.Generator().manual_seed(step)
-    return {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in world.drafter.state_dict().items()}
-
-
-def watch_args(world, checkpoints: Path, *extra, baseline: bool = False) -> list[str]:
-    args = ["watch", "--checkpoints", str(checkpoints), "--cache", str(world.cache), "--target", str(world.target),
-            "--budgets", "4", "--device", "cpu"]
-    if baseline:
-        args += ["--baseline", str(world.baseline), "--baseline-cache-dir", str(checkpoints.parent / "bc")]
-    return args + [str(x) for x in extra]
-
-
-def scored(world, folder: Path, tmp_path: Path, *extra) -> EvalReport:
-    """`dflash-callbacks score` on `folder`, as a user runs it."""
-    out = tmp_path / f"score-{folder.name}.json"
-    assert cli_main(["score", "--drafter", str(folder), "--cache", str(world.cache), "--target", str(world.target),
-                     "--budgets", "4", "--device", "cpu", "--json", str(out), *map(str, extra)]) == 0
-    return EvalReport.load(out)
-
-
-def results(out: Path) -> tuple[dict[int, EvalReport], dict[int, dict]]:
-    found = RunFolder(out).read_results()
-    assert not found.skipped, found.skipped
-    reports = {r.step: r for r in found.reports}
-    assert len(reports) == len(found.reports), "a step reported twice"
-    return reports, {e["step"]: e for e in found.errors}
-
-
-def assert_same(ours: EvalReport, reference: EvalReport) -> None:
-    a, b = ours.to_dict(), reference.to_dict()
-    for key in SAME:
-        assert a[key] == b[key], key
 
 
 def write_slowly(folder: Path, files: dict[str, bytes], pause: float, chunks: int = 4) -> None:
@@ -101,19 +60,6 @@ def sharded_files(config: DrafterConfig, state: dict, tmp: Path) -> dict[str, by
     files["model.safetensors.index.json"] = json.dumps(
         {"metadata": {}, "weight_map": {k: name for name, part in halves.items() for k in part}}).encode()
     return files
-
-
-def spawn_watcher(args: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "dflash_callbacks.cli", *args], stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT, env={**os.environ, "WANDB_MODE": "offline"})
-
-
-def wait_for(condition, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
-    deadline = time.time() + timeout
-    while not condition():
-        assert proc.poll() is None, f"the watcher ended early:\n{log.read_text()[-4000:]}"
-        assert time.time() < deadline, f"timed out:\n{log.read_text()[-4000:]}"
-        time.sleep(0.1)
 
 
 def test_a_trainer_writing_checkpoints_while_the_watcher_runs_gets_each_scored_once_as_score_would(world, tmp_path):
@@ -167,58 +113,6 @@ def test_a_trainer_writing_checkpoints_while_the_watcher_runs_gets_each_scored_o
     (records,) = [[r for r in finished_records(p) if r.WhichOneof("record_type") == "run"]
                   for p in run_dir.glob("*.wandb")]
     assert (records[0].run.run_group, records[0].run.display_name) == ("train-17", "eval-17")
-
-
-def test_a_sigkilled_watcher_restarted_scores_nothing_twice_and_loses_nothing(world, tmp_path):
-    """Killed (SIGKILL) while it scores, with a torn line at the end of results.jsonl as a kill in
-    an append leaves; the trainer saves one more checkpoint meanwhile. The watcher started again
-    reopens its run folder, reads results.jsonl back and scores exactly the steps without a line,
-    into the same W&B run id; the stop's patience counts the reports of before the kill."""
-    root, out = tmp_path / "ckpts", tmp_path / "ckpts" / "dflash-eval"
-    for step in (2, 4, 6, 8, 10):
-        save_drafter(root / f"step_{step}", world.config, trained(world, step))
-    log = tmp_path / "watch.log"
-    args = watch_args(world, root, "--settle-seconds", "0", "--poll-seconds", "0.1", "--min-ratio", "5",
-                      "--patience", "5", "--monitor", "ddtree@4/live", "--wandb-project", "dflash-watch", baseline=True)
-    proc = spawn_watcher(args, log)
-    try:
-        results_path = out / "results.jsonl"
-        wait_for(lambda: results_path.is_file() and len(results_path.read_text().splitlines()) >= 2, proc, log)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-    before = [json.loads(line)["step"] for line in (out / "results.jsonl").read_text().splitlines()]
-    assert 2 <= len(before) < 5 and before == sorted(before)
-    with open(out / "results.jsonl", "a") as f:
-        f.write('{"step": 12, "drafter": "step 12", "tas')  # torn: a kill in the middle of an append
-    wandb_id = RunFolder(out).about()["wandb_id"]
-    save_drafter(root / "step_12", world.config, trained(world, 12))
-    assert not (out / "STOP.json").exists()
-
-    proc = spawn_watcher([*args, "--once"], tmp_path / "again.log")
-    assert proc.wait(timeout=300) == 0, (tmp_path / "again.log").read_text()[-4000:]
-    again = (tmp_path / "again.log").read_text()
-    assert f"resuming run dflash-eval in {out}: {len(before)} reports" in again
-    reports, errors = results(out)
-    assert sorted(reports) == [2, 4, 6, 8, 10, 12] and not errors
-    assert [json.loads(line)["step"] for line in (out / "results.jsonl").read_text().splitlines()] == \
-        [2, 4, 6, 8, 10, 12]
-    assert audit(out) == {"runs": 1, "reports": 6, "lost": 0, "duplicated": 0, "mismatched": 0}
-    for step in (2, 12):
-        assert_same(reports[step], scored(world, root / f"step_{step}", tmp_path))
-    # min_ratio 5: every report trails; the fifth in a row (counted across the kill) stops, and stands
-    stop = json.loads((out / "STOP.json").read_text())
-    assert stop["stop"] is True and stop["monitor"] == "ddtree@4/live"
-    assert "stopping at step 10: ddtree@4/live" in stop["reason"]
-    assert "5 reports in a row (steps 2-10)" in stop["reason"]
-    assert f"watch: STOP: {stop['reason']} (written to {out / 'STOP.json'})" in again
-    assert "dflash: stopping at step 12" in again and again.count("watch: STOP") == 1
-    assert RunFolder(out).about()["wandb_id"] == wandb_id
-    killed, restarted = sorted((out / "wandb").glob("offline-run-*"))  # one W&B run id, an offline folder per start
-    assert killed.name.endswith(wandb_id) and restarted.name.endswith(wandb_id)
-    rows = [r for r in read_run(restarted)["history"] if "dflash/step" in r]
-    assert [(r["_step"], r["dflash/step"]) for r in rows] == [(s, s) for s in (2, 4, 6, 8, 10, 12) if s not in before]
 
 
 def test_a_checkpoint_deleted_or_of_another_shape_after_start_is_an_error_line_naming_it(world, tmp_path, capsys):

@@ -20,7 +20,7 @@ runs a training script:
 
 It also exports the pieces the in-process tests share with it (same module, data and
 hyperparameters): `shared_world`, `world_paths`, `make_module`, `make_loader`, `write_cache`,
-and `eval_cb` / `fit` for runs inside the test process.
+and `eval_cb` / `fit` / `ScoredAt` for runs inside the test process.
 """
 
 from __future__ import annotations
@@ -121,6 +121,20 @@ def fit(world: Path, tmp_path: Path, callbacks: list, max_steps: int, logger=Fal
                          default_root_dir=tmp_path, log_every_n_steps=1000, **trainer_kwargs)
     trainer.fit(module or make_module(world), make_loader(world), ckpt_path=ckpt_path)
     return trainer
+
+
+class ScoredAt(pl.Callback):
+    """After `cb` in trainer.callbacks: at `step`, training waits until the snapshot taken there is scored, so
+    that its report is published at the next step, while training goes on, whatever the machine's load."""
+
+    def __init__(self, cb: DrafterEvalCallback, step: int):
+        self.cb, self.step = cb, step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            from runs import wait_until
+
+            wait_until(lambda: not self.cb.engine.runner._outbox.empty(), what=f"the report of step {self.step}")
 
 
 # ---------------------------------------------------------------- callbacks of the script

@@ -154,3 +154,24 @@ def unwritable_results_for_a_while(source) -> list[int]:
 
     source.subscribe(disk)
     return seen
+
+
+def zero_task_files(cache: Path) -> None:
+    """A disk going bad under a cache: its task files zeroed, the same size (the manifest still reads, the
+    files do not)."""
+    for file in Path(cache).glob("*.safetensors"):
+        file.write_bytes(b"\0" * file.stat().st_size)
+
+
+class OnFirstReport:
+    """Subscribed to `source` (an eval callback or evaluator): runs `action` once, on the training thread,
+    when its first report is published; `at` is that report's step."""
+
+    def __init__(self, source, action):
+        self.action, self.at = action, None
+        source.subscribe(self)
+
+    def __call__(self, report, baseline):
+        if self.at is None:
+            self.at = report.step
+            self.action()

@@ -1,32 +1,25 @@
 """Extraction from a real (tiny, random) Qwen3ForCausalLM: tokens equal generate(), hidden
-states equal a fresh forward, sharded targets, --drafter, and resuming after SIGKILL."""
+states equal a fresh forward, sharded targets, --drafter, a resume with other arguments refused.
+(Resuming after a SIGKILL: faults/test_killed_processes.py.)"""
 
 import argparse
 import json
-import logging
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_callbacks.cli import main as cli_main
 from dflash_callbacks.cache.extract import extract_cache
-from dflash_callbacks.cli.extract import add_extract_arguments, run_extract
 from dflash_callbacks.cache.format import HiddenStateCache
 from dflash_callbacks.cache.tasks import Task
-from dflash_callbacks.model.config import DrafterConfig
+from dflash_callbacks.cli import main as cli_main
+from dflash_callbacks.cli.extract import add_extract_arguments, run_extract
 from dflash_callbacks.demos.toy.threads import torch_threads
 from dflash_callbacks.demos.toy.world import toy_drafter_config
-from fixtures_cache import save_random_target
-from suite_paths import REPO
+from dflash_callbacks.model.config import DrafterConfig
 
+from fixtures_cache import save_random_target
 
 
 @pytest.fixture(autouse=True)
@@ -129,48 +122,6 @@ def test_drafter_option_takes_layer_ids_and_block_size(random_target_dir, zlab_t
 
     with pytest.raises(SystemExit):
         parse(["--target", "t", "--out", "o", "--layer-ids", "1,2", "--drafter", "d"])  # one or the other
-
-
-def test_killed_extraction_resumes_without_redoing_finished_tasks(random_target_dir, tmp_path, caplog):
-    tasks_file = tmp_path / "tasks.yaml"
-    tasks_file.write_text("tasks:\n" + "".join(f"  - name: t{i}\n    prompt: Task number {i}.\n" for i in range(3)))
-    out = tmp_path / "cache"
-    argv = ["--target", str(random_target_dir), "--out", str(out), "--tasks", str(tasks_file),
-            "--layer-ids", "1,2", "--max-new-tokens", "150"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "dflash_callbacks.cli", "extract", *argv], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    manifest = out / "manifest.json"
-    deadline = time.time() + 240
-    try:
-        while time.time() < deadline and proc.poll() is None:
-            if manifest.is_file() and json.loads(manifest.read_text())["tasks"]:
-                break
-            time.sleep(0.02)
-        assert proc.poll() is None, f"extraction ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait()
-        proc.stderr.close()
-
-    done = json.loads(manifest.read_text())["tasks"]
-    assert [t["name"] for t in done] == ["t0"]
-    for path in out.glob("*.safetensors"):  # whatever is visible is a complete file
-        with safe_open(str(path), framework="pt") as f:
-            assert f.get_tensor("input_ids").shape[0] == f.get_tensor("hidden").shape[0]
-    first = (out / "t0.safetensors").stat()
-
-    caplog.set_level(logging.INFO, logger="dflash_callbacks.cache.extract")
-    assert cli_main(["extract", *argv]) == 0
-    assert "t0: already in the cache, skipped" in caplog.text
-    assert "t1: extracted" in caplog.text and "t0: extracted" not in caplog.text
-    again = (out / "t0.safetensors").stat()
-    assert (again.st_ino, again.st_mtime_ns) == (first.st_ino, first.st_mtime_ns)
-    cache = HiddenStateCache(out)
-    assert cache.task_names == ["t0", "t1", "t2"]
-    cache.verify()
-    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "t0.safetensors", "t1.safetensors", "t2.safetensors"]
 
 
 def test_a_resume_with_other_tasks_or_impossible_settings_is_refused_before_the_target_loads(
