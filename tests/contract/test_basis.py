@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import shutil
 import threading
-import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -35,7 +34,7 @@ from dflash_callbacks.scoring.service import PreflightError, ScoringService, Ser
 from dflash_callbacks.watch.runs import Watcher, open_watcher
 
 from fixtures_cache import save_random_target
-from runs import assert_clean, records, run_dir, run_dirs
+from runs import assert_clean, records, run_dir, run_dirs, wait_until
 from train_run import SCORING, eval_cb, fit, shared_world, write_cache
 from watchers import HostileWatcher
 
@@ -127,8 +126,7 @@ def test_the_watchers_baseline_must_be_this_runs_and_a_late_one_is_taken(world, 
 
         def on_train_batch_end(self, trainer, pl_module, *args):
             if trainer.global_step == 3:  # once step 2 is scored; the runner looks again before step 4
-                while not cb.run.report_path(2).is_file():
-                    time.sleep(0.05)
+                wait_until(cb.run.report_path(2).is_file, what="the watcher's report of step 2")
                 right.to_json(cb.run.report_path(None))
 
     cb = eval_cb(world, tmp_path, runner="external", keep_last=4, wait_timeout=60, baseline=world / "baseline",
@@ -163,12 +161,13 @@ class Watching(threading.Thread):
                                           "--target", str(world / "target"), "--device", "cpu", *flags])
         self.lines: list[str] = []
         self.watcher = open_watcher(args, scoring_config(args), given_settings(args), log=self.lines.append)
-        self.stop, self.error = threading.Event(), None
+        self.stop, self.error, self.scans = threading.Event(), None, 0
 
     def run(self):
         try:
-            while not self.stop.wait(0.05):
+            while not self.stop.wait(0.05):  # a watcher polls: every 50 ms, until the test stops it
                 self.watcher.scan_once()
+                self.scans += 1
         except BaseException as e:  # the test fails on it, not the thread alone
             self.error = e
 
@@ -226,7 +225,9 @@ def test_a_watcher_whose_flags_or_cache_conflict_with_a_run_is_refused_and_write
             Watching(world, tmp_path / "d", cache=other) as elsewhere:
         with pytest.warns(UserWarning, match=r"no `dflash-callbacks watch` has written to .*; step 2 was not scored"):
             fit(world, tmp_path, [cb], max_steps=2)
-        time.sleep(0.2)  # more polls: still one line each
+        scans = flagged.scans, elsewhere.scans  # more polls: still one line each
+        wait_until(lambda: flagged.scans >= scans[0] + 3 and elsewhere.scans >= scans[1] + 3,
+                   what="three more scans of each watcher")
     folder = run_dir(tmp_path / "d")
     assert [(r["step"], "no `dflash-callbacks watch`" in r["error"]) for r in records(tmp_path / "d")] == [(2, True)]
     assert not (folder / "reports").exists() and not (folder / "watcher.json").exists()
@@ -369,10 +370,8 @@ def test_a_report_finished_when_the_fit_raises_is_kept_whole(world, tmp_path):
 
     class Boom(pl.Callback):
         def on_train_batch_end(self, trainer, *args):
-            if trainer.global_step == 3:
-                deadline = time.time() + 60
-                while cb.engine.runner._outbox.empty() and time.time() < deadline:
-                    time.sleep(0.05)
+            if trainer.global_step == 3:  # once step 2's report waits to be drained
+                wait_until(lambda: not cb.engine.runner._outbox.empty(), what="the report of step 2")
                 raise RuntimeError("the training step failed")
 
     cb = eval_cb(world, tmp_path)
@@ -391,7 +390,6 @@ class CopyLandsOnWait:
         self.snapshot, self.values = snapshot, values
 
     def synchronize(self):
-        time.sleep(0.05)
         for name, value in self.values.items():
             self.snapshot.state[name].copy_(value)
 
@@ -407,10 +405,8 @@ def test_the_runner_scores_a_snapshot_only_after_its_copy_lands(world, tmp_path)
     run = RunFolder.create(tmp_path / "d", "run")
     runner = BackgroundRunner("thread", spec, run, keep_last=0, basis=preflight(spec, config))
     runner.submit(Job(2, snapshot.snapshot_id, snapshot=snapshot))
-    deadline, outcomes = time.time() + 60, []
-    while not outcomes and time.time() < deadline:
-        outcomes = runner.poll()
-        time.sleep(0.05)
+    outcomes = []
+    wait_until(lambda: outcomes.extend(runner.poll()) or outcomes, what="the outcome of step 2")
     runner.close(wait=True, timeout=10, reason="done")
     (outcome,) = outcomes
     assert isinstance(outcome, SnapshotOutcome) and outcome.error is None
@@ -535,15 +531,21 @@ def test_a_report_nested_past_the_parsers_depth_is_an_error_not_a_crash(tmp_path
 
 
 def test_on_error_raise_keeps_every_polled_outcome_on_disk(world, tmp_path, monkeypatch):
-    """Step 5's scoring is slow (the real scorer, held 1 s), so the reports of steps 5 to 8
-    reach the training thread together at the end; a subscriber that raises on step 5
-    (on_error="raise") ends the fit, and steps 6 to 8 are still in results.jsonl."""
-    real = ScoringService.score
+    """Step 5's scoring is slow (the real scorer, held until training has taken step 8's
+    snapshot), so the reports of steps 5 to 8 reach the training thread together at the end;
+    a subscriber that raises on step 5 (on_error="raise") ends the fit, and steps 6 to 8 are
+    still in results.jsonl."""
+    real, step_8_taken = ScoringService.score, threading.Event()
 
     def slow_at_5(self, *args, **kwargs):
         if kwargs.get("step") == 5:
-            time.sleep(1.0)
+            assert step_8_taken.wait(300), "training never took step 8's snapshot"
         return real(self, *args, **kwargs)
+
+    class AtStep8(pl.Callback):  # after cb: its snapshot of step 8 is taken
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 8:
+                step_8_taken.set()
 
     monkeypatch.setattr(ScoringService, "score", slow_at_5)
     cb = eval_cb(world, tmp_path, on_error="raise", busy="queue", max_pending=8, every_n_train_steps=1)
@@ -554,7 +556,7 @@ def test_on_error_raise_keeps_every_polled_outcome_on_disk(world, tmp_path, monk
 
     cb.subscribe(fails_from_5)
     with pytest.raises(RuntimeError, match="subscriber .* raised on step 5"):
-        fit(world, tmp_path, [cb], max_steps=8)
+        fit(world, tmp_path, [cb, AtStep8()], max_steps=8)
     assert [r["step"] for r in records(tmp_path / "d") if "tasks" in r] == list(range(1, 9))
     assert_clean(tmp_path / "d")
 

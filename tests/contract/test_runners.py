@@ -16,7 +16,7 @@ from dflash_callbacks.watch.runs import Watcher
 from dflash_callbacks.scoring.service import ScoringService, ServiceSpec
 from dflash_callbacks.demos.training import CacheSequences, DFlashTrainingModule, collate_sequences
 
-from runs import assert_clean, records, run_dir, run_dirs
+from runs import DEADLINE, assert_clean, records, run_dir, run_dirs
 from synthetic import build_world
 
 SCORING = {"ddtree_budgets": [4], "device": "cpu"}
@@ -67,7 +67,7 @@ def test_external_runner_with_watch(tmp_path):
     try:
         cb = DrafterEvalCallback(cache=world.cache, target=world.target, baseline=world.baseline,
                                  every_n_train_steps=3, scoring=SCORING, runner="external", busy="queue",
-                                 max_pending=4, keep_last=4, dirpath=dirpath, wait_timeout=120)
+                                 max_pending=4, keep_last=4, dirpath=dirpath, wait_timeout=DEADLINE)
         fit(world, tmp_path, cb, max_steps=6)
     finally:
         watcher.kill()
@@ -204,7 +204,7 @@ root = pathlib.Path({str(tmp_path)!r})
 world = World(DrafterConfig.from_file(root / "world" / "baseline"), root / "world" / "target", root / "world" / "cache",
               root / "world" / "baseline", None, None)
 cb = DrafterEvalCallback(cache=world.cache, target=world.target, every_n_train_steps=2, scoring={SCORING!r},
-                         runner="process", dirpath=root / "d", verbose=False, wait_timeout=120)
+                         runner="process", dirpath=root / "d", verbose=False, wait_timeout={DEADLINE})
 fit(world, root, cb, max_steps=2)
 print("reports", [r.step for r in cb.reports], "errors", cb.errors, flush=True)
 """)

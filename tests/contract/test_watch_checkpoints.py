@@ -21,7 +21,7 @@ from dflash_callbacks.model import DFlashDrafter, DrafterConfig, save_drafter
 from dflash_callbacks.scoring.report import EvalReport
 
 from checkpoint_watch import assert_same, results, scored, spawn_watcher, trained, wait_for, watch_args
-from runs import audit
+from runs import audit, wait_until
 from suite_paths import FIXTURES
 from synthetic import build_world
 from test_cli import fails
@@ -44,7 +44,7 @@ def write_slowly(folder: Path, files: dict[str, bytes], pause: float, chunks: in
             for i in range(chunks):
                 f.write(data[i * len(data) // chunks:(i + 1) * len(data) // chunks])
                 f.flush()
-                time.sleep(pause)
+                time.sleep(pause)  # the behaviour under test: a file the watcher sees grow between its polls
 
 
 def sharded_files(config: DrafterConfig, state: dict, tmp: Path) -> dict[str, bytes]:
@@ -77,14 +77,14 @@ def test_a_trainer_writing_checkpoints_while_the_watcher_runs_gets_each_scored_o
 
     def trainer():
         save_drafter(root / "checkpoint-2", world.config, trained(world, 2))
-        time.sleep(0.5)
+        time.sleep(0.5)  # the behaviour under test: checkpoints that come while the watcher polls, not all at once
         save_drafter(tmp_path / "staging", world.config, trained(world, 4))
         write_slowly(root / "checkpoint-4", {name: (tmp_path / "staging" / name).read_bytes()
                                              for name in ("config.json", "model.safetensors")}, pause=0.25)
         (tmp_path / "shards").mkdir()
         write_slowly(root / "checkpoint-6", sharded_files(world.config, trained(world, 6), tmp_path / "shards"),
                      pause=0.15)
-        time.sleep(0.3)
+        time.sleep(0.3)  # the behaviour under test: the Trainer's marker written last, after the shards
         (root / "checkpoint-6" / "trainer_state.json").write_text(json.dumps({"global_step": 6}))
         save_drafter(root / "checkpoint-8", world.config, trained(world, 8))
 
@@ -138,9 +138,12 @@ def test_a_checkpoint_deleted_or_of_another_shape_after_start_is_an_error_line_n
     assert watcher.scan() == 2
     with pytest.raises(FileNotFoundError, match="the checkpoint of step 8, .* was deleted before it was scored"):
         watcher.checkpoints.read(root / "checkpoint-8", 8)
-    while watcher.engine.pending:  # published as they are scored, as the watcher's own loop does
+
+    def all_published() -> bool:  # published as they are scored, as the watcher's own loop does
         watcher.publish()
-        time.sleep(0.05)
+        return not watcher.engine.pending
+
+    wait_until(all_published, what="the watcher publishing every report")
     watcher.close(ok=True)
     reports, errors = results(out)
     assert sorted(reports) == [2] and sorted(errors) == [4, 6]

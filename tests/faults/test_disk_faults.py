@@ -95,7 +95,7 @@ def test_a_snapshot_write_failure_with_the_external_runner_does_not_stop_later_s
          "--target", str(paths["target"]), "--budgets", "4", "--device", "cpu", "--poll-seconds", "0.1"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
-    cb = eval_cb(world, tmp_path, runner="external", keep_last=2, wait_timeout=120)
+    cb = eval_cb(world, tmp_path, runner="external", keep_last=2)
 
     class BlockFirstWrite(pl.Callback):  # after cb: its run folder exists
         def on_train_start(self, trainer, pl_module):

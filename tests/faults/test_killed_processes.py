@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -33,7 +32,7 @@ from dflash_callbacks.model import save_drafter
 from dflash_callbacks.scoring.service import ServiceSpec
 
 from checkpoint_watch import assert_same, results, scored, spawn_watcher, trained, wait_for, watch_args
-from runs import assert_clean, audit, records
+from runs import assert_clean, audit, reads_update_atime, records, wait_until
 from suite_paths import REPO, SCRIPTS
 from synthetic import build_world
 from train_run import SCORING, eval_cb, fit, shared_world, world_paths, write_cache
@@ -68,6 +67,13 @@ def worker_pids(parent: int) -> list[int]:
     return out
 
 
+def command_line(pid: int) -> bytes:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes()
+    except OSError:  # gone meanwhile
+        return b""
+
+
 def alive(pid: int) -> bool:
     try:
         return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -85,20 +91,30 @@ def test_sigkilled_training_takes_its_scoring_worker_with_it(world, tmp_path):
          "--anchors-per-forward", "1", "--step-sleep", "0.02"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
+    precise, workers = reads_update_atime(tmp_path), []
+
+    def worker_started() -> bool:
+        workers[:] = [pid for pid in worker_pids(proc.pid) if b"worker_main" in command_line(pid)]
+        return bool(workers)
+
+    def scoring() -> bool:  # a snapshot's weights read since they were written (where atime records reads)
+        for weights in (tmp_path / "run").glob("dflash/*/snapshots/step-*/model.safetensors"):
+            try:
+                written = weights.stat()
+            except OSError:  # pruned meanwhile
+                continue
+            if written.st_atime_ns > written.st_mtime_ns or not precise:
+                return True
+        return False
+
     try:
-        deadline, workers = time.time() + 120, []
-        while time.time() < deadline and not workers:
-            workers = [pid for pid in worker_pids(proc.pid) if b"worker_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-            time.sleep(0.2)
-        assert workers, "no scoring worker started"
-        time.sleep(1.0)  # let it start scoring
+        wait_until(worker_started, what="a scoring worker of the training process")
+        wait_until(scoring, what="the scoring worker reading a snapshot")
     finally:
         proc.kill()
         proc.wait()
-    deadline = time.time() + 15
-    while time.time() < deadline and any(alive(pid) for pid in workers):
-        time.sleep(0.1)
-    assert not any(alive(pid) for pid in workers), "the scoring worker outlived the SIGKILLed training process"
+    wait_until(lambda: not any(alive(pid) for pid in workers), 15,
+               "the end of the scoring worker with its SIGKILLed training process")  # it must not outlive it
 
 
 def test_the_process_workers_answers_survive_a_ctrl_c_a_sigterm_and_text_printed_as_it_starts(world, tmp_path, monkeypatch):
@@ -115,10 +131,9 @@ def test_the_process_workers_answers_survive_a_ctrl_c_a_sigterm_and_text_printed
     spec = ServiceSpec(str(paths["cache"]), str(paths["target"]), str(paths["baseline"]), SCORING, str(tmp_path / "bc"))
     scorer = runners.ProcessScorer(spec, None, threading.Event(), threading.Event())
 
-    def interrupt():  # as soon as the worker ignores them (before the fix: after 20 s, scoring)
-        deadline = time.time() + 20
-        while time.time() < deadline and not (scorer.process and ignores(scorer.process.pid, signal.SIGINT, signal.SIGTERM)):
-            time.sleep(0.01)
+    def interrupt():  # as soon as the worker ignores them (before the fix it never did: nothing is sent)
+        wait_until(lambda: scorer.process and ignores(scorer.process.pid, signal.SIGINT, signal.SIGTERM),
+                   what="the worker ignoring SIGINT and SIGTERM")
         for sig in (signal.SIGINT, signal.SIGTERM):
             os.kill(scorer.process.pid, sig)
             sent.append(sig)
@@ -159,13 +174,9 @@ def test_external_runner_killed_and_resumed_adopts_the_watchers_report_and_the_s
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            snaps = list(root.glob("dflash/*/snapshots/step-00000002/snapshot.json"))
-            if snaps and (root / "ckpt" / "step=2.ckpt").is_file():
-                break
-            time.sleep(0.05)
-        assert snaps, "no snapshot of step 2"
+        wait_until(lambda: list(root.glob("dflash/*/snapshots/step-00000002/snapshot.json"))
+                   and (root / "ckpt" / "step=2.ckpt").is_file(), what="the snapshot and the checkpoint of step 2")
+        snaps = list(root.glob("dflash/*/snapshots/step-00000002/snapshot.json"))
     finally:
         proc.kill()
         proc.wait()
@@ -211,10 +222,8 @@ def test_a_snapshot_cancelled_when_the_fit_fails_is_scored_by_the_resume(world, 
 
     class Preempted(pl.Callback):
         def on_train_batch_end(self, trainer, *args):
-            if trainer.global_step == 3:
-                deadline = time.time() + 60
-                while not list(tmp_path.glob("d/*/snapshots/step-00000002")) and time.time() < deadline:
-                    time.sleep(0.01)  # written, and now being scored
+            if trainer.global_step == 3:  # once step 2's snapshot is written, and now being scored
+                wait_until(lambda: list(tmp_path.glob("d/*/snapshots/step-00000002")), what="the snapshot of step 2")
                 raise KeyboardInterrupt
 
     def callback():
@@ -243,12 +252,9 @@ def test_killed_extraction_resumes_without_redoing_finished_tasks(random_target_
     proc = subprocess.Popen([sys.executable, "-m", "dflash_callbacks.cli", "extract", *argv], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     manifest = out / "manifest.json"
-    deadline = time.time() + 240
     try:
-        while time.time() < deadline and proc.poll() is None:
-            if manifest.is_file() and json.loads(manifest.read_text())["tasks"]:
-                break
-            time.sleep(0.02)
+        wait_until(lambda: proc.poll() is not None or (manifest.is_file() and json.loads(manifest.read_text())["tasks"]),
+                   what="the first task in the manifest")
         assert proc.poll() is None, f"extraction ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
         proc.send_signal(signal.SIGKILL)
     finally:

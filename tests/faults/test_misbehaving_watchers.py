@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -16,7 +15,7 @@ import pytest
 from dflash_callbacks.engine.run_folder import RunFolder
 from dflash_callbacks.scoring.service import ScoringService, ServiceSpec
 
-from runs import assert_clean, records, run_dir
+from runs import assert_clean, reads_update_atime, records, run_dir, wait_until
 from train_run import SCORING, eval_cb, fit, shared_world, world_paths, write_cache
 from watchers import HostileWatcher
 
@@ -106,10 +105,19 @@ def test_a_stale_report_of_another_snapshot_is_never_taken_for_this_one(world, t
     watcher = HostileWatcher(tmp_path / "d", [lambda s, i: scored(s, i, "0" * 16)])
     cb = eval_cb(world, tmp_path, runner="external", keep_last=2, wait_timeout=60, every_n_train_steps=4)
 
+    precise = reads_update_atime(tmp_path)
+
+    def stale_one_read() -> bool:  # on disk, and read since it was written (where atime records reads)
+        path = cb.run.report_path(4)
+        if not path.is_file():
+            return False
+        written = path.stat()
+        return written.st_atime_ns > written.st_mtime_ns or not precise
+
     class RightOneLater(pl.Callback):
         def on_train_end(self, trainer, pl_module):  # before cb waits: give the right report after the stale one
             run = cb.run
-            time.sleep(0.5)
+            wait_until(stale_one_read, what="the runner reading the stale report of step 4")
             service.score_folder(run.snapshot_path(4)).to_json(run.report_path(4))
 
     with watcher:
@@ -124,7 +132,7 @@ def test_external_runner_with_one_kept_snapshot_and_a_queue_never_prunes_an_unsc
     """keep_last=1, busy="queue": snapshots come faster than a slow watcher scores them. Each
     is written only after the one before was scored, so none is deleted unscored."""
     paths = world_paths(world)
-    slow = write_cache(world, tmp_path / "slow-cache", [("slow", 100, 4)])
+    slow = write_cache(world, tmp_path / "slow-cache", [("slow", 50, 4)])  # ~46 forwards a snapshot: slower than 2 steps
     dirpath = tmp_path / "d"
     dirpath.mkdir()
     watcher = subprocess.Popen(
@@ -133,8 +141,7 @@ def test_external_runner_with_one_kept_snapshot_and_a_queue_never_prunes_an_unsc
          "--anchors-per-forward", "1"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
-    cb = eval_cb(world, tmp_path, cache=slow, runner="external", keep_last=1, busy="queue", max_pending=3,
-                 wait_timeout=120)
+    cb = eval_cb(world, tmp_path, cache=slow, runner="external", keep_last=1, busy="queue", max_pending=3)
 
     class AtMostOne(pl.Callback):
         most = 0

@@ -13,7 +13,7 @@ import pytest
 
 from dflash_callbacks.engine import runners
 
-from runs import assert_clean, records
+from runs import assert_clean, records, wait_until
 from train_run import SCORING, eval_cb, fit, shared_world, write_cache
 
 
@@ -75,17 +75,18 @@ def test_without_a_watcher_the_end_of_fit_does_not_wait_again_for_each_snapshot(
     cb = eval_cb(world, tmp_path, runner="external", keep_last=4, busy="queue", max_pending=4)
 
     class Timing(pl.Callback):  # the run outlives WATCHER_TIMEOUT; then the time fit spends at its end
-        ended = None
+        ended = caught = None
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if trainer.global_step == 1:
-                time.sleep(3.5)
+            if trainer.global_step == 3:  # step 2's snapshot waits for a watcher: until the runner says it waited
+                wait_until(lambda: any("waiting for a watcher to score" in str(w.message) for w in list(self.caught)),
+                           what="the runner's warning that no watcher scored step 2 within WATCHER_TIMEOUT")
 
         def on_train_end(self, trainer, pl_module):
             self.ended = time.monotonic()
 
     timing = Timing()
-    with pytest.warns(UserWarning, match=r"no `dflash-callbacks watch` has written to .* for 3 s"):
+    with pytest.warns(UserWarning, match=r"no `dflash-callbacks watch` has written to .* for 3 s") as timing.caught:
         fit(world, tmp_path, [timing, cb], max_steps=8)
     assert time.monotonic() - timing.ended < 3.0  # it took 9 s and more: 3 s for each snapshot after the first
     assert [(r["step"], "no `dflash-callbacks watch`" in r["error"]) for r in records(tmp_path / "d")] == \

@@ -35,6 +35,8 @@ from train_run import world_paths  # noqa: E402
 
 
 class StepSleep(TrainerCallback):
+    """The behaviour asked for by --step-sleep: a training step that takes that long."""
+
     def __init__(self, seconds: float):
         self.seconds = seconds
 

@@ -104,7 +104,7 @@ def main(argv=None) -> int:
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            if args.step_sleep:
+            if args.step_sleep:  # the behaviour asked for: a training step that takes this long
                 time.sleep(args.step_sleep)
             stopped = evaluator.step(step)
             if rank != 0:

@@ -174,6 +174,8 @@ class CorruptAtStart(pl.Callback):
 
 
 class StepSleep(pl.Callback):
+    """The behaviour asked for by --step-sleep: a training step that takes that long."""
+
     def __init__(self, seconds: float):
         self.seconds = seconds
 

@@ -19,9 +19,12 @@ from dflash_callbacks.engine.run_folder import RunFolder, is_run_folder
 from dflash_callbacks.scoring.report import EvalReport
 
 AUDIT = {"runs": 0, "reports": 0, "lost": 0, "duplicated": 0, "mismatched": 0}
+DEADLINE = 300.0
+"""Seconds a test waits for work done in another thread or process (scoring, a worker's start, a watcher):
+generous enough for a busy machine, whose load stretches that work tenfold; the wait ends at the event."""
 
 
-def wait_until(condition, timeout: float = 300.0, what: str = "the condition", every: float = 0.02) -> None:
+def wait_until(condition, timeout: float = DEADLINE, what: str = "the condition", every: float = 0.02) -> None:
     """Poll `condition()` until it holds; AssertionError naming `what` after `timeout` seconds (a deadline
     generous enough for a busy machine: a test waits for the event itself, never for a guess of its time)."""
     deadline = time.monotonic() + timeout
@@ -102,22 +105,26 @@ def reads_update_atime(folder: Path) -> bool:
     return probe.stat().st_atime_ns > probe.stat().st_mtime_ns
 
 
-def kill_after_reports(cmd: list[str], dirpath: Path, log: Path, reports: int = 3, timeout: float = 300) -> Path:
+def kill_after_reports(cmd: list[str], dirpath: Path, log: Path, reports: int = 3, timeout: float = DEADLINE) -> Path:
     """Runs `cmd`, a training script whose evaluation writes its runs under `dirpath`, and SIGKILLs it
     once a results.jsonl there holds `reports` lines; returns that file. Fails, with the end of the
     script's output (`log`), when the script ends first or no such file comes within `timeout` s."""
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    found: list[Path] = []
+
+    def reported() -> bool:
+        found[:] = [p for p in sorted(Path(dirpath).glob("*/results.jsonl")) if p.read_text().count("\n") >= reports]
+        return bool(found) or proc.poll() is not None
+
     try:
-        deadline, results_path = time.time() + timeout, None
-        while time.time() < deadline and proc.poll() is None:
-            found = sorted(Path(dirpath).glob("*/results.jsonl"))
-            if found and found[0].read_text().count("\n") >= reports:
-                results_path = found[0]
-                break
-            time.sleep(0.1)
-        assert proc.poll() is None and results_path is not None, \
+        try:
+            wait_until(reported, timeout, f"{reports} reports", every=0.1)
+        except AssertionError:
+            pass  # said below, with the script's output
+        assert proc.poll() is None and found, \
             f"the training run ended early or wrote no {reports} reports:\n{Path(log).read_text()[-4000:]}"
+        results_path = found[0]
     finally:
         proc.kill()
         proc.wait()

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 import struct
-import time
 from pathlib import Path
 
 from wandb.proto import wandb_internal_pb2
+
+from runs import wait_until
 
 BLOCK = 32768
 HEADER = 7
@@ -54,17 +55,20 @@ def finished_records(path: Path, timeout: float = 60.0) -> list:
     """The parsed records of a finished run file. `wandb.finish()` can return before the
     W&B service has written the file's tail (seen with wandb 0.31 under load: a file cut
     at its first 32 KiB block), so this waits until the last record is the run's `exit`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        records = []
-        for blob in raw_records(path):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(blob)
-            records.append(record)
-        if records and records[-1].WhichOneof("record_type") == "exit":
-            return records
-        assert time.monotonic() < deadline, f"{path} has no exit record {timeout:g} s after wandb.finish()"
-        time.sleep(0.1)
+    records = []
+
+    def ends_in_exit() -> bool:
+        records[:] = [parsed(blob) for blob in raw_records(path)]
+        return bool(records) and records[-1].WhichOneof("record_type") == "exit"
+
+    wait_until(ends_in_exit, timeout, f"an exit record at the end of {path} after wandb.finish()", every=0.1)
+    return records
+
+
+def parsed(blob: bytes):
+    record = wandb_internal_pb2.Record()
+    record.ParseFromString(blob)
+    return record
 
 
 def read_run(run_dir: Path) -> dict:
