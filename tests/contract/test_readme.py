@@ -17,11 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from suite_paths import REPO
+from suite_paths import REPO, TESTS
 
 README = REPO / "README.md"
 DOCS = REPO / "docs"
 PAGES = [README, *sorted(DOCS.glob("*.md"))]
+TIERS = ("unit", "contract", "faults")  # the folders of tests/ that hold tests
+CITATION = re.compile(r"(((tests/)?[\w/-]*test_\w+\.py)?::test_\w+|(tests/)?[\w/-]*test_\w+\.py$)")  # a test or its file
 
 
 @pytest.mark.parametrize("heading, example", [
@@ -137,21 +139,22 @@ def test_every_cli_flag_is_in_the_commands_reference():
 
 
 def suite_tests() -> dict[str, set[str]]:
-    """The test functions of each tests/test_*.py, by file name."""
-    return {path.name: {node.name for node in ast.walk(ast.parse(path.read_text()))
-                        if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
-            for path in (REPO / "tests").glob("test_*.py")}
+    """The test functions of each test file of the suite's tiers, by its path under tests/ (`unit/test_x.py`)."""
+    return {path.relative_to(TESTS).as_posix(): {node.name for node in ast.walk(ast.parse(path.read_text()))
+                                                 if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
+            for tier in TIERS for path in (TESTS / tier).glob("test_*.py")}
 
 
 def missing_tests(cited: list[str], tests: dict[str, set[str]], file: str | None = None) -> list[str]:
-    """The citations among `cited` (`file.py::name`, `::name` in the file cited before it, a `name_*`
-    prefix, `name[params]`, or a whole file) that name no test."""
+    """The citations among `cited` (`tier/file.py::name` by its path under tests/, with `tests/` or without,
+    `::name` in the file cited before it, a `name_*` prefix, `name[params]`, or a whole file) that name no
+    test."""
     missing = []
     for ref in cited:
         if ref == "tests/support/runs.py":  # the audit every fault test runs (conftest.py fails the session)
             continue
         name_of_file, _, name = ref.partition("::")
-        file = name_of_file or file
+        file = name_of_file.removeprefix("tests/") or file
         name = name.split("[")[0]
         names = tests.get(file, set())
         found = (file in tests if not name else any(t.startswith(name[:-1]) for t in names) if name.endswith("*")
@@ -162,7 +165,7 @@ def missing_tests(cited: list[str], tests: dict[str, set[str]], file: str | None
 
 
 def test_every_guarantee_names_tests_that_exist():
-    """Each row of the Guarantees table cites a test (`file.py::name`, `::name` in the file cited
+    """Each row of the Guarantees table cites a test (`tier/file.py::name`, `::name` in the file cited
     before it, a `name_*` prefix, or a whole file); each one must be there."""
     table = re.search(r"\n(\| guarantee .*?)\n\n", (DOCS / "guarantees.md").read_text(), flags=re.S).group(1)
     tests, missing = suite_tests(), []
@@ -175,10 +178,10 @@ def test_every_guarantee_names_tests_that_exist():
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_every_test_a_page_cites_exists(page):
-    """Outside the Guarantees table too: every `test_*.py::name` a page names is a test."""
+    """Outside the Guarantees table too: every test file and `file.py::name` a page names is a test (a file
+    named without its tier's folder is not one)."""
     tests = suite_tests()
-    cited = [ref for cell in re.findall(r"`([^`]+)`", page.read_text())
-             for ref in [cell] if re.match(r"(test_\w+\.py)?::test_\w+|test_\w+\.py$", ref)]
+    cited = [ref for ref in re.findall(r"`([^`]+)`", page.read_text()) if CITATION.match(ref)]
     missing, file = [], None
     for ref in cited:
         file = ref.split("::")[0] or file
