@@ -23,6 +23,7 @@ from types import SimpleNamespace
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import CSVLogger
+from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from loops import SCORING, hf_fit, plain_fit
@@ -38,6 +39,7 @@ class Adapter:
 
     name = ""
     SCRIPT, SCRIPT_ARGS = "", []  # the training script in tests/scripts, its arguments for a checkpoint every 3 steps
+    CHECKPOINTS = ""  # where under the script's root its checkpoints are (a glob)
 
     def __init__(self, world: Path):
         self.world, self.paths = Path(world), SimpleNamespace(**world_paths(world))
@@ -73,6 +75,16 @@ class Adapter:
 
     def checkpoints(self, root: Path) -> list[tuple[int, Path]]:
         """The checkpoints `script` saved that load, as (step, path), newest first."""
+        found = []
+        for path in root.glob(self.CHECKPOINTS):
+            try:
+                found.append((self._saved_step(path), path))
+            except Exception:  # one the kill cut short
+                continue
+        return sorted(found, reverse=True)
+
+    def _saved_step(self, checkpoint: Path) -> int:
+        """The step `checkpoint` holds, once it loads."""
         raise NotImplementedError
 
     def _evaluation(self, args: dict):
@@ -108,7 +120,7 @@ class _LightningHooks(pl.Callback):
 
 
 class Lightning(Adapter):
-    name, SCRIPT, SCRIPT_ARGS = "lightning", "train_run.py", ["--ckpt-every", "3"]
+    name, SCRIPT, SCRIPT_ARGS, CHECKPOINTS = "lightning", "train_run.py", ["--ckpt-every", "3"], "ckpt/step=*.ckpt"
 
     def _evaluation(self, args: dict):
         from dflash_callbacks.callbacks import DrafterEvalCallback
@@ -129,18 +141,13 @@ class Lightning(Adapter):
         with open(Path(self.logger.log_dir) / "metrics.csv") as f:
             return [(int(row.pop("step")), {k: float(v) for k, v in row.items() if v}) for row in csv.DictReader(f)]
 
-    def checkpoints(self, root):
-        found = []
-        for path in root.glob("ckpt/step=*.ckpt"):
-            try:
-                found.append((torch.load(path, weights_only=False, map_location="cpu")["global_step"], path))
-            except Exception:  # one the kill cut short
-                continue
-        return sorted(found, reverse=True)
+    def _saved_step(self, checkpoint):
+        return torch.load(checkpoint, weights_only=False, map_location="cpu")["global_step"]
 
 
 class PlainLoop(Adapter):
-    name, SCRIPT, SCRIPT_ARGS = "loop", "train_loop.py", ["--ckpt-every", "3", "--busy", "queue"]
+    name, SCRIPT, CHECKPOINTS = "loop", "train_loop.py", "ckpt/step=*.pt"
+    SCRIPT_ARGS = ["--ckpt-every", "3", "--busy", "queue"]
 
     def _evaluation(self, args: dict):
         from dflash_callbacks import DrafterEvaluator
@@ -148,9 +155,14 @@ class PlainLoop(Adapter):
         return DrafterEvaluator(**args, stop=self.stop, log=self._log)
 
     def train(self, evaluation, out, max_steps, *, before_snapshot=None, after_step=None, at_start=None, resume=None):
-        if at_start is not None:  # a plain loop has no start hook: the engine's start, on the first step()
+        if at_start is not None:  # a plain loop has no start hook: right after the engine's start, in the first step()
             start = evaluation.engine.start
-            evaluation.engine.start = lambda *args, **kwargs: (start(*args, **kwargs), at_start())
+
+            def started(*args, **kwargs):
+                start(*args, **kwargs)
+                at_start()
+
+            evaluation.engine.start = started
         steps = []
 
         def after(model, step):
@@ -162,14 +174,8 @@ class PlainLoop(Adapter):
                           after_step=after)
         return steps[-1], model
 
-    def checkpoints(self, root):
-        found = []
-        for path in root.glob("ckpt/step=*.pt"):
-            try:
-                found.append((torch.load(path, weights_only=False)["step"], path))
-            except Exception:
-                continue
-        return sorted(found, reverse=True)
+    def _saved_step(self, checkpoint):
+        return torch.load(checkpoint, weights_only=False)["step"]
 
 
 class _TrainerHooks(TrainerCallback):
@@ -186,7 +192,7 @@ class _TrainerHooks(TrainerCallback):
 
 
 class Transformers(Adapter):
-    name, SCRIPT, SCRIPT_ARGS = "hf", "train_hf.py", ["--save-steps", "3"]
+    name, SCRIPT, SCRIPT_ARGS, CHECKPOINTS = "hf", "train_hf.py", ["--save-steps", "3"], "checkpoint-*"
 
     def _evaluation(self, args: dict):
         from dflash_callbacks.hf import DrafterEvalTrainerCallback
@@ -199,17 +205,9 @@ class Transformers(Adapter):
                                 resume=None if resume is None else str(resume))
         return trainer.state.global_step, model
 
-    def checkpoints(self, root):
-        from safetensors.torch import load_file
-
-        found = []
-        for folder in root.glob("checkpoint-*"):
-            try:
-                load_file(str(folder / "model.safetensors"))
-                found.append((json.loads((folder / "trainer_state.json").read_text())["global_step"], folder))
-            except Exception:
-                continue
-        return sorted(found, reverse=True)
+    def _saved_step(self, checkpoint):
+        load_file(str(checkpoint / "model.safetensors"))
+        return json.loads((checkpoint / "trainer_state.json").read_text())["global_step"]
 
 
 ADAPTERS = {adapter.name: adapter for adapter in (Lightning, PlainLoop, Transformers)}
