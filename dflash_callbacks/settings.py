@@ -150,7 +150,7 @@ def add_arguments(parser, cls: type, *, exclude: Iterable[str] = (), prefix: str
     """One `--flag` per field of `cls` (not in `exclude`, nor marked flag=False; its aliases are flags too), its
     help the field's with its default; a flag not given leaves the field out (`argparse.SUPPRESS`), so a config
     file or the default fills it. `types` converts a field's text (default: by the field's type: int, float,
-    str, a path, a bool (--x / --no-x), a comma-separated list)."""
+    str, a path, a bool (--x when it is off by default, --no-x when on), a comma-separated list)."""
     hints = typing.get_type_hints(cls)
     for f in fields_of(cls):
         if f.name in exclude or not f.metadata.get("flag", True):
@@ -161,8 +161,10 @@ def add_arguments(parser, cls: type, *, exclude: Iterable[str] = (), prefix: str
         shown = "" if default in (None, [], ()) else f" (default {_show(default)})"
         names = ["--" + (prefix + name).replace("_", "-") for name in (f.name, *f.metadata.get("aliases", ()))]
         options = dict(dest=prefix + f.name, default=argparse.SUPPRESS, help=f.metadata["help"] + shown)
-        if kind is bool:
-            parser.add_argument(*names, action=argparse.BooleanOptionalAction, **options)
+        if kind is bool:  # a flag turns on what is off by default (--release-memory), or off what is on (--no-x)
+            if default:
+                names = ["--no-" + name[2:] for name in names]
+            parser.add_argument(*names, action="store_false" if default else "store_true", **options)
         else:
             parser.add_argument(*names, type=kind, **options)
 

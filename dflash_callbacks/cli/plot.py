@@ -95,7 +95,7 @@ def baseline_report(run, last, given: Path | None, cache_dir: Path | None):
     from ..scoring.basis import Basis
     from ..scoring.config import ScoringConfig
     from ..scoring.report import EvalReport
-    from ..scoring.service import cached_baseline, weights_fingerprint
+    from ..scoring.service import cached_baseline
 
     about = run.about()
     source = given if given is not None else Path(about["baseline"]) if about.get("baseline") else None
@@ -108,7 +108,7 @@ def baseline_report(run, last, given: Path | None, cache_dir: Path | None):
     else:
         basis = Basis.from_dict(about["basis"])
         scoring = ScoringConfig.from_dict(about["scoring"])
-        _, cached = cached_baseline(weights_fingerprint(source), basis.cache, basis.target, scoring, cache_dir)
+        _, cached = cached_baseline(source, basis.cache, basis.target, scoring, cache_dir)
         if not cached.is_file():
             return None, (f"no report of the baseline {source} in the baseline cache ({cached.parent}): drawn without "
                           "it (give --baseline REPORT.json, or --baseline-cache-dir: the run's baseline_cache_dir)")

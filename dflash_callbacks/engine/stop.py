@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..scoring.intervals import MIN_TASKS
 from ..scoring.methods import Monitor
 from ..settings import (  # noqa: F401  (ACTIONS, CONFIDENCE, DEFAULT_MIN_RATIO: importable from here too)
     ACTIONS, CONFIDENCE, DEFAULT_MIN_RATIO, StopSettings, built, describe, fields_of, signature,
@@ -128,6 +129,11 @@ class StopPolicy:
             warnings.warn(f"{type(self).__name__}(min_ratio={self.min_ratio:g}): the drafter must reach "
                           f"{self.min_ratio:g}x the baseline or training stops; a share is written as a fraction "
                           "(0.9 for 90%)", UserWarning, stacklevel=2)
+        if self.patience < 2:
+            warnings.warn(f"{type(self).__name__}(patience={self.patience}): one report below the threshold stops "
+                          "training, and over many reports a drafter right at the threshold trips one by chance: "
+                          "patience, not the 95% level, keeps false stops down (the default 3; docs/numbers.md)",
+                          UserWarning, stacklevel=2)
         self.reset()
 
     __init__.__signature__ = signature(StopSettings)
@@ -167,7 +173,8 @@ class StopPolicy:
     def trails(self, value: float, upper: float | None, baseline_value: float) -> bool:
         """Whether one report trails: ``is_trailing`` on its value and, with ``confidence``, the upper end
         of its ratio's (delta's) interval, ``upper``, below ``min_ratio`` (``min_delta``) too. ``upper``
-        None (a report without an interval) leaves the value alone to judge."""
+        None (a report without an interval) leaves the value alone to judge; ``math.inf`` (a cache of fewer
+        than MIN_TASKS tasks: no run-level interval) never trails."""
         if not self.is_trailing(value, baseline_value):
             return False
         if self.confidence is None or upper is None or not math.isfinite(value):
@@ -199,6 +206,10 @@ class StopPolicy:
         last_step, last_value = eligible[-1]
         if wait == 0:
             upper = bounds.get(last_step)
+            if self.is_trailing(last_value, baseline_value) and self.confidence is not None and upper == math.inf:
+                return Decision(False, f"{self.monitor} {last_value:.2f} < {self.describe_threshold(baseline_value)}, "
+                                       f"but the cache has fewer than {MIN_TASKS} tasks, too few for a run-level "
+                                       "interval: not judged")
             if self.is_trailing(last_value, baseline_value) and self.confidence is not None and upper is not None:
                 kind, limit = ("ratio", self.min_ratio) if self.min_delta is None else ("delta", self.min_delta)
                 return Decision(False, f"{self.monitor} {last_value:.2f} < {self.describe_threshold(baseline_value)}, "
@@ -265,7 +276,8 @@ class StopPolicy:
         comparison with the baseline on this monitor (for ``confidence``). Returns the reason to stop
         training with, or None. Without a baseline the value is recorded but nothing is decided (said once)."""
         step = now.step if report.step is None else int(report.step)
-        upper = None if versus is None else versus.ratio.hi if self.min_delta is None else versus.delta.hi
+        upper = None if versus is None else math.inf if versus.too_few_tasks else \
+            versus.ratio.hi if self.min_delta is None else versus.delta.hi
         self.record(step, self.read(report, "report"), upper)
         if self.stop_reason and self.stopped_step and now.ending:
             return None  # a report of the final snapshot after our stop: recorded, the reason stands
@@ -323,8 +335,9 @@ class StopPolicy:
         self.history, self.bounds = [], {}
         for h in history:
             versus = (h.get("versus") or {}).get(self.monitor)
-            self.record(int(h["step"]), float(h["mean"][str(monitor.method)][monitor.aggregate]),
-                        None if versus is None else float(versus[kind][2]))
+            upper = None if versus is None else math.inf if versus.get("verdict") == "too few tasks" else \
+                float(versus[kind][2])
+            self.record(int(h["step"]), float(h["mean"][str(monitor.method)][monitor.aggregate]), upper)
 
     def state_dict(self) -> dict[str, Any]:
         return {

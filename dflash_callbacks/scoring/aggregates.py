@@ -1,61 +1,64 @@
-"""Per-task aggregates of per-anchor streaks (DESIGN.md, "Aggregates per task").
+"""Per-task aggregates of per-anchor streaks (DESIGN.md, "Aggregates per task"), as a registry.
 
-The scorer gives one method's streak for every scored anchor of a task, in anchor
-order: `streaks[i]` belongs to anchor `first_anchor + i`. tau = streak + 1.
+The scorer gives one method's streak for every scored anchor of a task, in anchor order:
+`streaks[i]` belongs to anchor `first_anchor + i`. tau = streak + 1. An aggregate (`AGGREGATES`:
+name -> `Aggregate`) says how a task's number is made from them (`value`), which stretches of the
+text its interval resamples (`series`, `intervals.py`), and how the strict report reader holds a
+stored number to the streaks it came from (`check`); every number lies within 1 and the method's
+largest tau. Adding an aggregate is one entry here and its tests: the report, the intervals, the
+logged keys, the monitors and the watchers iterate over the registry.
 
-- `dense_tau`: mean tau over all scored anchors.
-- `live_rounds` / `live_tau`: the schedule live speculative decoding follows on the
-  target's greedy text: a0 = first_anchor, a <- a + streak(a) + 1, until a leaves the
-  scored anchors or `max_rounds` rounds are done; the tau of each round / their mean.
-- `acceptance_curve`: for d = 1..max_depth, the share of anchors with streak >= d.
-- `encode_streaks` / `decode_streaks`: the streaks as a report keeps them, for the
-  intervals (`intervals.py`): each streak as base-36 digits (0-9, a-z), as many per
-  anchor as `block_size - 1` needs (one for block sizes up to 36), side by side in one
-  string. One byte per anchor, plain JSON that needs no escaping, readable by eye
-  ("a9876543210" is a streak of 10 counting down), decoded in one vectorised step.
+- `dense`: mean tau over all scored anchors.
+- `live`: the schedule live speculative decoding follows on the target's text: a0 = first_anchor,
+  a <- a + streak(a) + 1, until a leaves the scored anchors or `max_rounds` rounds are done; the
+  mean tau of those rounds (`live_rounds`).
+
+Also `acceptance_curve` (for d = 1..max_depth, the share of anchors with streak >= d) and the
+streaks as a report keeps them (`encode_streaks` / `decode_streaks`): each streak as base-36 digits
+(0-9, a-z), as many per anchor as the largest tau needs (one up to 36), side by side in one string.
+One byte per anchor, plain JSON that needs no escaping, readable by eye ("a9876543210" is a streak of
+10 counting down), decoded in one vectorised step.
+
+numpy only: streaks may be a torch tensor (CPU) or any integer array.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import numpy as np
-import torch
 
 from ..checks import check_int
 
 
-def _check_streaks(streaks: torch.Tensor) -> torch.Tensor:
-    if not isinstance(streaks, torch.Tensor) or streaks.dim() != 1:
-        raise ValueError(
-            f"streaks must be a 1-D tensor [n_anchors]; got {type(streaks).__name__} "
-            f"{tuple(getattr(streaks, 'shape', ()))}"
-        )
-    if streaks.numel() == 0:
+def _check_streaks(streaks) -> np.ndarray:
+    values = np.asarray(streaks)
+    if values.ndim != 1:
+        raise ValueError(f"streaks must be a 1-D array [n_anchors]; got {type(streaks).__name__} {tuple(values.shape)}")
+    if values.size == 0:
         raise ValueError("streaks is empty: a task needs at least one scored anchor")
-    if streaks.is_floating_point() or streaks.is_complex() or streaks.dtype == torch.bool:
-        raise ValueError(f"streaks must hold integers; got dtype {streaks.dtype}")
-    if streaks.min() < 0:
-        raise ValueError(f"streaks must be >= 0; got a minimum of {int(streaks.min())}")
-    return streaks
+    if not np.issubdtype(values.dtype, np.integer):
+        raise ValueError(f"streaks must hold integers; got dtype {getattr(streaks, 'dtype', values.dtype)}")
+    if values.min() < 0:
+        raise ValueError(f"streaks must be >= 0; got a minimum of {int(values.min())}")
+    return values.astype(np.int64)
 
 
-def dense_tau(streaks: torch.Tensor) -> float:
+def dense_tau(streaks) -> float:
     """Mean of streak + 1 over all scored anchors."""
-    streaks = _check_streaks(streaks)
-    return float((streaks.double() + 1.0).mean())
+    return float((_check_streaks(streaks).astype(np.float64) + 1.0).mean())
 
 
-def live_rounds(streaks: torch.Tensor, first_anchor: int, max_rounds: int) -> list[int]:
-    """The tau of each round of the live schedule starting at `first_anchor`.
-
-    `streaks[a - first_anchor]` is the streak at anchor a. Rounds stop when the next
-    anchor is past the last scored one, or after `max_rounds` (>= 1) rounds.
-    """
-    streaks = _check_streaks(streaks)
+def live_rounds(streaks, first_anchor: int, max_rounds: int) -> list[int]:
+    """The tau of each round of the live schedule starting at `first_anchor`: `streaks[a - first_anchor]`
+    is the streak at anchor a. Rounds stop when the next anchor is past the last scored one, or after
+    `max_rounds` (>= 1) rounds."""
+    values = _check_streaks(streaks).tolist()
     check_int("first_anchor", first_anchor, 0)
     check_int("max_rounds", max_rounds, 1)
-    values = streaks.tolist()
-    taus = []
-    anchor = first_anchor
+    taus, anchor = [], first_anchor
     while anchor - first_anchor < len(values) and len(taus) < max_rounds:
         tau = values[anchor - first_anchor] + 1
         taus.append(tau)
@@ -63,57 +66,121 @@ def live_rounds(streaks: torch.Tensor, first_anchor: int, max_rounds: int) -> li
     return taus
 
 
-def live_tau(streaks: torch.Tensor, first_anchor: int, max_rounds: int) -> float:
+def live_tau(streaks, first_anchor: int, max_rounds: int) -> float:
     """Mean tau over the rounds of `live_rounds` (at least one round always runs)."""
     taus = live_rounds(streaks, first_anchor, max_rounds)
     return sum(taus) / len(taus)
 
 
-def acceptance_curve(streaks: torch.Tensor, max_depth: int) -> list[float]:
+def acceptance_curve(streaks, max_depth: int) -> list[float]:
     """For d = 1..max_depth (>= 1): the share of anchors whose streak is >= d."""
-    streaks = _check_streaks(streaks)
+    values = _check_streaks(streaks)
     check_int("max_depth", max_depth, 1)
-    depths = torch.arange(1, max_depth + 1, device=streaks.device)
-    return (streaks.unsqueeze(0) >= depths.unsqueeze(1)).double().mean(dim=1).tolist()
+    return (values[None, :] >= np.arange(1, max_depth + 1)[:, None]).mean(axis=1).tolist()
 
 
+# ------------------------------------------------------------------ the registry
+LIVE_BLOCKS = 3
+"""A task's live rounds are resampled in at least this many blocks of text (`Aggregate.series`)."""
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    name: str
+    help: str
+    value: Callable[[np.ndarray, int, int], float]
+    """(streaks, first_anchor, max_rounds) -> the task's number."""
+    series: Callable[[np.ndarray, list[np.ndarray], int], tuple[int, np.ndarray, np.ndarray]]
+    """(taus [A, n] of A arms scored on the same anchors, each arm's live rounds, the block length the dense
+    taus ask for) -> (its block length, values [A, m], counts [A, m]): the intervals resample blocks of
+    these positions, a task's mean being sum(values) / sum(counts)."""
+    check: Callable[[dict, np.ndarray, int | None], str | None]
+    """(a task's stored numbers of one method, its streaks, max_rounds) -> why they do not follow, or None."""
+
+
+def _dense_series(taus: np.ndarray, rounds: list[np.ndarray], length: int) -> tuple[int, np.ndarray, np.ndarray]:
+    return length, taus, np.ones_like(taus)
+
+
+def _live_series(taus: np.ndarray, rounds: list[np.ndarray], length: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """Each round's tau at the position where it starts: the rounds of two drafters are paired by where they
+    are in the text, and a resample takes the rounds that start in its blocks. The block is the dense one
+    (the text's dependence, in positions), cut so that the positions the rounds span hold LIVE_BLOCKS."""
+    values, counts, span = np.zeros_like(taus), np.zeros_like(taus), 1
+    for a, taken in enumerate(rounds):
+        starts = np.concatenate([[0], np.cumsum(taken)[:-1]]).astype(np.int64)  # a round's anchor, from the first
+        values[a, starts], counts[a, starts] = taken, 1
+        span = max(span, min(taus.shape[1], int(taken.sum())))
+    return max(1, min(length, span // LIVE_BLOCKS)), values[:, :span], counts[:, :span]
+
+
+def _check_dense(numbers: dict, streaks: np.ndarray, max_rounds: int | None) -> str | None:
+    if not math.isclose(numbers["dense"], float(streaks.mean()) + 1, rel_tol=1e-9):
+        return f"'dense' is {numbers['dense']!r}; the streaks' mean tau is {float(streaks.mean()) + 1!r}"
+    return None
+
+
+def _check_live(numbers: dict, streaks: np.ndarray, max_rounds: int | None) -> str | None:
+    rounds, anchor = numbers.get("live_rounds", []), 0
+    for i, tau in enumerate(rounds):
+        if anchor >= len(streaks) or tau != streaks[anchor] + 1:
+            return (f"'live_rounds'[{i}] is {tau}; the live schedule over the streaks "
+                    + ("has ended there" if anchor >= len(streaks) else f"gives {int(streaks[anchor]) + 1}"))
+        anchor += tau
+    if max_rounds is not None and (len(rounds) > max_rounds or (anchor < len(streaks) and len(rounds) < max_rounds)):
+        return (f"'live_rounds' holds {len(rounds)} rounds; the live schedule over the streaks, at most "
+                f"max_rounds={max_rounds}, has {'fewer' if len(rounds) > max_rounds else 'more'}")
+    if rounds and not math.isclose(numbers["live"], sum(rounds) / len(rounds), rel_tol=1e-9):
+        return f"'live' is {numbers['live']!r}; the mean of 'live_rounds' is {sum(rounds) / len(rounds)!r}"
+    return None
+
+
+AGGREGATES: dict[str, Aggregate] = {a.name: a for a in (
+    Aggregate("dense", "mean tau over every scored anchor", lambda s, first, rounds: dense_tau(s), _dense_series,
+              _check_dense),
+    Aggregate("live", "mean tau of the rounds live speculative decoding runs along the text", live_tau, _live_series,
+              _check_live),
+)}
+
+
+# ------------------------------------------------------------------ the streaks as a report keeps them
 DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
 _DIGIT_VALUE = np.full(256, -1, dtype=np.int64)
 _DIGIT_VALUE[np.frombuffer(DIGITS.encode(), dtype=np.uint8)] = np.arange(len(DIGITS))
 
 
-def streak_width(block_size: int) -> int:
-    """Base-36 digits per anchor: enough for the largest streak, block_size - 1."""
-    check_int("block_size", block_size, 2)
+def streak_width(max_tau: int) -> int:
+    """Base-36 digits per anchor: enough for the largest streak, max_tau - 1 (a DFlash block of B: B - 1)."""
+    check_int("max_tau", max_tau, 2)
     width, top = 1, len(DIGITS)
-    while top < block_size:  # streaks 0..block_size-1 need block_size values
+    while top < max_tau:  # streaks 0..max_tau-1 need max_tau values
         width, top = width + 1, top * len(DIGITS)
     return width
 
 
-def encode_streaks(streaks: torch.Tensor, block_size: int) -> str:
-    """The streaks of one task and method as `streak_width(block_size)` base-36 digits each."""
-    values = _check_streaks(streaks).cpu().to(torch.int64).numpy()
-    if values.max() > block_size - 1:
-        raise ValueError(f"streaks must be at most block_size - 1 = {block_size - 1}; got {int(values.max())}")
-    width = streak_width(block_size)
+def encode_streaks(streaks, max_tau: int) -> str:
+    """The streaks of one task and method as `streak_width(max_tau)` base-36 digits each."""
+    values = _check_streaks(streaks)
+    if values.max() > max_tau - 1:
+        raise ValueError(f"streaks must be at most max_tau - 1 = {max_tau - 1}; got {int(values.max())}")
+    width = streak_width(max_tau)
     digits = (values[:, None] // len(DIGITS) ** np.arange(width - 1, -1, -1)) % len(DIGITS)
     return np.frombuffer(DIGITS.encode(), dtype=np.uint8)[digits].tobytes().decode()
 
 
-def decode_streaks(text: str, block_size: int) -> np.ndarray:
-    """`encode_streaks`' string back to int64 streaks; ValueError saying what is wrong with a
-    string that is not one (a character outside 0-9a-z, a length that is not a whole number of
-    anchors, a streak above block_size - 1)."""
-    width = streak_width(block_size)
+def decode_streaks(text: str, max_tau: int) -> np.ndarray:
+    """`encode_streaks`' string back to int64 streaks; ValueError saying what is wrong with a string that is
+    not one (a character outside 0-9a-z, a length that is not a whole number of anchors, a streak above
+    max_tau - 1)."""
+    width = streak_width(max_tau)
     if not isinstance(text, str) or not text or not text.isascii() or len(text) % width:
         raise ValueError(f"is not a non-empty string of base-36 digits, {width} per anchor")
     digits = _DIGIT_VALUE[np.frombuffer(text.encode(), dtype=np.uint8)].reshape(-1, width)
     if (digits < 0).any():
         raise ValueError("holds a character other than the base-36 digits 0-9 and a-z")
-    # 13 digits (block sizes past 36**12) can exceed int64: Python integers there
+    # 13 digits (taus past 36**12) can exceed int64: Python integers there
     powers = np.array([len(DIGITS) ** k for k in range(width - 1, -1, -1)], dtype=object if width > 12 else np.int64)
     values = digits.astype(powers.dtype) @ powers
-    if values.max() > block_size - 1:
-        raise ValueError(f"holds the streak {int(values.max())}, above block_size - 1 = {block_size - 1}")
+    if values.max() > max_tau - 1:
+        raise ValueError(f"holds the streak {int(values.max())}, above max_tau - 1 = {max_tau - 1}")
     return values.astype(np.int64)

@@ -25,6 +25,20 @@ def check_tasks(tasks: object) -> None:
         raise ValueError("tasks must be None (every task of the cache) or a non-empty list of task names")
 
 
+def _bad(message: str):
+    raise ValueError(message)
+
+
+def check_probability(name: str, value: object) -> None:
+    """None, or a number strictly between 0 and 1."""
+    try:
+        number = check_number(name, value, optional=True)
+    except ValueError:
+        number = -1.0
+    if number is not None and not 0 < number < 1:
+        raise ValueError(f"{name} must be None or a number between 0 and 1 (exclusive); got {value!r}")
+
+
 def check_device_name(device: object) -> None:
     """The form of `device`; whether it exists here is checked before scoring starts."""
     if not isinstance(device, str) or not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", device):
@@ -48,6 +62,9 @@ class ScoringConfig:
     window: int | None = _field(None, numbers=True, help="score the anchors in the first N tokens of each completion "
                                                          "(None: all)")
     block_size: int | None = _field(None, numbers=True, help="the block size scored (None: the drafter's)")
+    block_sizes: list[int] = _field(factory=list, numbers=True,
+                                    help="other block sizes to score every method at, each a method of its own "
+                                         "(METHOD:bB), e.g. served at num_speculative_tokens + 1")
     max_rounds: int = _field(30, numbers=True, help="rounds of the live schedule")
     tasks: list[str] | None = _field(None, numbers=True, help="the tasks scored (None: every task of the cache)")
     anchors_per_forward: int = _field(64, help="blocks decoded side by side in one drafter forward")
@@ -59,6 +76,10 @@ class ScoringConfig:
     release_memory: bool = _field(False, help="give the scorer's accelerator memory back after each report")
     attention: str = _field("auto", numbers=True, help="the attention pattern inside a block: auto (as vLLM serves "
                                                        "the drafter) or another stack's rule (docs/numbers.md)")
+    confidence_threshold: float | None = _field(None, numbers=True,
+                                                help="a drafter with a confidence head (DSpark): score the draft cut "
+                                                     "before the first slot whose confidence is below this (0 to 1, "
+                                                     "as DeepSpec's evaluation); None: the full block")
 
     def __post_init__(self) -> None:
         """Every bad field at once, one line each (the CLIs print one `error:` line per line)."""
@@ -67,6 +88,9 @@ class ScoringConfig:
             lambda: check_int_list("topk", self.topk, 1),
             lambda: check_int("window", self.window, 1, optional=True),
             lambda: check_int("block_size", self.block_size, 2, optional=True),
+            lambda: check_int_list("block_sizes", self.block_sizes, 2),
+            lambda: self.block_size not in self.block_sizes or _bad(
+                f"block_sizes holds block_size {self.block_size}, which every method is scored at already"),
             lambda: check_int("max_rounds", self.max_rounds, 1),
             lambda: check_tasks(self.tasks),
             lambda: check_int("anchors_per_forward", self.anchors_per_forward, 1),
@@ -77,18 +101,22 @@ class ScoringConfig:
             lambda: check_number("max_memory_gib", self.max_memory_gib, above=0, optional=True),
             lambda: check_bool("release_memory", self.release_memory),
             lambda: check_choice("attention", self.attention, tuple(ATTENTION_RULES)),
+            lambda: check_probability("confidence_threshold", self.confidence_threshold),
         )
         if problems:
             raise ValueError("\n".join(problems))
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen: copied once, here)
         put("ddtree_budgets", [int(n) for n in self.ddtree_budgets])
         put("topk", [int(k) for k in self.topk])
+        put("block_sizes", [int(b) for b in self.block_sizes])
         put("tasks", None if self.tasks is None else list(self.tasks))
+        if self.confidence_threshold is not None:
+            put("confidence_threshold", float(self.confidence_threshold))
 
     @property
     def methods(self) -> list[str]:
         """The names of the methods scored, in report order (`scored_methods` gives the values)."""
-        return [str(m) for m in scored_methods(self.ddtree_budgets, self.topk)]
+        return [str(m) for m in scored_methods(self.ddtree_budgets, self.topk, self.block_sizes)]
 
     @property
     def torch_dtype(self):

@@ -13,18 +13,26 @@ narrow. So the bootstrap respects how the data is made, in two stages:
   task's. A resample takes every anchor in its blocks (dense) or every live round that starts
   in them (live: their mean tau, a ratio of sums). The block length is the one the dense
   taus' own autocorrelation asks for (`block_lengths`: Politis & White 2004, as corrected by
-  Patton, Politis & White 2009), per task: long stretches of easy or hard text, long blocks.
+  Patton, Politis & White 2009), per task: long stretches of easy or hard text, long blocks;
+  for live, cut so that the positions its rounds span hold `aggregates.LIVE_BLOCKS` blocks (30 rounds can
+  span fewer positions than one dense block).
 - Across tasks, the tasks are drawn with replacement; each drawn task brings one of its
   within-task resamples. A task's observed mean already carries its within-task noise, so the
   spread of the drawn tasks' means is shrunk by `c`, c^2 = T/(T-1) (1 - w/s^2) (0 when that is
   negative; s^2 the variance of the T task means, w the mean within-task bootstrap variance):
   the resampled run-level mean then has variance s^2/T, the unbiased one, instead of counting
-  the within-task noise twice (Davison & Hinkley 1997, section 3.8).
+  the within-task noise twice (Davison & Hinkley 1997, section 3.8); where c = 0, w/T. In all
+  max(s^2, w) / T, which moves smoothly as s^2 crosses w.
 - The 95% percentile interval of the resamples is widened around the estimate by t/z, the
-  Student t quantile over the normal one, with T - 1 degrees of freedom (or, where c = 0 and
-  only the within-task part counts, the number of blocks less the tasks): Hesterberg's
-  "expanded percentile interval" (2015), without which ten tasks give an interval too narrow.
-  A per-task interval is that task's within-task resamples, widened with its blocks less one.
+  Student t quantile over the normal one, with T - 1 degrees of freedom, c = 0 or not (the
+  spread across tasks is judged from T tasks either way; widening by t over the blocks where
+  c = 0 made the width jump there, x2.3 at 3 tasks, and held the truth in 0.88-0.89 of the
+  simulated caches with c = 0, docs/numbers.md): Hesterberg's "expanded percentile interval"
+  (2015), without which ten tasks give an interval too narrow. A per-task interval is that
+  task's within-task resamples, widened with its blocks less one.
+- Fewer than MIN_TASKS tasks can not tell the spread across tasks: the run-level interval is
+  the within-task one (the drawn tasks' within-task resamples, widened with the blocks less the
+  tasks), and `Comparison.verdict` says "too few tasks" instead of judging.
 
 Paired comparison (`paired_comparison`): ours and the other report are resampled together,
 the same tasks and the same blocks of text (dense: the very same anchors; live: the rounds of
@@ -49,8 +57,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .aggregates import decode_streaks
-from .methods import AGGREGATES, Monitor
+from .aggregates import AGGREGATES, LIVE_BLOCKS, decode_streaks  # noqa: F401  (LIVE_BLOCKS: importable from here too)
+from .methods import Monitor
 
 if TYPE_CHECKING:  # report.py renders these intervals in its table, so it imports this module
     from .report import EvalReport
@@ -60,6 +68,11 @@ RESAMPLES = 1000
 """Bootstrap resamples per interval: the 2.5% and 97.5% quantiles rest on 25 resamples each
 (their Monte Carlo error is about 4% of the interval's half-width, and the seed fixes it)."""
 SEED = 0
+MIN_TASKS = 3
+"""The fewest tasks a run-level interval is made from. With fewer, the spread across tasks can
+not be told from one or two task means (one task: not at all; two: the t quantile with one
+degree of freedom is 12.7), so the run-level interval is the within-task one, the text's noise
+alone (`Comparison.verdict`: "too few tasks"; the stop does not act on it)."""
 
 
 @lru_cache(maxsize=4096)
@@ -123,7 +136,9 @@ def block_lengths(series: np.ndarray) -> np.ndarray:
         quiet = ran[:, runs:] - ran[:, :-runs] == runs  # [:, m]: lags m+1..m+runs all insignificant
         big = ~small
         # m: the lag after which the correlogram is negligible (else the last significant lag)
-        m = np.where(quiet.any(axis=1), quiet.argmax(axis=1),
+        # (n = 4 or 5: fewer lags than `runs`, so no stretch of them can be quiet)
+        first_quiet = quiet.argmax(axis=1) if quiet.shape[1] else np.zeros(rows, dtype=np.int64)
+        m = np.where(quiet.any(axis=1), first_quiet,
                      np.where(big.any(axis=1), max_lag - big[:, ::-1].argmax(axis=1), 0))
         lags = np.maximum(np.minimum(2 * m, max_lag), 1)[:, None]
         k = np.arange(1, max_lag + 1)[None]
@@ -227,18 +242,25 @@ class Resampled:
         `bounds` [S, 2] the legal range of each."""
         count, size = self.means.shape[1], len(gradients)
         mean = self.means.mean(axis=1)
-        spread = (gradients @ self.means).var(axis=1, ddof=1) if count > 1 else np.zeros(size)
-        noise = np.einsum("sa,atr->str", gradients, self.within).var(axis=2, ddof=1).mean(axis=1)
-        if count > 1:  # the jackknife over tasks: s^2 / T for a mean, and a ratio's curvature besides
-            left_out = statistic((self.means.sum(axis=1, keepdims=True) - self.means) / (count - 1))
-            spread = np.maximum(spread, count * (count - 1) * left_out.var(axis=1))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            shrink = np.where(spread > noise, np.sqrt(count / max(count - 1, 1) * (1 - noise / spread)), 0.0)
-        shrink = shrink if count > 1 else np.zeros(size)
-        dfs = np.where(shrink > 0, count - 1, int((self.blocks - 1).sum()))
+        if count < MIN_TASKS:  # the within-task interval alone: the text's noise, not the spread across tasks
+            shrink, dfs = np.zeros(size), np.full(size, int((self.blocks - 1).sum()))
+        else:  # always t(T - 1): the spread across tasks is estimated from T tasks whether or not c is 0
+            shrink, dfs = self.shrinkage(statistic, gradients), np.full(size, count - 1)
         combined = mean[:, None, None] + shrink[None, :, None] * self.between[:, None] + self.deviation[:, None]
         resampled = statistic(combined)[np.arange(size), np.arange(size)]  # statistic s of the arms shrunk for s
         return _expanded(statistic(mean), resampled, dfs, bounds)
+
+    def shrinkage(self, statistic: Callable[[np.ndarray], np.ndarray], gradients: np.ndarray) -> np.ndarray:
+        """c of each of the S statistics (the module's doc; T >= 2): c^2 = T/(T-1) (1 - w/s^2), 0
+        where s^2 <= w, so that the resampled run-level mean has the variance max(s^2, w) / T."""
+        count = self.means.shape[1]
+        spread = (gradients @ self.means).var(axis=1, ddof=1)
+        noise = np.einsum("sa,atr->str", gradients, self.within).var(axis=2, ddof=1).mean(axis=1)
+        # the jackknife over tasks: s^2 / T for a mean, and a ratio's curvature besides
+        left_out = statistic((self.means.sum(axis=1, keepdims=True) - self.means) / (count - 1))
+        spread = np.maximum(spread, count * (count - 1) * left_out.var(axis=1))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(spread > noise, np.sqrt(count / (count - 1) * (1 - noise / spread)), 0.0)
 
     def per_task(self, statistic: Callable[[np.ndarray], np.ndarray], bounds: np.ndarray) -> list[list[Estimate]]:
         """The S statistics of each task's means with their intervals (that task's within-task
@@ -256,22 +278,19 @@ def taus(report: EvalReport, task: str, method: str) -> np.ndarray:
     if "streaks" not in numbers:
         raise ValueError(f"the report of {report.drafter} keeps no per-anchor streaks (it was written before scorer "
                          "version 4): score it again for intervals")
-    return decode_streaks(numbers["streaks"], report.block_size).astype(np.float64) + 1
+    return decode_streaks(numbers["streaks"], report.max_tau(method)).astype(np.float64) + 1
 
 
-def positions(arms: list[tuple[EvalReport, str]], task: str) -> tuple[int, dict[str, tuple[np.ndarray, np.ndarray]]]:
-    """A task's block length (the longest the arms' dense taus ask for, `block_lengths`) and
-    `Resampled`'s (values, counts) over its positions for each aggregate; `arms` are (report,
-    method) pairs scored on the same anchors."""
+def positions(arms: list[tuple[EvalReport, str]],
+              task: str) -> tuple[dict[str, int], dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """A task's block length for each aggregate and `Resampled`'s (values, counts) over its positions for
+    each (`aggregates.Aggregate.series`); `arms` are (report, method) pairs scored on the same anchors. The
+    text's dependence, in positions: the longest block the arms' dense taus ask for (`block_lengths`)."""
     dense = np.stack([taus(report, task, method) for report, method in arms])  # [A, n]
-    values, counts, span = np.zeros_like(dense), np.zeros_like(dense), 1
-    for a, (report, method) in enumerate(arms):
-        rounds = np.asarray(report.tasks[task][method]["live_rounds"], dtype=np.float64)
-        starts = np.concatenate([[0], np.cumsum(rounds)[:-1]]).astype(np.int64)  # a round's anchor, from the first
-        values[a, starts], counts[a, starts] = rounds, 1
-        span = max(span, min(dense.shape[1], int(rounds.sum())))
-    return int(block_lengths(dense).max()), {"dense": (dense, np.ones_like(dense)),
-                                              "live": (values[:, :span], counts[:, :span])}
+    rounds = [np.asarray(report.tasks[task][method]["live_rounds"], dtype=np.float64) for report, method in arms]
+    length = int(block_lengths(dense).max())
+    found = {name: aggregate.series(dense, rounds, length) for name, aggregate in AGGREGATES.items()}
+    return {name: f[0] for name, f in found.items()}, {name: (f[1], f[2]) for name, f in found.items()}
 
 
 def _rng(seed: int, aggregate: str) -> np.random.Generator:
@@ -281,8 +300,8 @@ def _rng(seed: int, aggregate: str) -> np.random.Generator:
 def _resampled(arms: list[tuple[EvalReport, str]], tasks: list[str], seed: int, resamples: int) -> dict[str, Resampled]:
     """Per aggregate, the arms resampled alike over `tasks`."""
     found = [positions(arms, task) for task in tasks]
-    lengths = [length for length, _ in found]
-    return {agg: Resampled([series[agg] for _, series in found], lengths, _rng(seed, agg), resamples)
+    return {agg: Resampled([series[agg] for _, series in found], [lengths[agg] for lengths, _ in found],
+                           _rng(seed, agg), resamples)
             for agg in AGGREGATES}
 
 
@@ -297,7 +316,7 @@ def report_intervals(report: EvalReport, resamples: int = RESAMPLES, seed: int =
     out = {"confidence": CONFIDENCE, "resamples": resamples, "seed": seed, "mean": {m: {} for m in report.methods},
            "tasks": {task: {m: {} for m in report.methods} for task in report.tasks}}
     methods = report.methods
-    bounds = [(1.0, float(report.block_size))] * len(methods)
+    bounds = [(1.0, float(report.max_tau(m))) for m in methods]
     for aggregate, resampled in _resampled([(report, m) for m in methods], list(report.tasks), seed, resamples).items():
         overall = resampled.run_level(_same, np.eye(len(methods)), bounds)
         per_task = resampled.per_task(_same, bounds)
@@ -310,21 +329,35 @@ def report_intervals(report: EvalReport, resamples: int = RESAMPLES, seed: int =
 
 @dataclass(frozen=True)
 class Comparison:
-    """Ours against another report on one monitor and task ("mean": the run level)."""
+    """Ours against another report on one monitor and task ("mean": the run level, over `tasks`
+    tasks; None: not said)."""
 
     monitor: str
     task: str
     delta: Estimate  # ours - other
     ratio: Estimate  # ours / other
+    tasks: int | None = None
+
+    @property
+    def too_few_tasks(self) -> bool:
+        """A run-level comparison over fewer than MIN_TASKS tasks: its interval is the within-task one."""
+        return self.task == "mean" and self.tasks is not None and self.tasks < MIN_TASKS
 
     @property
     def verdict(self) -> str:
-        """"ahead" or "behind" when the whole ratio interval is above or below 1, else "not distinguishable"."""
+        """"ahead" or "behind" when the whole ratio interval is above or below 1, else "not
+        distinguishable"; "too few tasks" at the run level over fewer than MIN_TASKS tasks."""
+        if self.too_few_tasks:
+            return "too few tasks"
         return "ahead" if self.ratio.lo > 1 else "behind" if self.ratio.hi < 1 else "not distinguishable"
 
     def says(self, other: str = "the baseline") -> str:
-        """The verdict in plain words: "behind the baseline", "ahead of the baseline", or "not
-        distinguishable from the baseline at this cache size"."""
+        """The verdict in plain words: "behind the baseline", "ahead of the baseline", "not
+        distinguishable from the baseline at this cache size", or "no verdict: 2 tasks are too
+        few to tell (at least 3); the interval is the within-task one"."""
+        if self.too_few_tasks:
+            return (f"no verdict: {self.tasks} task{'s are' if self.tasks != 1 else ' is'} too few to tell "
+                    f"(at least {MIN_TASKS}); the interval is the within-task one")
         return {"ahead": f"ahead of {other}", "behind": f"behind {other}",
                 "not distinguishable": f"not distinguishable from {other} at this cache size"}[self.verdict]
 
@@ -346,7 +379,7 @@ def paired_comparison(ours: EvalReport, other: EvalReport, resamples: int = RESA
     if uneven:
         raise ValueError(f"tasks {uneven} were scored on other anchors in the two reports (another cache, window or "
                          "block size): a paired comparison needs the same anchors")
-    top = float(max(ours.block_size, other.block_size))
+    tops = [float(max(ours.max_tau(m), other.max_tau(m))) for m in methods]
     out: dict[str, dict[str, Comparison]] = {f"{m}/{agg}": {} for m in methods for agg in AGGREGATES}
     arms = [(report, m) for m in methods for report in (ours, other)]  # arm 2i: ours' method i, 2i + 1: the other's
 
@@ -354,7 +387,7 @@ def paired_comparison(ours: EvalReport, other: EvalReport, resamples: int = RESA
         return np.concatenate([means[0::2] - means[1::2], means[0::2] / means[1::2]])
 
     count = len(methods)
-    bounds = [(1 - top, top - 1)] * count + [(1 / top, top)] * count
+    bounds = [(1 - top, top - 1) for top in tops] + [(1 / top, top) for top in tops]
     for aggregate, resampled in _resampled(arms, tasks, seed, resamples).items():
         mean = resampled.means.mean(axis=1)
         gradients = np.zeros((2 * count, 2 * count))
@@ -366,7 +399,7 @@ def paired_comparison(ours: EvalReport, other: EvalReport, resamples: int = RESA
         per_task = resampled.per_task(deltas_and_ratios, bounds)
         for i, method in enumerate(methods):
             monitor = f"{method}/{aggregate}"
-            out[monitor]["mean"] = Comparison(monitor, "mean", overall[i], overall[count + i])
+            out[monitor]["mean"] = Comparison(monitor, "mean", overall[i], overall[count + i], len(tasks))
             for task, delta, ratio in zip(tasks, per_task[i], per_task[count + i]):
                 out[monitor][task] = Comparison(monitor, task, delta, ratio)
     return out
@@ -374,9 +407,12 @@ def paired_comparison(ours: EvalReport, other: EvalReport, resamples: int = RESA
 
 def interval_below(comparison: Comparison, min_ratio: float | None = None, min_delta: float | None = None) -> bool:
     """The stop's test (`confidence` on): the whole ratio interval lies below `min_ratio` (or,
-    for a delta threshold, the whole delta interval below `min_delta`); give exactly one."""
+    for a delta threshold, the whole delta interval below `min_delta`); give exactly one. Never
+    over fewer than MIN_TASKS tasks (`Comparison.too_few_tasks`)."""
     if (min_ratio is None) == (min_delta is None):
         raise ValueError("interval_below takes exactly one of min_ratio and min_delta")
+    if comparison.too_few_tasks:  # no run-level interval: nothing lies below anything
+        return False
     return comparison.ratio.hi < min_ratio if min_ratio is not None else comparison.delta.hi < min_delta
 
 
@@ -415,13 +451,17 @@ def tasks_to_resolve(baseline: EvalReport, monitor: str, min_ratio: float) -> in
 def resolution_warning(baseline: EvalReport, monitor: str, min_ratio: float) -> str | None:
     """The setup warning: one line when the cache is too small to ever resolve `min_ratio` on
     `monitor` (the baseline's own interval half-width, relative to its mean, is larger than the
-    margin 1 - min_ratio), saying about how many tasks it would take; None when it is not."""
+    margin 1 - min_ratio), saying about how many tasks it would take, or that fewer than
+    MIN_TASKS tasks give no run-level interval to judge; None when it resolves it."""
+    larger = "e.g. `extract --tasks coding50`" if len(baseline.tasks) < 50 else "a task YAML of your own"
+    if len(baseline.tasks) < MIN_TASKS:
+        return (f"the cache's {len(baseline.tasks)} task{'s are' if len(baseline.tasks) > 1 else ' is'} too few for a "
+                f"run-level interval (at least {MIN_TASKS}): the stop judges no report (a larger task set: {larger})")
     needed = tasks_to_resolve(baseline, monitor, min_ratio)
     if needed is None:
         return None
     lo, hi = baseline.interval(monitor)
     value = baseline.value(monitor)
-    larger = "e.g. `extract --tasks coding50`" if len(baseline.tasks) < 50 else "a task YAML of your own"
     return (f"the cache's {len(baseline.tasks)} tasks can not resolve min_ratio={min_ratio:g} on {monitor}: the "
             f"baseline's own 95% interval, {value:.2f} [{lo:.2f}, {hi:.2f}], is +-{50 * (hi - lo) / value:.0f}% of "
             f"its mean, wider than the {100 * (1 - min_ratio):.0f}% margin; about {needed} tasks would resolve it "

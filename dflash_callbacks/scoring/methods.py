@@ -1,52 +1,64 @@
 """Method and monitor names: one value type each, used wherever a name is read or written.
 
-    vanilla          the longest prefix where the drafter's argmax is the label
+    vanilla          the longest prefix where the drafter's proposal is the label
     ddtree@N         DDTree with a node budget of N (N >= 1)
     top@K            every label among the top K (an upper bound, not a node budget)
-    METHOD/AGGREGATE a monitor: the run-level mean of one aggregate (live or dense)
+    METHOD:bB        the method scored at block size B, when a run scores more than one
+                     (`ScoringConfig.block_sizes`; without it: the run's block size)
+    METHOD/AGGREGATE a monitor: the run-level mean of one aggregate (`aggregates.AGGREGATES`)
 
-`Method.parse("ddtree@8")`, `str(method)`, `Monitor.parse("ddtree@8/live")`; reports and
-logged keys use `str(method)`.
+A method carries every setting its number depends on that is not the run's own: `ddtree@8:b8` next
+to `ddtree@8` (block 16) in one report is the same method served at `num_speculative_tokens` 7.
+`Method.parse("ddtree@8:b8")`, `str(method)`, `Monitor.parse("ddtree@8:b8/live")`; reports, logged
+keys and W&B use `str(method)`.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-AGGREGATES = ("dense", "live")
+from .aggregates import AGGREGATES
+
 KINDS = ("vanilla", "ddtree", "top")
-METHOD_FORMS = "vanilla, ddtree@N (node budget N >= 1) or top@K (width K >= 1)"
+METHOD_FORMS = "vanilla, ddtree@N (node budget N >= 1) or top@K (width K >= 1), optionally :bB (block size B >= 2)"
+_FORM = re.compile(r"^(vanilla|ddtree@([1-9][0-9]*)|top@([1-9][0-9]*))(?::b([1-9][0-9]*))?\Z")
 
 
 @dataclass(frozen=True)
 class Method:
     kind: str  # one of KINDS
     n: int | None = None  # DDTree node budget or top@K width; None for vanilla
+    block: int | None = None  # the block size it is scored at; None: the run's
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"method kind must be one of {list(KINDS)}; got {self.kind!r}")
         if (self.kind == "vanilla") != (self.n is None):
             raise ValueError(f"{self.kind} takes {'no parameter' if self.kind == 'vanilla' else 'a parameter'}")
-        if self.n is not None and (isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1):
-            raise ValueError(f"{self.kind}@N needs an integer N >= 1; got {self.n!r}")
+        for name, value, low in (("N", self.n, 1), ("block size", self.block, 2)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise ValueError(f"{self.kind}: the {name} must be an integer >= {low}; got {value!r}")
 
     @classmethod
     def parse(cls, text: object) -> Method:
         if isinstance(text, Method):
             return text
-        if not isinstance(text, str):
+        found = _FORM.match(text) if isinstance(text, str) else None
+        if found is None or (found.group(4) is not None and int(found.group(4)) < 2):
             raise ValueError(f"a method is {METHOD_FORMS}; got {text!r}")
-        kind, at, n = text.partition("@")
-        if kind == "vanilla" and not at:
-            return cls("vanilla")
-        if kind in ("ddtree", "top") and at and n.isdigit() and not n.startswith("0"):
-            return cls(kind, int(n))
-        raise ValueError(f"a method is {METHOD_FORMS}; got {text!r}")
+        kind = found.group(1).split("@")[0]
+        n = found.group(2) or found.group(3)
+        return cls(kind, None if n is None else int(n), None if found.group(4) is None else int(found.group(4)))
 
     def __str__(self) -> str:
-        return self.kind if self.n is None else f"{self.kind}@{self.n}"
+        base = self.kind if self.n is None else f"{self.kind}@{self.n}"
+        return base if self.block is None else f"{base}:b{self.block}"
+
+    def at(self, block: int | None) -> Method:
+        """This method at another block size (None: the run's)."""
+        return Method(self.kind, self.n, block)
 
 
 @dataclass(frozen=True)
@@ -72,6 +84,8 @@ class Monitor:
         return f"{self.method}/{self.aggregate}"
 
 
-def scored_methods(ddtree_budgets: Iterable[int], topk: Iterable[int]) -> list[Method]:
-    """The methods a scoring config computes, in report order: vanilla, DDTree budgets, top@k widths."""
-    return [Method("vanilla")] + [Method("ddtree", n) for n in ddtree_budgets] + [Method("top", k) for k in topk]
+def scored_methods(ddtree_budgets: Iterable[int], topk: Iterable[int], block_sizes: Iterable[int] = ()) -> list[Method]:
+    """The methods a scoring config computes, in report order: vanilla, DDTree budgets, top@k widths at the
+    run's block size, then the same at each other block size of `block_sizes`."""
+    base = [Method("vanilla")] + [Method("ddtree", n) for n in ddtree_budgets] + [Method("top", k) for k in topk]
+    return base + [m.at(block) for block in block_sizes for m in base]

@@ -2,13 +2,15 @@
 
 A report is read back strictly (`EvalReport.from_dict`): anything that is not the shape
 below, holds a number that is not finite (anywhere, `extra` included) or a number outside
-its legal range (tau 1 to block_size, curve shares 0 to 1, counts and times >= 0, integers
+its legal range (tau 1 to the method's largest, `max_tau`, curve shares 0 to 1, counts and times >= 0, integers
 within int64), or a task named `mean` (the run-level mean), is refused with ValueError
 naming the task, method and field, so a damaged or foreign file is never logged as a score.
 The per-anchor streaks a report keeps for its intervals (`streaks`, see
 `aggregates.encode_streaks`) are checked against the numbers made from them: one per anchor,
-each 0 to block_size - 1, their mean tau the `dense` value, the live schedule over them the
-`live_rounds`; and each interval lies within 1 to block_size, low end first.
+each 0 to max_tau - 1, each aggregate following from them (`aggregates.Aggregate.check`: their mean tau
+the `dense` value, the live schedule over them the `live_rounds`); and each interval lies within 1 to
+max_tau, low end first. A confidence-cut report's `confidence_reach` (a share per depth 1 to max_tau - 1)
+never rises with depth and is at each depth at least the `curve`'s share (a streak never passes its cut).
 """
 
 from __future__ import annotations
@@ -22,28 +24,32 @@ from typing import Any
 from ..cache.tasks import task_name_problem
 from ..checks import is_int
 from ..files import atomic_write
-from .aggregates import decode_streaks
-from .intervals import Estimate, paired_comparison
-from .methods import AGGREGATES, Method, Monitor
+from .aggregates import AGGREGATES, decode_streaks
+from .intervals import MIN_TASKS, Estimate, paired_comparison
+from .methods import Method, Monitor
 
-TASK_FIELDS = ("dense", "live", "curve", "live_rounds", "anchors", "streaks")
+TASK_FIELDS = ("dense", "live", "curve", "live_rounds", "anchors", "streaks", "confidence_reach")
 
 
-SCORER_VERSION = 4
+SCORER_VERSION = 5
 """The version of the numbers' definitions as this library computes them, bumped when a fix
 changes a report's numbers for the same inputs (2: a DDTree prefix whose score ties the
 budget's threshold is resolved as Algorithm 1 does; before, a confident drafter's
 `ddtree@N` streak could exceed N. 3: sliding layers attend inside the block as vLLM serves
 them, causal unless the config says otherwise, where they were bidirectional; a pruned draft
 vocabulary is scored over its own ids. 4: reports carry the per-anchor streaks and a 95% interval
-for every mean, so a baseline cached without them is scored again). A report of another
-version stands on another basis, and a cached baseline report of another version is scored
-again."""
+for every mean, so a baseline cached without them is scored again. 5: the intervals: a run-level
+interval whose between-task shrinkage is 0 is widened by t(T - 1) as every other, where it was
+widened by t over the blocks (narrower); a task's live rounds are resampled in at least 3 blocks,
+where one block could span them all (a live interval of zero width); a cache of fewer than 3
+tasks carries the within-task interval as its mean's). A report of another version stands on
+another basis, and a cached baseline report of another version is scored again."""
 
 
 @dataclass
 class EvalReport:
-    """Per task and method: {"dense", "live", "curve", "live_rounds", "anchors", "streaks"}; tau units.
+    """Per task and method: {"dense", "live", "curve", "live_rounds", "anchors", "streaks"}, and
+    "confidence_reach" when scored with `scoring.confidence_threshold`; tau units.
 
     JSON shape: {"step", "snapshot_id", "drafter", "cache": {"path", "fingerprint", "target"},
     "block_size", "tasks": {TASK: {METHOD: {...}}}, "mean": {METHOD: {"dense", "live"}}, ...}.
@@ -54,7 +60,11 @@ class EvalReport:
     (None on the CPU); `created` the Unix time scoring started; `scorer_version` the
     SCORER_VERSION that computed the numbers (None in reports written before it was
     recorded); `attention` each drafter layer's attention pattern inside the block, as
-    scored (`model.attention`; None in reports written before it was recorded); `intervals` the
+    scored (`model.attention`; None in reports written before it was recorded); `family` the drafter's
+    family, how many tokens its block proposes at each block size scored and the family's settings
+    ({"name", "proposals": {B: P}, "settings": {...} or null}: P = B - 1 for DFlash, B for DSpark's
+    anchor-first blocks; None in reports written before it was recorded: DFlash's; no "settings" in reports
+    written before they were), which bounds each method's tau to 1 .. P + 1 (`max_tau`); `intervals` the
     95% interval of every mean (`intervals.report_intervals`: {"confidence", "resamples", "seed",
     "mean": {METHOD: {AGG: [lo, hi]}}, "tasks": {TASK: {METHOD: {AGG: [lo, hi]}}}}; None in reports
     written before scorer version 4); `extra`
@@ -74,6 +84,7 @@ class EvalReport:
     created: float | None = None
     scorer_version: int | None = None
     attention: list[str] | None = None
+    family: dict[str, Any] | None = None
     intervals: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -91,6 +102,16 @@ class EvalReport:
                 agg: sum(t[method][agg] for t in self.tasks.values()) / len(self.tasks) for agg in AGGREGATES
             }
         return out
+
+    def block(self, method: str | Method) -> int:
+        """The block size `method` was scored at (its `:bB`, else the report's)."""
+        return Method.parse(method).block or self.block_size
+
+    def max_tau(self, method: str | Method) -> int:
+        """The largest tau of `method`: its block's proposals + 1 (DFlash: the block size)."""
+        block = self.block(method)
+        proposals = (self.family or {}).get("proposals", {}).get(str(block), block - 1)
+        return proposals + 1
 
     def value(self, monitor: str | Monitor, task: str = "mean") -> float:
         """`"ddtree@8/live"` -> the mean (or one task's) value."""
@@ -211,6 +232,7 @@ def _check_shape(raw: dict) -> None:
     if attention is not None and (not isinstance(attention, list) or not all(isinstance(a, str) for a in attention)):
         raise _bad(f"'attention' is {attention!r}, not a list of strings (one per drafter layer) or null")
     _check_number(raw["block_size"], "'block_size'", 2, integer=True)
+    _check_family(raw.get("family"))
     _check_number(raw.get("drafter_block_size"), "'drafter_block_size'", 2, integer=True, optional=True)
     _check_number(raw.get("step"), "'step'", 0, integer=True, optional=True)
     _check_number(raw.get("peak_memory"), "'peak_memory'", 0, integer=True, optional=True)
@@ -238,64 +260,96 @@ def _check_shape(raw: dict) -> None:
         for method, numbers in per_method.items():
             if not isinstance(numbers, dict):
                 raise _bad(f"task {task!r}, {method}: not an object of {list(TASK_FIELDS)}")
-            _check_numbers(numbers, f"task {task!r}, {method}: ", raw["block_size"],
+            _check_numbers(numbers, f"task {task!r}, {method}: ", _max_tau(raw, method),
                            raw.get("scoring", {}).get("max_rounds"))
     if raw.get("intervals") is not None:
         bare = [f"{task}/{m}" for task, per_method in tasks.items() for m, numbers in per_method.items()
                 if "streaks" not in numbers]
         if bare:
             raise _bad(f"'intervals' without the streaks they come from ({', '.join(bare[:3])} keep none)")
-        _check_intervals(raw["intervals"], tasks, methods, raw["block_size"])
+        _check_intervals(raw["intervals"], tasks, {m: _max_tau(raw, m) for m in methods})
 
 
-def _check_numbers(numbers: dict, where: str, block_size: int, max_rounds: Any = None) -> None:
-    """One task's numbers of one method (DESIGN.md, "Aggregates per task"): tau = streak + 1 is
-    1 to block_size at every anchor, so its means and each live round are too; the acceptance
-    curve holds shares (0 to 1) for depths 1 to block_size - 1; and the streaks, where kept,
-    are the ones these numbers were made from."""
+def _check_family(family: Any) -> None:
+    """{"name": a family, "proposals": {block size: tokens proposed}, "settings": an object or null (absent in
+    reports of before)} or null (a DFlash report of before)."""
+    if family is None:
+        return
+    proposals = family.get("proposals") if isinstance(family, dict) else None
+    if not isinstance(family, dict) or not isinstance(family.get("name"), str) or not isinstance(proposals, dict):
+        raise _bad(f"'family' is {family!r}, not an object of 'name' and 'proposals' (block size -> tokens proposed)")
+    if not isinstance(family.get("settings", {}), (dict, type(None))):
+        raise _bad(f"'family.settings' is {family['settings']!r}, not an object of the family's settings or null")
+    for block, count in proposals.items():
+        if not block.isdigit() or not is_int(count) or not 1 <= count <= int(block):
+            raise _bad(f"'family.proposals' says a block of {block} proposes {count!r} tokens (1 to the block size)")
+
+
+def _max_tau(raw: dict, method: str) -> int:
+    """`EvalReport.max_tau` of a report not yet read (its family checked): a method at a block the family
+    does not describe has none."""
+    block = Method.parse(method).block or raw["block_size"]
+    family = raw.get("family")
+    if family is None:
+        return block
+    if str(block) not in family["proposals"]:
+        raise _bad(f"{method} is scored at block size {block}, which 'family.proposals' does not describe")
+    return family["proposals"][str(block)] + 1
+
+
+def _check_numbers(numbers: dict, where: str, max_tau: int, max_rounds: Any = None) -> None:
+    """One task's numbers of one method (DESIGN.md, "Aggregates per task"): tau = streak + 1 is 1 to
+    `max_tau` at every anchor, so each aggregate and each live round are too; the acceptance curve holds
+    shares (0 to 1) for depths 1 to max_tau - 1; and the streaks, where kept, are the ones these numbers were
+    made from (each aggregate's `check`)."""
     for agg in AGGREGATES:
-        _check_number(numbers.get(agg), f"{where}{agg!r}", 1, block_size)
+        _check_number(numbers.get(agg), f"{where}{agg!r}", 1, max_tau)
     curve = numbers.get("curve", [])
-    if not isinstance(curve, list) or len(curve) > block_size - 1:
-        raise _bad(f"{where}'curve' must be a list of at most {block_size - 1} shares (depths 1 to block size - 1)")
+    if not isinstance(curve, list) or len(curve) > max_tau - 1:
+        raise _bad(f"{where}'curve' must be a list of at most {max_tau - 1} shares (depths 1 to {max_tau - 1})")
     for depth, share in enumerate(curve, 1):
         _check_number(share, f"{where}'curve' at depth {depth}", 0, 1)
     rounds = numbers.get("live_rounds", [])
     if not isinstance(rounds, list) or ("live_rounds" in numbers and not rounds):
         raise _bad(f"{where}'live_rounds' must be a non-empty list of taus")
     for i, tau in enumerate(rounds):
-        _check_number(tau, f"{where}'live_rounds'[{i}]", 1, block_size, integer=True)
+        _check_number(tau, f"{where}'live_rounds'[{i}]", 1, max_tau, integer=True)
     _check_number(numbers.get("anchors"), f"{where}'anchors'", 1, integer=True, optional=True)
-    if "streaks" in numbers:
-        _check_streaks(numbers, where, block_size, max_rounds)
-
-
-def _check_streaks(numbers: dict, where: str, block_size: int, max_rounds: Any) -> None:
-    """`streaks` holds one streak per anchor, and `dense`, `live_rounds` and `live` follow from them."""
+    if "confidence_reach" in numbers:
+        _check_reach(numbers["confidence_reach"], curve, where, max_tau)
+    if "streaks" not in numbers:
+        return
     try:
-        streaks = decode_streaks(numbers["streaks"], block_size)
+        streaks = decode_streaks(numbers["streaks"], max_tau)
     except ValueError as e:
         raise _bad(f"{where}'streaks' {e}") from None
     if numbers.get("anchors") != len(streaks):
         raise _bad(f"{where}'streaks' holds {len(streaks)} anchors; 'anchors' says {numbers.get('anchors')}")
-    if not math.isclose(numbers["dense"], float(streaks.mean()) + 1, rel_tol=1e-9):
-        raise _bad(f"{where}'dense' is {numbers['dense']!r}; the streaks' mean tau is {float(streaks.mean()) + 1!r}")
-    rounds, anchor = numbers.get("live_rounds", []), 0
-    for i, tau in enumerate(rounds):
-        if anchor >= len(streaks) or tau != streaks[anchor] + 1:
-            raise _bad(f"{where}'live_rounds'[{i}] is {tau}; the live schedule over the streaks "
-                       + ("has ended there" if anchor >= len(streaks) else f"gives {int(streaks[anchor]) + 1}"))
-        anchor += tau
-    if is_int(max_rounds) and (len(rounds) > max_rounds or (anchor < len(streaks) and len(rounds) < max_rounds)):
-        raise _bad(f"{where}'live_rounds' holds {len(rounds)} rounds; the live schedule over the streaks, at most "
-                   f"max_rounds={max_rounds}, has {'fewer' if len(rounds) > max_rounds else 'more'}")
-    if rounds and not math.isclose(numbers["live"], sum(rounds) / len(rounds), rel_tol=1e-9):
-        raise _bad(f"{where}'live' is {numbers['live']!r}; the mean of 'live_rounds' is {sum(rounds) / len(rounds)!r}")
+    for aggregate in AGGREGATES.values():
+        problem = aggregate.check(numbers, streaks, max_rounds if is_int(max_rounds) else None)
+        if problem is not None:
+            raise _bad(f"{where}{problem}")
 
 
-def _check_intervals(intervals: Any, tasks: dict, methods: list[str], block_size: int) -> None:
-    """`intervals` is {"confidence", "resamples", "seed", "mean", "tasks"} over the report's own
-    tasks and methods, each interval [lo, hi] with 1 <= lo <= hi <= block_size."""
+def _check_reach(reach: Any, curve: list, where: str, max_tau: int) -> None:
+    """`confidence_reach`: a share (0 to 1) per depth 1 to max_tau - 1, never rising with depth, and at each depth
+    at least the acceptance curve's (a streak never passes its anchor's cut)."""
+    if not isinstance(reach, list) or len(reach) != max_tau - 1:
+        raise _bad(f"{where}'confidence_reach' must be a list of {max_tau - 1} shares (depths 1 to {max_tau - 1})")
+    for depth, share in enumerate(reach, 1):
+        _check_number(share, f"{where}'confidence_reach' at depth {depth}", 0, 1)
+        if depth > 1 and share > reach[depth - 2]:
+            raise _bad(f"{where}'confidence_reach' rises from {reach[depth - 2]!r} to {share!r} at depth {depth}: "
+                       "a cut that reaches a depth reaches every depth before it")
+        if depth <= len(curve) and curve[depth - 1] > share:
+            raise _bad(f"{where}'curve' at depth {depth} is {curve[depth - 1]!r}, above 'confidence_reach' there "
+                       f"({share!r}): a streak never passes its anchor's confidence cut")
+
+
+def _check_intervals(intervals: Any, tasks: dict, max_taus: dict[str, int]) -> None:
+    """`intervals` is {"confidence", "resamples", "seed", "mean", "tasks"} over the report's own tasks and
+    methods (`max_taus`: method -> its largest tau), each interval [lo, hi] with 1 <= lo <= hi <= max_tau."""
+    methods = list(max_taus)
     if not isinstance(intervals, dict) or set(intervals) != {"confidence", "resamples", "seed", "mean", "tasks"}:
         raise _bad("'intervals' is not an object of 'confidence', 'resamples', 'seed', 'mean' and 'tasks'")
     _check_number(intervals["confidence"], "'intervals.confidence'", 0, 1)
@@ -316,7 +370,7 @@ def _check_intervals(intervals: Any, tasks: dict, methods: list[str], block_size
                 if not isinstance(pair, list) or len(pair) != 2:
                     raise _bad(f"{name} is not a pair [lo, hi]")
                 for end, value in zip(("lo", "hi"), pair):
-                    _check_number(value, f"{name} {end}", 1, block_size)
+                    _check_number(value, f"{name} {end}", 1, max_taus[method])
                 if pair[0] > pair[1]:
                     raise _bad(f"{name} is {pair}: its low end is above its high end")
 
@@ -359,6 +413,14 @@ def read_results(path: str | Path) -> Results:
     return results
 
 
+def family_title(report: EvalReport) -> str:
+    """How people write the family of the report's drafter ("DFlash 2"); DFlash for a report of before families."""
+    from ..model.families import FAMILIES  # the registry alone: no torch
+
+    name = (report.family or {}).get("name", "dflash")
+    return FAMILIES[name].title if name in FAMILIES else name
+
+
 def ratio(a: float, b: float) -> float:
     return a / b if b else math.nan
 
@@ -389,7 +451,9 @@ def comparison_table(ours: EvalReport, baseline: EvalReport | None = None, aggre
     """`comparison` as a markdown table (ratios in percent, the mean row in bold), each number
     with its 95% interval, `mean [lo, hi]`, where the reports carry them (delta and ratio paired:
     `intervals.paired_comparison`), then a line per method with the run-level ratio and the
-    verdict against `other` (how the verdict names the other report)."""
+    verdict against `other` (how the verdict names the other report). Over fewer than
+    MIN_TASKS tasks the title names the mean's interval the within-task one, and each line says
+    why it gives no verdict."""
     columns, rows = comparison(ours, baseline, aggregate)
     kept = ours.intervals is not None and (baseline is None or baseline.intervals is not None)
     paired, unpaired = {}, []
@@ -414,9 +478,14 @@ def comparison_table(ours: EvalReport, baseline: EvalReport | None = None, aggre
     for row in rows:
         name = f"**{row[0]}**" if row[0] == "mean" else row[0]
         lines.append("| " + " | ".join([name] + [cell(c, row[0], x) for c, x in zip(columns[1:], row[1:])]) + " |")
-    title = f"{aggregate} tau (tokens per target forward, 1 to {ours.block_size}; higher is better)"
+    title = f"{aggregate} tau (tokens per target forward, 1 to {max(map(ours.max_tau, ours.methods))}; higher is better)"
     title += f", block size {ours.block_size}" + (f", step {ours.step}" if ours.step is not None else "")
-    if kept:
+    if baseline is not None and family_title(ours) != family_title(baseline):
+        title += f"; ours a {family_title(ours)} drafter, {other} a {family_title(baseline)} one"
+    if kept and len(ours.tasks) < MIN_TASKS:
+        title += (f"; [95% within-task interval]: {len(ours.tasks)} task{'s' if len(ours.tasks) > 1 else ''}, too few "
+                  f"for a run-level one (at least {MIN_TASKS}), so the mean's is the text's noise alone")
+    elif kept:
         title += f"; [95% interval] over {len(ours.tasks)} tasks"
     verdicts = [f"{monitor.split('/')[0]} {aggregate}: {found['mean'].ratio.show(percent=True)} of {other}, "
                 f"{found['mean'].says('it')}" for monitor, found in paired.items() if monitor.endswith(f"/{aggregate}")]

@@ -21,14 +21,19 @@ labels are tok[a+1 .. a+B-1], invalid past the end of the sequence.
   enough rows to fill it (one task: ~7,700 rows; one chunk of 64 anchors: 960).
   Streaks follow from those alone: vanilla from the label's order, top@k from its
   rank, DDTree from the closed form (`kernels.ddtree.ddtree_streaks_from_top`).
+- With `confidence_threshold` (a drafter with a confidence head: DSpark), each anchor's
+  proposal is cut before the first slot whose confidence is below it, teacher-forced
+  (`families.dspark.confidence_cut`), and every method's streak is min(streak, cut): what a
+  served, cut block gets accepted. The task's `confidence_reach` gives, per depth, the share of
+  anchors whose cut reaches it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,11 +43,12 @@ from tqdm.auto import tqdm
 from ..kernels.ddtree import ddtree_streaks_from_stats
 from ..model import DFlashDrafter, TargetHead
 from ..model.attention import describe, resolve_attention
+from ..model.families.dspark import confidence_cut
 from ..model.geometry import anchor_range, block_inputs
-from .aggregates import acceptance_curve, dense_tau, encode_streaks, live_rounds
+from .aggregates import AGGREGATES, acceptance_curve, encode_streaks, live_rounds
 from .config import ScoringConfig
 from .intervals import report_intervals
-from .methods import scored_methods
+from .methods import Method, scored_methods
 from .report import SCORER_VERSION, EvalReport
 
 
@@ -142,6 +148,7 @@ class TaskStreaks:
     name: str
     first_anchor: int
     streaks: dict[str, torch.Tensor]  # method -> int64 [n_anchors] (cpu)
+    cuts: dict[str, torch.Tensor] | None = None  # method -> the confidence cut per anchor (with a threshold)
 
 
 @torch.no_grad()  # grad mode and autocast are the calling thread's: set here, restored on return
@@ -172,15 +179,18 @@ def score_task(
     vocab_ids = drafter.vocab_ids
     proposals = len(drafter.draft_rows(block_size))
     weight = drafter.head_weight(head.lm_head.weight)
+    threshold = config.confidence_threshold
     parts: dict[str, list[torch.Tensor]] = {}
-    pending: list[tuple[torch.Tensor, ...]] = []  # (slot features, labels, predecessors, valid) per chunk
+    cuts: list[torch.Tensor] = []
+    pending: list[tuple[torch.Tensor, ...]] = []  # (slot features, labels, predecessors, valid, cut) per chunk
 
     def flush() -> None:
-        features, labels, previous, valid = (torch.cat(t) for t in zip(*pending))  # [n, P, ...] of every chunk
+        features, labels, previous, valid, cut = (torch.cat(t) for t in zip(*pending))  # [n, P, ...] of every chunk
         pending.clear()
         stats = drafter.slot_stats(features, weight, labels, previous, top_n, config.backend, config.vocab_chunk)
         for method, values in streaks_from_stats(stats, valid, config, drafter.ddtree_streaks).items():
-            parts.setdefault(method, []).append(values.cpu())
+            parts.setdefault(method, []).append((values if threshold is None else torch.minimum(values, cut)).cpu())
+        cuts.append(cut.cpu())
 
     chunks = range(0, len(anchors), plan.anchors_per_forward)
     for start in tqdm(chunks, desc=task.name, disable=not progress, leave=False, unit="chunk"):
@@ -193,11 +203,15 @@ def score_task(
         hidden = drafter.decode_blocks([(k[:, :, :C], v[:, :, :C]) for k, v in context],
                                        head.embed_tokens(tokens).to(dtype), chunk, attention)
         features = drafter.slot_features(hidden, previous, head.embed_tokens)
+        cut = torch.full_like(chunk, proposals) if threshold is None else \
+            confidence_cut(drafter.confidence_logits(hidden, previous), threshold)
         if pending and sum(p[0].shape[0] * proposals for p in pending) + features.shape[0] * proposals > plan.head_rows:
             flush()
-        pending.append((features, labels, previous, valid))
+        pending.append((features, labels, previous, valid, cut))
     flush()
-    return TaskStreaks(task.name, anchors[0], {m: torch.cat(v) for m, v in parts.items()})
+    cut = None if threshold is None else torch.cat(cuts)
+    return TaskStreaks(task.name, anchors[0], {m: torch.cat(v) for m, v in parts.items()},
+                       None if cut is None else dict.fromkeys(parts, cut))
 
 
 def draft_labels(labels: torch.Tensor, valid: torch.Tensor, vocab_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,21 +222,55 @@ def draft_labels(labels: torch.Tensor, valid: torch.Tensor, vocab_ids: torch.Ten
     return torch.where(inside, index, 0), valid & inside
 
 
-def summarize(task: TaskStreaks, config: ScoringConfig, block_size: int) -> dict[str, dict]:
-    """The report entry of one task: per method dense/live tau, curve, live rounds, and the
-    per-anchor streaks they come from (for the intervals)."""
+def summarize(task: TaskStreaks, config: ScoringConfig, max_taus: dict[str, int]) -> dict[str, dict]:
+    """The report entry of one task: per method each aggregate (`aggregates.AGGREGATES`), the acceptance
+    curve, the live rounds, and the per-anchor streaks they come from (for the intervals); with a confidence
+    threshold, the share of anchors whose confidence cut reaches each depth (`confidence_reach`, as
+    `families.dspark.cut_reach`); `max_taus`: each method's largest tau."""
     out = {}
     for method, values in task.streaks.items():
-        rounds = live_rounds(values, task.first_anchor, config.max_rounds)
-        out[method] = {
-            "dense": dense_tau(values),
-            "live": sum(rounds) / len(rounds),
-            "curve": acceptance_curve(values, block_size - 1),
-            "live_rounds": rounds,
-            "anchors": int(values.numel()),
-            "streaks": encode_streaks(values, block_size),
-        }
+        values = values.numpy()
+        out[method] = {name: aggregate.value(values, task.first_anchor, config.max_rounds)
+                       for name, aggregate in AGGREGATES.items()}
+        out[method].update(curve=acceptance_curve(values, max_taus[method] - 1),
+                           live_rounds=live_rounds(values, task.first_anchor, config.max_rounds),
+                           anchors=int(values.size), streaks=encode_streaks(values, max_taus[method]))
+        if task.cuts is not None:
+            out[method]["confidence_reach"] = acceptance_curve(task.cuts[method].numpy(), max_taus[method] - 1)
     return out
+
+
+def family_of(drafter: DFlashDrafter, blocks: list[int]) -> dict:
+    """What a report records of the drafter's family: its name, the tokens its block proposes at each block
+    size scored, and its settings (`EvalReport.family`)."""
+    settings = drafter.config.family_config
+    return {"name": drafter.family, "proposals": {str(b): len(drafter.draft_rows(b)) for b in blocks},
+            "settings": None if settings is None else dataclasses.asdict(settings)}
+
+
+def block_problems(drafter_config, config: ScoringConfig, trained: int | None = None) -> list[str]:
+    """What stops `config` from scoring a drafter of `drafter_config` (trained at block `trained`, default its
+    own): a block size above the trained one (its slots past the trained block never learnt to draft), DDTree
+    for a family whose slots read the token before them (`Drafter.ddtree_refusal`), and a confidence threshold
+    for a drafter without a confidence head (`Drafter.confidence_refusal`)."""
+    from ..model import build_drafter
+    from ..model.families import family_named
+
+    trained = trained or drafter_config.block_size
+    problems = [f"block size {b} is above the drafter's trained block size {trained}: the slots past it never "
+                f"learnt to draft; score at most block size {trained} (scoring.block_size / block_sizes)"
+                for b in [config.block_size, *config.block_sizes] if b is not None and b > trained]
+    with torch.device("meta"):  # the refusals may depend on the family's settings: nothing is allocated
+        drafter = build_drafter(drafter_config)
+    title = family_named(drafter_config.family).title
+    if config.ddtree_budgets and drafter.ddtree_refusal is not None:
+        problems.append(f"ddtree@N can not be scored for a {title} drafter: {drafter.ddtree_refusal}; score it "
+                        "without DDTree (scoring.ddtree_budgets=[]) and monitor vanilla or top@k (e.g. the stop's "
+                        "monitor='vanilla/live')")
+    if config.confidence_threshold is not None and drafter.confidence_refusal is not None:
+        problems.append(f"scoring.confidence_threshold={config.confidence_threshold:g} can not cut a {title} "
+                        f"drafter's block: {drafter.confidence_refusal}; leave it None (the full block)")
+    return problems
 
 
 def _report_cache(cache, head: TargetHead) -> dict[str, str]:
@@ -265,12 +313,10 @@ def score_drafter(
     started, clock = time.time(), time.perf_counter()  # when (created) and how long (seconds)
     drafter_block = drafter.config.block_size
     block_size = config.block_size or drafter_block
-    if block_size != drafter_block:
-        warnings.warn(
-            f"scoring at block size {block_size} but the drafter was built for {drafter_block}; "
-            "the report records both",
-            stacklevel=2,
-        )
+    blocks = [block_size, *config.block_sizes]  # every method at each: `:bB` past the first
+    problems = block_problems(drafter.config, config)
+    if problems:
+        raise ValueError("; ".join(problems))
     cache.check_compatible(drafter.config, block_size=block_size)
     problems = drafter.head_problems(head.embed_tokens.weight, head.lm_head.weight)
     if problems:
@@ -283,19 +329,27 @@ def score_drafter(
     if unknown:
         raise ValueError(f"tasks {unknown} are not in the cache; it holds {cache.task_names}")
     longest = max(cache.entry(n)["num_tokens"] for n in names) if config.max_memory_gib is not None else 0
-    plan = memory_plan(config, drafter, head.vocab_size, longest, block_size)
+    plan = memory_plan(config, drafter, head.vocab_size, longest, max(blocks))
     measure_peak = owns_process and device.type == "cuda"
     if measure_peak:
         torch.cuda.reset_peak_memory_stats(device)
+    family = family_of(drafter, blocks)
+    max_taus = {m: family["proposals"][str(Method.parse(m).block or block_size)] + 1 for m in config.methods}
     tasks = {}
     for task_name in tqdm(names, desc=f"scoring {name or 'drafter'}", disable=not progress, unit="task"):
         if cancel is not None and cancel.is_set():
             raise Cancelled(f"scoring was cancelled before task {task_name!r}")
-        try:
-            streaks = score_task(drafter, head, cache.task(task_name), config, block_size, progress, plan)
-        except NonFiniteError as e:
-            raise NonFiniteError(f"task {task_name!r}: {e}") from None
-        tasks[task_name] = summarize(streaks, config, block_size)
+        task, streaks, cuts = cache.task(task_name), {}, {}
+        for block in blocks:
+            try:
+                found = score_task(drafter, head, task, config, block, progress, plan)
+            except NonFiniteError as e:
+                raise NonFiniteError(f"task {task_name!r}: {e}") from None
+            at = None if block == block_size else block
+            streaks.update({str(Method.parse(m).at(at)): v for m, v in found.streaks.items()})
+            cuts.update({str(Method.parse(m).at(at)): v for m, v in (found.cuts or {}).items()})
+        tasks[task_name] = summarize(TaskStreaks(task_name, found.first_anchor, streaks, cuts or None), config,
+                                     max_taus)
     report = EvalReport(
         drafter=name or "drafter",
         cache=_report_cache(cache, head),
@@ -310,6 +364,7 @@ def score_drafter(
         created=started,
         scorer_version=SCORER_VERSION,
         attention=describe(resolve_attention(drafter.config, config.attention)),
+        family=family,
     )
     report.intervals = report_intervals(report)
     report.seconds = time.perf_counter() - clock

@@ -45,7 +45,7 @@ from ..model.target_head import head_fingerprint, head_shapes
 from .basis import Basis
 from .config import ScoringConfig
 from .report import SCORER_VERSION, EvalReport
-from .scorer import NonFiniteError, memory_plan, score_drafter
+from .scorer import NonFiniteError, block_problems, memory_plan, score_drafter
 
 VERIFY_BYTES = 4 << 30
 """Preflight reads every cache file (sha256, finite hidden states) when they total at most this;
@@ -97,13 +97,15 @@ def weights_fingerprint(folder: str | os.PathLike) -> str:
     return digest.hexdigest()[:16]
 
 
-def cached_baseline(weights: str, cache: str, target: str, config: ScoringConfig,
+def cached_baseline(source: str | os.PathLike, cache: str, target: str, config: ScoringConfig,
                     cache_dir: str | os.PathLike | None = None) -> tuple[dict, Path]:
-    """(the key, the file) of the cached report of the baseline whose weights have the fingerprint
-    `weights`, scored on the cache and target head of these fingerprints with `config`: what
-    `ScoringService.baseline` writes, and `dflash-callbacks plot` reads back."""
-    key = {"weights": weights, "cache": cache, "target": target, "scoring": config.fingerprint_fields(),
-           "scorer": SCORER_VERSION}  # a fix to the definitions scores the baseline again
+    """(the key, the file) of the cached report of the baseline drafter folder `source` (its weights'
+    fingerprint and its family), scored on the cache and target head of these fingerprints with `config`:
+    what `ScoringService.baseline` writes, and `dflash-callbacks plot` reads back."""
+    drafter = read_config(source)  # read as its family: one read as another is scored again
+    key = {"weights": weights_fingerprint(source), "cache": cache, "target": target,
+           "scoring": config.fingerprint_fields(), "scorer": SCORER_VERSION,  # a fix to the definitions scores it again
+           "family": drafter.family, "family_config": _plain(drafter.family_config)}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return key, Path(cache_dir or default_baseline_cache_dir()) / f"baseline-{digest}.json"
 
@@ -114,6 +116,11 @@ def recorded_weights(report) -> str | None:
     key = report.extra.get("baseline_key") if isinstance(report, EvalReport) else None
     weights = key.get("weights") if isinstance(key, dict) else None
     return weights if isinstance(weights, str) else None
+
+
+def _plain(settings) -> dict | None:
+    """A family's settings (a frozen dataclass, or None) as JSON values."""
+    return None if settings is None else asdict(settings)
 
 
 def check_finite_weights(state: Mapping[str, torch.Tensor], what: str) -> None:
@@ -138,6 +145,8 @@ def preflight(spec: ServiceSpec, drafter: DrafterConfig | None, drafter_shapes: 
     problems += _device_problems(config)
     if drafter is not None and drafter_shapes is not None:
         problems += _shape_problems(drafter, drafter_shapes, "the drafter")
+    if drafter is not None:
+        problems += block_problems(drafter, config)
     block = config.block_size or (drafter.block_size if drafter is not None else None)
     try:
         cache = HiddenStateCache(spec.cache)
@@ -267,6 +276,7 @@ def _baseline_problems(source: Path, cache: HiddenStateCache, config: ScoringCon
         cache.check_compatible(drafter, block_size=block, warn=False)
     except (OSError, ValueError) as e:
         return [f"baseline {source}: {e}"]
+    problems += [f"baseline {source}: {p}" for p in block_problems(drafter, config)]
     scored_at = config.block_size or drafter.block_size  # the block size the baseline's report will have
     if block is not None and scored_at != block:
         problems.append(f"baseline {source} is a drafter of block size {drafter.block_size}, this run scores block "
@@ -361,8 +371,8 @@ class ScoringService:
         if source.is_file():
             report = EvalReport.load(source)
         else:
-            key, cached = cached_baseline(weights_fingerprint(source), self.cache.fingerprint, self.head.fingerprint,
-                                          self.config, self.spec.baseline_cache_dir)
+            key, cached = cached_baseline(source, self.cache.fingerprint, self.head.fingerprint, self.config,
+                                          self.spec.baseline_cache_dir)
             if cached.is_file():
                 report = EvalReport.load(cached)
             else:

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 
 TESTS = Path(__file__).resolve().parents[1]
-for folder in (TESTS, TESTS / "scripts"):
+for folder in (TESTS / "support", TESTS / "scripts"):  # run as a script too: its helpers as the suite has them
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 

@@ -1,0 +1,88 @@
+"""A second block size in one run, end to end: `scoring.block_sizes=[3]` scores every method again at
+block 3 (a drafter trained at 6 served with num_speculative_tokens 2), each a method of its own,
+`METHOD:b3`. Its numbers reach results.jsonl, the loggers and W&B under their own keys, with paired
+intervals against the baseline scored the same way; the stop monitors one of them; `compare` shows
+both block sizes. One entry in ScoringConfig, nothing else to add."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import WandbLogger
+from torch.utils.data import DataLoader
+
+from dflash_callbacks.callbacks import DrafterEvalCallback, TrailingBaselineStop
+from dflash_callbacks.cli import main as cli_main
+from dflash_callbacks.demos.training import CacheSequences, DFlashTrainingModule, collate_sequences
+from dflash_callbacks.scoring.report import EvalReport
+
+from runs import records, run_dir
+from synthetic import build_world
+from wandb_records import read_run
+
+SCORING = {"ddtree_budgets": [4], "block_sizes": [3], "device": "cpu"}
+METHODS = ["vanilla", "ddtree@4", "vanilla:b3", "ddtree@4:b3"]
+
+
+def test_a_second_block_size_runs_through_reports_loggers_wandb_the_stop_and_compare(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    world = build_world(tmp_path / "world")
+    torch.manual_seed(0)
+    logged = []
+
+    class Rows(pl.loggers.Logger):  # every logged row, as any Lightning logger gets it
+        name, version, experiment = "rows", 0, None
+
+        def log_metrics(self, metrics, step=None):
+            logged.append((step, dict(metrics)))
+
+        def log_hyperparams(self, *args, **kwargs):
+            pass
+
+    cb = DrafterEvalCallback(cache=world.cache, target=world.target, baseline=world.baseline, every_n_train_steps=4,
+                             scoring=SCORING, busy="queue", max_pending=4, dirpath=tmp_path / "dflash",
+                             baseline_cache_dir=tmp_path / "bc", verbose=False)
+    stop = TrailingBaselineStop(monitor="ddtree@4:b3/dense", min_ratio=0.5, patience=5, verbose=False)
+    trainer = pl.Trainer(max_steps=8, accelerator="cpu", callbacks=[cb, stop], enable_progress_bar=False,
+                         logger=[Rows(), WandbLogger(project="dflash-test", save_dir=str(tmp_path), offline=True)],
+                         enable_checkpointing=False, enable_model_summary=False, log_every_n_steps=1)
+    trainer.fit(DFlashTrainingModule(world.config, world.target, lr=3e-3),
+                DataLoader(CacheSequences(world.cache), batch_size=1, collate_fn=collate_sequences))
+    import wandb
+
+    wandb.finish()
+
+    # results.jsonl: each report holds both block sizes, the smaller bounded by its own block
+    reports = [EvalReport.from_dict(r) for r in records(tmp_path / "dflash") if "tasks" in r]
+    assert [r.step for r in reports] == [4, 8] and all(r.methods == METHODS for r in reports)
+    assert reports[0].family["proposals"] == {"6": 5, "3": 2} and reports[0].max_tau("ddtree@4:b3") == 3
+    assert all(t["ddtree@4:b3"]["live"] <= 3 for r in reports for t in r.tasks.values())
+    assert cb.baseline_report.methods == METHODS
+    # the loggers and W&B: the same keys as any method, paired intervals included
+    rows = [m for step, m in logged if "dflash/step" in m]
+    base = cb.baseline_report
+    assert len(rows) == len(reports)
+    for row, report in zip(rows, reports):
+        assert row["dflash/ddtree@4:b3/live/mean"] == pytest.approx(report.value("ddtree@4:b3/live"))
+        assert row["dflash/ratio/ddtree@4:b3/live/mean"] == pytest.approx(
+            report.value("ddtree@4:b3/live") / base.value("ddtree@4:b3/live"))
+        assert row["dflash/baseline/vanilla:b3/dense/mean"] == pytest.approx(base.value("vanilla:b3/dense"))
+        assert row["dflash/ratio/ddtree@4:b3/live/mean_lo"] <= row["dflash/ratio/ddtree@4:b3/live/mean"] <= \
+            row["dflash/ratio/ddtree@4:b3/live/mean_hi"]
+    (wandb_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    history = [r for r in read_run(wandb_dir)["history"] if "dflash/ddtree@4:b3/live/mean" in r]
+    assert [r["dflash/ddtree@4:b3/live/mean"] for r in history] == pytest.approx(
+        [r.value("ddtree@4:b3/live") for r in reports])
+    # the stop follows the monitored block size's number
+    assert stop.history == [(r.step, pytest.approx(r.value("ddtree@4:b3/dense"))) for r in reports]
+    # compare: both block sizes, a verdict for each
+    assert cli_main(["compare", str(run_dir(tmp_path / "dflash") / "results.jsonl"),
+                     str(tmp_path / "baseline.json")]) == 2  # no such file yet: refused
+    cb.baseline_report.to_json(tmp_path / "baseline.json")
+    capsys.readouterr()
+    assert cli_main(["compare", str(run_dir(tmp_path / "dflash") / "results.jsonl"),
+                     str(tmp_path / "baseline.json")]) == 0
+    out = capsys.readouterr().out
+    assert "ddtree@4 ours" in out and "ddtree@4:b3 ours" in out
+    assert "ddtree@4 live:" in out and "ddtree@4:b3 live:" in out
