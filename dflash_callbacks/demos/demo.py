@@ -223,7 +223,8 @@ def _run_demo(cfg: DemoConfig) -> dict:
         max_steps=cfg.train.max_steps, max_epochs=-(-cfg.train.max_steps // len(data)),  # "Epoch 4/9", not "4/-2"
         accelerator="cpu", logger=loggers,
         callbacks=[eval_cb] + ([stop_cb] if stop_cb else []), enable_checkpointing=False,
-        enable_model_summary=False, log_every_n_steps=10, default_root_dir=str(out),
+        enable_model_summary=False, default_root_dir=str(out),
+        log_every_n_steps=min(10, len(data)),  # Lightning warns of an interval longer than an epoch
         enable_progress_bar=sys.stderr.isatty(),  # else its last state is left among the demo's lines
     )
     trainer.fit(toy_module(cfg.train), data)
