@@ -14,7 +14,7 @@ from dflash_callbacks import DrafterEvaluator, TrailingBaselineStop
 from dflash_callbacks.cli import main
 
 from loops import SCORING, plain_fit
-from runs import run_dir
+from runs import run_dir, wait_until
 
 from train_run import shared_world, world_paths
 
@@ -31,7 +31,16 @@ def stopped_run(tmp_path_factory) -> SimpleNamespace:
     evaluator = DrafterEvaluator(cache=world.cache, target=world.target, baseline=world.baseline, every_n_steps=2,
                                  scoring=SCORING, dirpath=root / "d", baseline_cache_dir=root / "bc", verbose=False,
                                  stop=stop, max_steps=20, busy="queue", max_pending=10)
-    plain_fit(world, 20, evaluator, step_sleep=0.3)  # the reports come back while it trains
+
+    def scored(model, step: int) -> None:  # each report comes back before the next step: the stop acts while it trains
+        def published() -> bool:
+            evaluator.step(step)  # a repeated step only publishes
+            return any(report.step == step for report in evaluator.reports)
+
+        if step % 2 == 0:
+            wait_until(published, what=f"the report of step {step}")
+
+    plain_fit(world, 20, evaluator, after_step=scored)
     return SimpleNamespace(world=world, root=root, folder=run_dir(root / "d"), evaluator=evaluator, stop=stop)
 
 
