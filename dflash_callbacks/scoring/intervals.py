@@ -462,9 +462,9 @@ def resolution_warning(baseline: EvalReport, monitor: str, min_ratio: float) -> 
         return None
     lo, hi = baseline.interval(monitor)
     value = baseline.value(monitor)
-    return (f"the cache's {len(baseline.tasks)} tasks can not resolve min_ratio={min_ratio:g} on {monitor}: the "
+    return (f"the cache's {len(baseline.tasks)} tasks can not resolve min_ratio={float(min_ratio)!r} on {monitor}: the "
             f"baseline's own 95% interval, {value:.2f} [{lo:.2f}, {hi:.2f}], is +-{50 * (hi - lo) / value:.0f}% of "
-            f"its mean, wider than the {100 * (1 - min_ratio):.0f}% margin; about {needed} tasks would resolve it "
+            f"its mean, wider than the {100 * (1 - min_ratio):.2g}% margin; about {needed} tasks would resolve it "
             f"(a larger task set: {larger}); the stop still runs")
 
 

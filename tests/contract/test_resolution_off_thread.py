@@ -40,7 +40,7 @@ def test_the_setup_warning_is_made_on_the_runners_thread(tmp_path_factory, tmp_p
     optimizer = torch.optim.AdamW(model.drafter.parameters())
     evaluator.attach(model.drafter, optimizer)
     longest, step = 0.0, 0
-    with pytest.warns(UserWarning, match=r"TrailingBaselineStop: the cache's 3 tasks can not resolve min_ratio=1 on "
+    with pytest.warns(UserWarning, match=r"TrailingBaselineStop: the cache's 3 tasks can not resolve min_ratio=0.999999999 on "
                                          r"ddtree@4/live: .* about \d+ tasks would resolve it"):
         deadline = time.monotonic() + DEADLINE
         while evaluator.baseline_report is None and time.monotonic() < deadline:
