@@ -313,7 +313,7 @@ def main(argv=None) -> dict:
 
 
 def baseline_said(min_ratio: float | None) -> str:
-    return "" if min_ratio is None else f" (a baseline, the stop at min_ratio={min_ratio:g})"
+    return "" if min_ratio is None else f" (a baseline, the stop at min_ratio={min_ratio!r})"
 
 
 if __name__ == "__main__":
