@@ -1,4 +1,4 @@
-"""The end of a run, as the demo ends: `close()` of the plain loop and the Trainer's on_train_end print
+"""The end of a run, as the demo ends: `close()` of the plain loop, the Trainer's on_train_end and Lightning's print
 the last report's table per task against the baseline, with a verdict per method (the one function
 the demo prints it with); `verbose=False` silences it, and a loop that raised prints none."""
 
@@ -16,7 +16,7 @@ from dflash_callbacks.engine.reports import final_table
 
 from loops import SCORING, hf_fit, plain_fit
 
-from train_run import shared_world, world_paths
+from train_run import eval_cb, fit, shared_world, world_paths
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +29,11 @@ def settings(world, tmp_path: Path, **kwargs) -> dict:
                 dirpath=tmp_path / "d", baseline_cache_dir=tmp_path / "bc", **kwargs)
 
 
+SAID_BY = ("dflash_callbacks", "lightning.pytorch.utilities.rank_zero")  # the loop's and Trainer's lines, Lightning's
+
+
 def tables(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "dflash_callbacks" and "| **mean** |" in r.getMessage()]
+    return [r.getMessage() for r in caplog.records if r.name in SAID_BY and "| **mean** |" in r.getMessage()]
 
 
 def assert_the_demos_table(said: list[str], view) -> None:
@@ -52,6 +55,14 @@ def test_the_trainers_end_prints_the_last_reports_table_and_verdict(world, tmp_p
     caplog.set_level(logging.INFO, logger="dflash_callbacks")
     callback = DrafterEvalTrainerCallback(**settings(world, tmp_path))
     hf_fit(world, tmp_path / "out", 4, [callback])
+    assert_the_demos_table(tables(caplog), callback)
+
+
+def test_lightnings_end_prints_the_last_reports_table_and_verdict(world, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero")  # rank_zero_info's
+    root = world.cache.parent
+    callback = eval_cb(root, tmp_path, baseline=world.baseline, baseline_cache_dir=tmp_path / "bc", verbose=True)
+    fit(root, tmp_path, [callback], max_steps=4)
     assert_the_demos_table(tables(caplog), callback)
 
 
