@@ -103,6 +103,21 @@ def test_the_demo_says_only_its_own_lines(demo_run):
     assert all(line.startswith(("dflash: ", "demo: ")) for line in errors), errors
 
 
+def test_the_toy_world_builds_without_a_progress_bar_when_there_is_no_terminal(tmp_path):
+    """The demo's first run writes its training text (the toy target's answers): one line saying so, no
+    progress bar (transformers' weight loading drew one per load, to a log as to a terminal)."""
+    code = ("import sys; from pathlib import Path; from dflash_callbacks.demos.demo import demo_output, training_data; "
+            "from dflash_callbacks.demos.settings import TrainConfig\n"
+            "with demo_output(): training_data(Path(sys.argv[1]), TrainConfig(sequences=2, seq_len=80))")
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "world")], cwd=REPO, capture_output=True,
+                         text=True, timeout=DEADLINE)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.splitlines() == [f"demo: writing the training text (2 answers of the toy target) to "
+                                       f"{tmp_path / 'world' / 'train-2x80'} (once)"]
+    assert run.stderr == "", run.stderr
+    assert (tmp_path / "world" / "train-2x80" / "manifest.json").is_file()
+
+
 def test_the_picture_reads_at_a_glance(demo_run):
     cfg, summary, _, _ = demo_run
     reports = read_results(Path(summary["results"])).reports
