@@ -98,7 +98,7 @@ def drafter_source(args: argparse.Namespace):
 
 def run_score(args: argparse.Namespace) -> int:
     from ..scoring.basis import drafter_difference
-    from ..scoring.report import comparison_table
+    from ..scoring.table import comparison_table
     from ..scoring.service import ScoringService, ServiceSpec, preflight
 
     check_output("--json", args.json)
@@ -189,7 +189,7 @@ def load_baseline(path: Path):
 
 def run_compare(args: argparse.Namespace) -> int:
     from ..scoring.basis import Basis, drafter_difference
-    from ..scoring.report import comparison_table
+    from ..scoring.table import comparison_table
 
     ours, baseline = load_ours(args.ours, args.step), load_baseline(args.baseline)
     # anything that changes numbers refuses, a method scored on one side only included

@@ -34,7 +34,8 @@ from ..callbacks import TrailingBaselineStop
 from ..callbacks.schema import build_eval_callback, build_stop_callback
 from ..scoring.intervals import paired_comparison
 from ..scoring.methods import Monitor
-from ..scoring.report import EvalReport, comparison_table, family_title
+from ..scoring.report import EvalReport, family_title
+from ..scoring.table import comparison_table
 from .plot import plot_live_tau
 from .toy.threads import torch_threads
 from .settings import DemoConfig, TrainConfig, check_demo, demo_config  # noqa: F401  (the demo's settings)

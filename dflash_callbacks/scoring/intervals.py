@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .aggregates import AGGREGATES, LIVE_BLOCKS, decode_streaks  # noqa: F401  (LIVE_BLOCKS: importable from here too)
+from .aggregates import AGGREGATES, decode_streaks
 from .methods import Monitor
 
 if TYPE_CHECKING:  # report.py renders these intervals in its table, so it imports this module

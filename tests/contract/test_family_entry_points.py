@@ -25,7 +25,8 @@ from dflash_callbacks.demos.demo import report_line
 from dflash_callbacks.demos.toy.world import toy_baseline_path, toy_target_path
 from dflash_callbacks.demos.training import CacheSequences, DFlashTrainingModule, collate_sequences
 from dflash_callbacks.model import build_drafter
-from dflash_callbacks.scoring.report import EvalReport, comparison_table
+from dflash_callbacks.scoring.report import EvalReport
+from dflash_callbacks.scoring.table import comparison_table
 from dflash_callbacks.scoring.service import PreflightError
 
 from loops import hf_fit, plain_fit
