@@ -339,10 +339,11 @@ def _chunked(
             c1 = min(v, c0 + tile)
             z = _logits(h, weight[c0:c1])  # [rows, tile] fp32: the only large temporary
             new_max = torch.maximum(run_max, z.amax(-1))  # online logsumexp, rescaled sum
+            shifted = z - new_max[:, None]
             if temperature is not None:  # the same for z / T, whose running max is new_max / T
                 tempered_sum = (tempered_sum * torch.exp((run_max - new_max) / temperature)
-                                + ((z - new_max[:, None]) / temperature).exp_().sum(-1))
-            run_sum = run_sum * torch.exp(run_max - new_max) + (z - new_max[:, None]).exp_().sum(-1)
+                                + shifted.div(temperature).exp_().sum(-1))
+            run_sum = run_sum * torch.exp(run_max - new_max) + shifted.exp_().sum(-1)
             run_max = new_max
             here = (y >= c0) & (y < c1)  # rows whose label is in this tile
             z_here = z.gather(1, (y - c0).clamp(0, c1 - c0 - 1)[:, None])[:, 0]

@@ -108,5 +108,5 @@ def _show(name: str, value) -> str:
     if name == "scorer" and value is None:
         return "unrecorded (a report from before versions were recorded)"
     if name == "sampling" and value is None:
-        return "a greedy cache"
+        return "none (a greedy cache)"
     return ", ".join(value) if isinstance(value, tuple) else str(value)

@@ -72,12 +72,13 @@ class ScoringConfig:
     attentions: list[str] = _field(factory=list, numbers=True,
                                    help="other attention rules to score every method under, each a method of its own "
                                         "(METHOD:RULE), e.g. trained beside vllm: the cost of serving another pattern")
-    temperature: float | None = _field(None, help="the request's sampling temperature (None: the cache's, 0 for a "
-                                                   "greedy cache); a cache sampled at another is refused")
-    top_p: float | None = _field(None, help="the request's top-p (None: the cache's); a cache sampled at another is "
-                                            "refused")
-    top_k: int | None = _field(None, help="the request's top-k (None: the cache's, 0: off); a cache sampled at another "
-                                          "is refused")
+    served_temperature: float | None = _field(None, help="the temperature the requests are served at (None: the "
+                                                          "cache's, 0 for a greedy cache); a cache sampled at another "
+                                                          "is refused")
+    served_top_p: float | None = _field(None, help="the requests' top-p (None: the cache's); a cache sampled at another "
+                                                   "is refused")
+    served_top_k: int | None = _field(None, help="the requests' top-k (None: the cache's, 0: off); a cache sampled at "
+                                                 "another is refused")
     draft_rule: str = _field("greedy", numbers=True,
                              help="the draft rule at T > 0, as vLLM's draft_sample_method: greedy (the argmax; "
                                   "DFlash 2 samples its selector walk whatever this says) or probabilistic (DFlash "
@@ -111,12 +112,14 @@ class ScoringConfig:
                 f"attentions holds a rule twice: {self.attentions}"),
             lambda: self.attention not in self.attentions or _bad(
                 f"attentions holds attention {self.attention!r}, which every method is scored under already"),
-            lambda: check_number("temperature", self.temperature, optional=True) is None or self.temperature >= 0 or _bad(
-                f"temperature must be >= 0 (0: greedy); got {self.temperature!r}: give the temperature the requests are "
-                "served at"),
-            lambda: check_number("top_p", self.top_p, optional=True) is None or 0 < self.top_p <= 1 or _bad(
-                f"top_p must be in (0, 1] (1: off); got {self.top_p!r}: give the top-p the requests are served at"),
-            lambda: check_int("top_k", self.top_k, 0, optional=True),
+            lambda: check_number("served_temperature", self.served_temperature, optional=True) is None
+            or self.served_temperature >= 0 or _bad(
+                f"served_temperature must be >= 0 (0: greedy); got {self.served_temperature!r}: give the temperature "
+                "the requests are served at"),
+            lambda: check_number("served_top_p", self.served_top_p, optional=True) is None or 0 < self.served_top_p <= 1
+            or _bad(f"served_top_p must be in (0, 1] (1: off); got {self.served_top_p!r}: give the top-p the requests "
+                    "are served at"),
+            lambda: check_int("served_top_k", self.served_top_k, 0, optional=True),
             lambda: check_choice("draft_rule", self.draft_rule, DRAFT_RULES),
             lambda: check_int("coin_seed", self.coin_seed, 0),
         )

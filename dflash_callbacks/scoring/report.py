@@ -159,7 +159,7 @@ class EvalReport:
         if self.attention_patterns is not None:
             shown = {**self.attention_patterns, f"scored ({rule})": self.attention or []}
             line += ("; the drafter's patterns differ: " + "; ".join(
-                f"{name} {', '.join(layers)}" for name, layers in shown.items())
+                f"{name} {_layers(layers)}" for name, layers in shown.items())
                 + " (scoring.attentions scores the others beside it, METHOD:RULE)")
         return line
 
@@ -197,6 +197,11 @@ class EvalReport:
             raise ValueError(f"{path} is not a JSON report: {e}") from None
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
+
+
+def _layers(patterns: list[str]) -> str:
+    """Each layer's pattern, "bidirectional x3" where every layer has the same."""
+    return f"{patterns[0]} x{len(patterns)}" if patterns and len(set(patterns)) == 1 else ", ".join(patterns)
 
 
 INT_MAX = 2**63 - 1

@@ -51,7 +51,7 @@ def served_problems(config: ScoringConfig, sampling: Any, family: str | None, ca
     family is not served with at T > 0. One line each, naming the fix."""
     cache = {"temperature": 0.0, "top_p": 1.0, "top_k": 0} if sampling is None else {
         "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k}
-    asked = {name: getattr(config, name) for name in cache if getattr(config, name) is not None}
+    asked = {name: getattr(config, f"served_{name}") for name in cache if getattr(config, f"served_{name}") is not None}
     differ = {name: value for name, value in asked.items() if value != cache[name]}
     problems = draft_rule_problems(config, sampling, family)
     if differ:
@@ -62,7 +62,7 @@ def served_problems(config: ScoringConfig, sampling: Any, family: str | None, ca
                          if v != {"temperature": 0.0, "top_p": 1.0, "top_k": 0}[k])
         problems.append(f"{cache_path} {kind}, but scoring asks for {wanted}: a cache's streaks are tau at its own "
                         f"settings only; extract a cache at yours (dflash-callbacks extract {flags or '(greedy)'}) or "
-                        f"leave scoring.{', scoring.'.join(differ)} unset")
+                        f"leave scoring.served_{', scoring.served_'.join(differ)} unset")
     return problems
 
 

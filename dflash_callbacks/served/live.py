@@ -45,6 +45,8 @@ from ..model import DFlashDrafter
 from ..scoring.intervals import CONFIDENCE, t_quantile
 
 DRAFT_RULES = ("argmax", "sample")
+LIVE_FAMILIES = ("dflash", "dflash2")
+"""The families the loop proposes for: DFlash's slots read no predecessor, DFlash 2's walk reads its own."""
 
 
 @dataclass
@@ -109,8 +111,9 @@ def live_decode(
     task: str = "",
 ) -> LiveRun:
     """Decode one request from the token ids `prompt` with the target `model` (a transformers
-    causal LM on the CPU) verifying `drafter`'s blocks at the served `sampling` settings."""
+    causal LM on the CPU) verifying `drafter`'s blocks (DFlash or DFlash 2) at the served `sampling` settings."""
     check_choice("draft_rule", draft_rule, DRAFT_RULES)
+    check_choice("the live loop's drafter family", drafter.family, LIVE_FAMILIES)
     layer_ids = drafter.config.target_layer_ids
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
     B, mask = drafter.block_size, drafter.mask_token_id

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from dflash_callbacks import load_drafter
 from dflash_callbacks.cache.format import HiddenStateCache, TargetInfo, new_manifest, open_for_writing, write_task
 from dflash_callbacks.cache.sampling import Sampling
+from dflash_callbacks.cli import main as cli_main
 from dflash_callbacks.model import TargetHead
 from dflash_callbacks.model.attention import resolve_attention
 from dflash_callbacks.scoring.aggregates import decode_expected, decode_streaks
@@ -139,8 +140,11 @@ def test_the_expected_streaks_a_report_keeps_are_the_plain_per_anchor_ones(famil
         drafter, rule = load_drafter(FIXTURES / "trainers" / "speculators-full" / "checkpoint"), "softmax"
         config = {"draft_rule": "probabilistic"}
     head, cache = sampled_cache(tmp_path, inputs, walked_tasks(inputs, expected))
-    config = ScoringConfig(ddtree_budgets=[2], topk=[3], device="cpu", max_rounds=4, coin_seed=7, **config)
+    config = ScoringConfig(ddtree_budgets=[2], topk=[3], device="cpu", max_rounds=4, coin_seed=7, block_sizes=[3],
+                           **config)
     report = score_drafter(drafter, cache, head, config)
+    assert all(("expected" in numbers) == method.startswith("vanilla")
+               for entry in report.tasks.values() for method, numbers in entry.items())
     assert report.cache["sampling"] == Sampling(T).to_dict() and report.scoring["coin_seed"] == 7
     for name in cache.task_names:
         numbers = report.tasks[name]["vanilla"]
@@ -169,7 +173,7 @@ def test_the_expected_streaks_a_report_keeps_are_the_plain_per_anchor_ones(famil
         f"{config.draft_rule}, coin seed 8)"]
 
 
-def test_an_argmax_draft_keeps_integer_streaks_and_a_greedy_cache_every_report_as_it_was(tmp_path):
+def test_an_argmax_draft_keeps_integer_streaks_and_a_greedy_cache_every_report_as_it_was(tmp_path, capsys):
     """DFlash under vLLM's default draft rule proposes its argmax: at T > 0 its streaks on the sampled text are
     the served acceptance, integers, as before (no `expected`); so is DFlash 2 on a greedy cache."""
     inputs, expected = load_inputs()
@@ -184,6 +188,17 @@ def test_an_argmax_draft_keeps_integer_streaks_and_a_greedy_cache_every_report_a
         assert "expected" not in on_sampled.tasks[name]["vanilla"]
     assert "sampling" in on_sampled.cache and "sampling" not in on_greedy.cache
     assert Basis.of_report(on_sampled).sampling is not None and Basis.of_report(on_greedy).sampling is None
+    on_sampled.to_json(tmp_path / "sampled.json")
+    on_greedy.to_json(tmp_path / "greedy.json")
+    assert cli_main(["compare", str(tmp_path / "sampled.json"), str(tmp_path / "greedy.json")]) == 2
+    assert "was scored with served sampling none (a greedy cache) (this run: temperature 0.8, top_p 1, top_k 0, " \
+        "draft rule greedy, coin seed 0)" in capsys.readouterr().err
+    assert cli_main(["compare", str(tmp_path / "sampled.json"), str(tmp_path / "greedy.json"), "--force"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2].startswith("ours: attention auto, cache temperature 0.8, top_p 1.0, top_k 0, samples 1, seed 0, "
+                              "draft rule greedy, coin seed 0; the drafter's patterns differ: trained bidirectional x3; "
+                              "vllm causal x3; scored (auto) bidirectional x3")  # speculators' flag false: vLLM causal
+    assert out[-1].startswith("drafter: attention auto, cache greedy;")
     dflash2 = load_drafter(FIXTURES / "families" / "dflash2-full" / "checkpoint")
     assert all("expected" not in entry["vanilla"] for entry in score_drafter(dflash2, greedy, head, config).tasks.values())
 
@@ -216,14 +231,14 @@ def test_settings_the_cache_was_not_sampled_at_are_refused(tmp_path):
     drafter = load_drafter(FIXTURES / "families" / "dflash2-full" / "checkpoint")
     with pytest.raises(ValueError, match=r"was sampled at temperature 0\.8, top_p 1, top_k 0, but scoring asks for "
                                          r"temperature 1, top_p 0\.9: .*extract --temperature 1 --top-p 0\.9\)"):
-        score_drafter(drafter, cache, head, ScoringConfig(device="cpu", temperature=1.0, top_p=0.9))
+        score_drafter(drafter, cache, head, ScoringConfig(device="cpu", served_temperature=1.0, served_top_p=0.9))
     with pytest.raises(ValueError, match=r"holds greedy answers, but scoring asks for temperature 0\.7"):
-        score_drafter(drafter, greedy, head, ScoringConfig(device="cpu", temperature=0.7))
-    assert score_drafter(drafter, cache, head, ScoringConfig(ddtree_budgets=[], device="cpu", temperature=0.8, top_k=0))
+        score_drafter(drafter, greedy, head, ScoringConfig(device="cpu", served_temperature=0.7))
+    assert score_drafter(drafter, cache, head, ScoringConfig(ddtree_budgets=[], device="cpu", served_temperature=0.8, served_top_k=0))
     with pytest.raises(ValueError) as found:
-        ScoringConfig(temperature=-0.5, top_p=1.5, top_k=-1, draft_rule="sampled")
+        ScoringConfig(served_temperature=-0.5, served_top_p=1.5, served_top_k=-1, draft_rule="sampled")
     lines = str(found.value).splitlines()
-    assert len(lines) == 4 and lines[0].startswith("temperature must be >= 0") and lines[1].startswith("top_p must be in (0, 1]")
+    assert len(lines) == 4 and lines[0].startswith("served_temperature must be >= 0") and lines[1].startswith("served_top_p must be in (0, 1]")
     dspark = load_drafter(FIXTURES / "families" / "dspark" / "checkpoint")
     with pytest.raises(ValueError, match="draft_rule 'probabilistic' can not be scored for a dspark drafter"):
         score_drafter(dspark, cache, head, ScoringConfig(ddtree_budgets=[], device="cpu", draft_rule="probabilistic"))
