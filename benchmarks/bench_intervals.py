@@ -1,5 +1,5 @@
 """How the intervals and the stop behave on simulated caches whose truth is known (the model of
-streaks in tests/simulated_caches.py): the figures docs/numbers.md quotes.
+streaks in tests/support/simulated_caches.py): the figures docs/numbers.md quotes.
 
 - `coverage`: per setting, the share of 95% intervals holding the truth over `--reps` caches:
   ours' run-level mean and the paired ratio to the baseline (dense and live), the ratio's
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the simulated caches
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))  # the simulated caches
 
 from dflash_callbacks.engine.stop import StopPolicy  # noqa: E402
 from dflash_callbacks.scoring.intervals import (  # noqa: E402

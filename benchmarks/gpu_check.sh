@@ -4,7 +4,7 @@
 # omegaconf. Steps, each under its own `timeout`, each writing its files into
 # OUTPUT_DIR as it finishes (a killed run keeps the finished steps' files):
 #
-#   1. tests      (100 s) tests/test_head_stats.py (and the tempered statistics'
+#   1. tests      (100 s) tests/unit/test_head_stats.py (and the tempered statistics'
 #                 tests/unit/test_head_stats_tempered.py) natively on CUDA: both backends
 #                 against the reference on every case, realistic sizes, the kernel's
 #                 pivot == its own z_y on tensor cores, fp32 under TF32, auto follows
@@ -102,7 +102,7 @@ else
 fi
 t0=$SECONDS
 rc=0
-timeout 100 python -m pytest tests/test_head_stats.py tests/unit/test_head_stats_tempered.py -q -rs -p no:cacheprovider \
+timeout 100 python -m pytest tests/unit/test_head_stats.py tests/unit/test_head_stats_tempered.py -q -rs -p no:cacheprovider \
     ${tests_k[@]+"${tests_k[@]}"} \
     --junitxml="$out_dir/pytest_head_stats.xml" > "$out_dir/pytest_head_stats.txt" 2>&1 || rc=$?
 tail -n 15 "$out_dir/pytest_head_stats.txt"

@@ -1,30 +1,20 @@
-"""DrafterEvalTrainerCallback: the evaluation engine on a transformers `Trainer`.
+"""DrafterEvalTrainerCallback: the evaluation engine on a transformers `Trainer` (README: "The transformers
+Trainer"). Its hooks, and what the engine does in them:
 
-    callback = DrafterEvalTrainerCallback(cache=..., target=..., baseline=..., every_n_steps=500,
-                                          stop=TrailingBaselineStop(monitor="ddtree@8/live"))
-    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
-    with callback:                  # optional: a train() that raises keeps unscored snapshots for a resume
-        trainer.train()
+    on_init_end:            TrainingArguments(restore_callback_states_from_checkpoint=True) is refused
+    on_train_begin:         the drafter found on the model (`drafter=None`: the model), every input checked,
+                            then the run folder (a resume's: its state read from the checkpoint's
+                            trainer_state.json, where this `ExportableState` saves it)
+    on_pre_optimizer_step:  the snapshot's copy has landed before the optimizer writes the weights
+    on_step_end:            reports published; every `every_n_steps`, a snapshot; a stop sets
+                            `control.should_training_stop`; when training stops here, the last step's
+                            snapshot, before the Trainer loads the best model at the end
+    on_epoch_end:           the same, when a later callback stopped training (EarlyStoppingCallback)
+    on_train_end:           the last reports, then the run folder is released
+    `with callback:`        around `trainer.train()`: a train() that raises keeps unscored snapshots
 
-The hooks, and what the engine does in them:
-
-    on_init_end:              TrainingArguments(restore_callback_states_from_checkpoint=True) is refused
-    on_train_begin:           the drafter found on the model (`drafter="drafter"`; None: the model is the
-                              drafter), every input checked, then the run folder (a resume's: its state is
-                              read from the checkpoint's trainer_state.json)
-    on_pre_optimizer_step:    the snapshot's copy has landed before the optimizer writes the weights
-    on_step_end:              finished reports published; every `every_n_steps`, a snapshot of
-                              `state.global_step`; a stop sets `control.should_training_stop`. When training
-                              stops here (max_steps, the stop, a callback before this one), the last step's
-                              snapshot, before the Trainer loads the best model at the end
-    on_epoch_end:             the same, when a later callback stopped training (EarlyStoppingCallback)
-    on_train_end:             the last reports, then the run folder is released
-
-Reports go to the active W&B run (the Trainer's `report_to="wandb"` starts one; each report in a row of
-its own, and no row of the Trainer's lost) and to `log=` functions. This callback is an `ExportableState`:
-the Trainer saves its state (run id, history, counts, the stops') in each checkpoint's trainer_state.json,
-and `trainer.train(resume_from_checkpoint=...)` reopens that run's folder.
-"""
+Reports go to the active W&B run (`report_to="wandb"`; a row of its own each, none of the Trainer's lost)
+and to `log=` functions."""
 
 from __future__ import annotations
 

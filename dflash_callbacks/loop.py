@@ -1,23 +1,13 @@
-"""DrafterEvaluator: the evaluation engine in a plain PyTorch training loop (one process, DDP or
-FSDP2), with no framework:
+"""DrafterEvaluator: the evaluation engine in a plain PyTorch loop (one process, DDP or FSDP2), with no
+framework: `attach(drafter, optimizer)` before the first step, `step(step)` after each optimizer step
+(True once the stop decided), `close()` at the end (README: "A plain PyTorch loop").
 
-    evaluator = DrafterEvaluator(cache=..., target=..., baseline=..., every_n_steps=500,
-                                 stop=TrailingBaselineStop(monitor="ddtree@8/live"), dirpath="runs/eval")
-    evaluator.attach(drafter, optimizer)   # every check before the first step; raises listing every problem
-    for step, batch in enumerate(loader, start=1):
-        ...
-        optimizer.step()
-        if evaluator.step(step):              # True on every rank once the stop has decided
-            break
-    evaluator.close()                          # the last step's report, then the run folder is released
-
-`attach` registers a pre-hook on the optimizer: a snapshot's copy (on CUDA, a pinned copy on a side
-stream) has landed before the optimizer writes the weights, so a report holds the weights of the step
-it names. A write that bypasses the optimizer (an EMA swap, `load_state_dict`, a clamp of `p.data`)
-calls `evaluator.sync()` first. Under `torch.distributed` every rank calls `attach`, `step` and
-`close` (the FSDP2 gather and the news from rank 0 are collectives); rank 0 scores. A loop that
-raises inside `with evaluator:`, or past it, keeps what is on disk for a resume.
-"""
+`attach` hooks the optimizer: a snapshot's copy (on CUDA, pinned, on a side stream) has landed before the
+optimizer writes the weights, so a report holds the weights of the step it names; a write that bypasses
+the optimizer (an EMA swap, `load_state_dict`, a clamp of `p.data`) calls `sync()` first. Under
+`torch.distributed` every rank calls `attach`, `step` and `close` (the FSDP2 gather and rank 0's news are
+collectives); rank 0 scores. A loop that raises inside `with evaluator:`, or past it, keeps what is on
+disk for a resume."""
 
 from __future__ import annotations
 
@@ -31,7 +21,9 @@ import torch
 from torch import nn
 
 from .checks import check_int, is_int
-from .engine.drafters import check_drafter_config, drafter_config_of, refuse_collective_wrappers, unwrap
+from .engine.drafters import (
+    check_drafter_config, drafter_config_of, optimizer_problems, refuse_collective_wrappers, unwrap,
+)
 from .engine.evaluator import EvalEngine
 from .engine.host import ActiveWandb, Host, TorchDistributed, as_loggers, log_functions
 from .engine.stop import StopPolicy
@@ -115,13 +107,9 @@ class DrafterEvaluator(EngineView):
         if not isinstance(drafter, nn.Module):
             raise TypeError(f"attach(drafter, optimizer): the drafter must be an nn.Module; got {type(drafter).__name__}")
         optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer or [])
-        module, problems = unwrap(drafter), []
+        module = unwrap(drafter)
         refuse_collective_wrappers(module, drafter, "attach(drafter, optimizer)")
-        if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
-            problems.append("attach(drafter, optimizer): the optimizer must be a torch.optim.Optimizer (or a list of "
-                            "them) that steps the drafter's parameters")
-        else:
-            problems += _ownership_problems(module, optimizers)
+        problems = optimizer_problems(module, optimizers, "attach(drafter, optimizer)")
         config = drafter_config_of(module, self.drafter_config, "DrafterEvaluator", drafter="drafter")
         try:
             self.engine.check(LoopHost(self), module, config, self.max_steps)
@@ -192,18 +180,6 @@ class DrafterEvaluator(EngineView):
 
     def __exit__(self, kind, error, traceback) -> None:
         self.close(error)
-
-
-def _ownership_problems(drafter: nn.Module, optimizers: list[torch.optim.Optimizer]) -> list[str]:
-    """The drafter's trainable parameters that no optimizer steps (their snapshot copy would never be
-    waited for before an update)."""
-    owned = {id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]}
-    missing = [name for name, p in drafter.named_parameters() if p.requires_grad and id(p) not in owned]
-    if not missing:
-        return []
-    shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-    return [f"attach(drafter, optimizer): the optimizer does not step {len(missing)} of the drafter's trainable "
-            f"parameters ({shown}): pass the optimizer (or the list of optimizers) that trains the drafter"]
 
 
 __all__ = ["DrafterEvaluator", "LoopHost"]

@@ -20,17 +20,24 @@ HOME_SETTINGS = {
 }
 os.environ.update({name: str(HOME_SANDBOX / folder) for name, folder in HOME_SETTINGS.items()})
 
+# The suite's helpers (tests/support) and the training scripts some tests share pieces of (tests/scripts)
+# import as top-level modules from every tier (tests/unit, tests/contract, tests/faults).
+for folder in ("support", "scripts"):
+    sys.path.insert(0, str(Path(__file__).resolve().parent / folder))
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from fixtures_cache import *  # noqa: E402,F401,F403  (toy world fixtures)
+from toy_families import *  # noqa: E402,F401,F403  (test-only toy baselines of the other families)
+from suite_paths import FIXTURES  # noqa: E402
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 # Every model in the tests is tiny: one intra-op thread is much faster than two on 2 shared cores.
 torch.set_num_threads(1)
 
-ZLAB_TINY = Path(__file__).resolve().parent / "fixtures" / "zlab-tiny-full"
+ZLAB_TINY = FIXTURES / "zlab-tiny-full"
 
 
 @pytest.fixture(scope="session", autouse=True)

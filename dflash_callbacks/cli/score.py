@@ -97,7 +97,7 @@ def drafter_source(args: argparse.Namespace):
 
 
 def run_score(args: argparse.Namespace) -> int:
-    from ..scoring.basis import attention_difference
+    from ..scoring.basis import drafter_difference
     from ..scoring.report import comparison_table
     from ..scoring.service import ScoringService, ServiceSpec, preflight
 
@@ -125,7 +125,7 @@ def run_score(args: argparse.Namespace) -> int:
     baseline = service.baseline(progress=True)
     if baseline is not None and args.baseline_json:
         baseline.to_json(args.baseline_json)
-    if baseline is not None and (note := attention_difference(ours, baseline)):
+    if baseline is not None and (note := drafter_difference(ours, baseline)):
         print(f"warning: {note}", file=sys.stderr)
     print(comparison_table(ours, baseline, args.aggregate))
     print(f"ours: {ours.served()}" + ("" if baseline is None else f"\nthe baseline: {baseline.served()}"))
@@ -189,7 +189,7 @@ def load_baseline(path: Path):
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from ..scoring.basis import Basis, attention_difference
+    from ..scoring.basis import Basis, drafter_difference
     from ..scoring.report import comparison_table
 
     ours, baseline = load_ours(args.ours, args.step), load_baseline(args.baseline)
@@ -203,7 +203,7 @@ def run_compare(args: argparse.Namespace) -> int:
         problems.append(f"the methods differ ({'; '.join(sides)})")
     if problems and not args.force:
         raise UsageError("refusing to compare: " + "; ".join(problems) + " (use --force to compare anyway)")
-    note = attention_difference(ours, baseline)
+    note = drafter_difference(ours, baseline)
     for problem in problems + ([note] if note else []):
         print(f"warning: {problem}", file=sys.stderr)
     if only_ours or only_theirs:

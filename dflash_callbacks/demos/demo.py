@@ -34,7 +34,7 @@ from ..callbacks import TrailingBaselineStop
 from ..callbacks.schema import build_eval_callback, build_stop_callback
 from ..scoring.intervals import paired_comparison
 from ..scoring.methods import Monitor
-from ..scoring.report import EvalReport, comparison_table
+from ..scoring.report import EvalReport, comparison_table, family_title
 from .plot import plot_live_tau
 from .toy.threads import torch_threads
 from .settings import DemoConfig, TrainConfig, check_demo, demo_config  # noqa: F401  (the demo's settings)
@@ -119,19 +119,24 @@ class ReportLines:
 
 def report_line(report: EvalReport, baseline: EvalReport | None, stop: TrailingBaselineStop | None, verdict: str) -> str:
     """`step  250 | ddtree@8 1.45 = 62% of the baseline's 2.36 | vanilla 1.19  ddtree@4 1.31 | trailing 1/3`:
-    the monitored number first, then every other method's live tau."""
+    the monitored number first, then every other method's live tau. A baseline of another family than ours is
+    named with each side's (`DFlash 2 ddtree@8 1.45 = 62% of the DFlash baseline's 2.36`)."""
     monitor = Monitor.parse(stop.monitor) if stop is not None else None
     parts = [f"step {report.step:>4}"]
+    ours_family = theirs_family = ""
+    if baseline is not None and family_title(report) != family_title(baseline):
+        ours_family, theirs_family = f"{family_title(report)} ", f"{family_title(baseline)} "
     if monitor is not None:
         ours = report.value(monitor)
-        text = f"{monitor.method if monitor.aggregate == 'live' else monitor} {ours:.2f}"
+        text = f"{ours_family}{monitor.method if monitor.aggregate == 'live' else monitor} {ours:.2f}"
         if baseline is not None and str(monitor.method) in baseline.methods:
             if report.intervals is not None and baseline.intervals is not None:
                 ratio = paired_comparison(report, baseline)[str(monitor)]["mean"]
-                text += f" = {ratio.ratio.show(percent=True)} of the baseline's {baseline.value(monitor):.2f}, " \
-                        f"{ratio.verdict}"
+                text += f" = {ratio.ratio.show(percent=True)} of the {theirs_family}baseline's " \
+                        f"{baseline.value(monitor):.2f}, {ratio.verdict}"
             else:
-                text += f" = {ours / baseline.value(monitor):.0%} of the baseline's {baseline.value(monitor):.2f}"
+                text += f" = {ours / baseline.value(monitor):.0%} of the {theirs_family}baseline's " \
+                        f"{baseline.value(monitor):.2f}"
         parts.append(text)
     others = [m for m in report.methods if monitor is None or m != str(monitor.method)]
     parts.append("  ".join(f"{m} {report.value(f'{m}/live'):.2f}" for m in others))

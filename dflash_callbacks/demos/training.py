@@ -1,5 +1,6 @@
-"""The published DFlash training objective (`dflash_callbacks.objective`) as a LightningModule:
-what the demo trains. `CacheSequences` and `collate_sequences` are re-exported from there."""
+"""The drafters' training objective (`demos.objective`) as a LightningModule, for a drafter of any
+family (`build_drafter`: the config's family builds its drafter, the objective weighs its own draft
+slots): what the demo trains. `CacheSequences` and `collate_sequences` are re-exported from there."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import lightning.pytorch as pl
 import torch
 
 from ..model import DrafterConfig, TargetHead, build_drafter
-from .objective import CacheSequences, collate_sequences, default_gamma, depth_weights, sequence_loss
+from .objective import CacheSequences, collate_sequences, default_gamma, drafter_weights, sequence_loss
 
 __all__ = ["CacheSequences", "DFlashTrainingModule", "collate_sequences"]
 
@@ -36,7 +37,7 @@ class DFlashTrainingModule(pl.LightningModule):
         # eval-mode warning: neither has dropout)
         self.head = TargetHead.from_pretrained(target).requires_grad_(False).train()
         self.gamma = gamma or default_gamma(config.block_size)
-        self.register_buffer("weights", depth_weights(config.block_size, self.gamma), persistent=False)
+        self.register_buffer("weights", drafter_weights(self.drafter, self.gamma), persistent=False)  # its own slots
         self.generator = torch.Generator().manual_seed(seed)
 
     def sequence_loss(self, input_ids: torch.Tensor, hidden: torch.Tensor, prompt_len: int) -> torch.Tensor:

@@ -114,3 +114,21 @@ def drafter_config_of(module: nn.Module, given: DrafterConfig | str | os.PathLik
     raise ValueError(f"{owner}(drafter={drafter!r}) gives a {type(module).__name__} with no DrafterConfig at "
                      ".config: if it is the drafter, pass drafter_config=DrafterConfig or a config.json path; if not, "
                      f"point drafter= at the drafter (drafter-like submodules: {found})")
+
+
+def optimizer_problems(drafter: nn.Module, optimizers: list, owner: str) -> list[str]:
+    """Why `optimizers` can not be the drafter's (a plain loop's `attach`): not optimizers, or one of the
+    drafter's trainable parameters that none steps (its snapshot copy would never be waited for before an
+    update)."""
+    import torch
+
+    if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+        return [f"{owner}: the optimizer must be a torch.optim.Optimizer (or a list of them) that steps the drafter's "
+                "parameters"]
+    owned = {id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]}
+    missing = [name for name, p in drafter.named_parameters() if p.requires_grad and id(p) not in owned]
+    if not missing:
+        return []
+    shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+    return [f"{owner}: the optimizer does not step {len(missing)} of the drafter's trainable parameters ({shown}): "
+            "pass the optimizer (or the list of optimizers) that trains the drafter"]

@@ -22,7 +22,6 @@ it has been scored.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import queue
@@ -147,25 +146,9 @@ class ThreadScorer:
         return None  # its baseline failed in this process: trying again fails again
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """In the worker: exit when the training process is gone, even if it was SIGKILLed."""
-    try:  # Linux: the kernel signals us when the thread that started us exits
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-    def watch() -> None:  # everywhere: re-parented means the parent died
-        while os.getppid() == parent_pid:
-            time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="dflash-parent-watch", daemon=True).start()
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-
 WORKER_CODE = ("import json, signal, sys; sys.path[:] = json.loads(sys.argv[1]); "
                "[signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)]; "
+               "from dflash_callbacks.engine.orphans import die_with_parent; die_with_parent(int(sys.argv[3])); "
                "from dflash_callbacks.engine.runners import worker_main; worker_main()")
 """What the worker runs: a fresh Python that imports only this package. (A multiprocessing
 spawn would import the training script again, and run all of it where it lacks an
@@ -181,9 +164,8 @@ def worker_main() -> None:
     stdin line ("baseline" or a snapshot folder, JSON), one `[report dict | null, error |
     null]` line per job on ANSWER_FD, a pipe nothing else writes to (what prints, at start-up
     too, goes to the stdout and stderr the training process has)."""
-    spec, parent_pid = json.loads(sys.argv[2]), int(sys.argv[3])
+    spec = json.loads(sys.argv[2])  # argv[3], the training process's pid: die_with_parent has it
     answers = os.fdopen(int(sys.argv[4]), "w")
-    _die_with_parent(parent_pid)
     import torch
 
     # the cores the training process does not use (its intra-op threads): never a contest for the same ones

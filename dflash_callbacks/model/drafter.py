@@ -173,7 +173,7 @@ class DFlashDrafter(nn.Module):
 
     It is the backbone of every family (`model.families`); a family's drafter subclasses it and
     overrides the family contract below (`draft_rows`, `slot_features`, `head_weight`, `slot_stats`,
-    `ddtree_streaks`), which the scorer calls."""
+    `ddtree_streaks`, `ddtree_refusal`, `confidence_refusal`), which the scorer calls."""
 
     family = "dflash"  # the family this class implements (model.families)
     decoder_layer: type[nn.Module] = DFlashDecoderLayer  # the class of each layer
@@ -412,6 +412,10 @@ class DFlashDrafter(nn.Module):
 
     ddtree_refusal: str | None = None
     """Why DDTree can not be scored for this family (None: `ddtree_streaks` scores it exactly)."""
+
+    confidence_refusal: str | None = "it has no confidence head"
+    """Why this drafter's block can not be cut by a confidence threshold (`ScoringConfig.confidence_threshold`;
+    None: `confidence_logits(hidden, previous)` gives the logit of each draft slot's confidence, DSpark's head)."""
 
     def ddtree_streaks(self, stats: HeadStats, valid: torch.Tensor, budgets: list[int]) -> dict[int, torch.Tensor]:
         """DDTree streak per anchor for each node budget ({N: int64 [n]}) from `slot_stats`' statistics

@@ -4,12 +4,15 @@ a report stands where a run stands.
 A run's reports, its baseline and every report taken for it (from a watcher, from a
 killed run's folder, from a saved JSON) share one basis: the cache (its fingerprint),
 the target's head (its fingerprint, when both name one), the block size, the tasks, the
-scoring fields that change numbers (window, max_rounds, dtype, and the attention rule the
-drafters were scored under), the settings a sampled cache's answers were drawn at with the draft
-rule and the acceptance coins' seed (`sampling`; None for a greedy cache, where neither changes a
-number), and the library's definitions (`SCORER_VERSION`); and each carries
-every method the run scores. A report on another basis is an error for that report,
-never a number; a resume on another basis starts a new run folder.
+scoring fields that change numbers (window, max_rounds, dtype, the attention rule the
+drafters were scored under, and the confidence threshold a block was cut by), the settings a sampled
+cache's answers were drawn at with the draft rule and the acceptance coins' seed (`sampling`; None for
+a greedy cache, where neither changes a number), and the library's definitions (`SCORER_VERSION`); and
+each carries every method the run scores. A report on another basis is an error for that report, never
+a number; a resume on another basis starts a new run folder.
+
+The drafters themselves may differ (a DFlash baseline against a DFlash 2 drafter in training: each is
+scored as its family drafts, on the same anchors); `drafter_difference` says how, in one note.
 """
 
 from __future__ import annotations
@@ -17,11 +20,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from .config import ScoringConfig
-from .report import SCORER_VERSION, EvalReport
+from .report import SCORER_VERSION, EvalReport, family_title
 
 LABELS = {"cache": "cache", "target": "target head", "block_size": "block size", "tasks": "tasks",
           "window": "window", "max_rounds": "max_rounds", "dtype": "dtype", "attention": "attention rule",
-          "sampling": "served sampling", "scorer": "scorer version"}
+          "confidence_threshold": "confidence threshold", "sampling": "served sampling", "scorer": "scorer version"}
 
 
 def served_sampling(sampling: dict | None, draft_rule: str = "greedy", coin_seed: int = 0) -> str | None:
@@ -45,6 +48,7 @@ class Basis:
     methods: tuple[str, ...]
     scorer: int | None = SCORER_VERSION  # the library's definitions (None: a report from before it was recorded)
     attention: str | None = "auto"  # ScoringConfig.attention (None: a report from before it was recorded)
+    confidence_threshold: float | None = None  # ScoringConfig.confidence_threshold (None: the full block)
     sampling: str | None = None  # `served_sampling` (None: a greedy cache)
 
     @classmethod
@@ -53,6 +57,7 @@ class Basis:
         sampling = None if cache.sampling is None else cache.sampling.to_dict()
         return cls(cache.fingerprint, target, block_size, tuple(sorted(config.tasks or cache.task_names)),
                    config.window, config.max_rounds, config.dtype, tuple(config.methods), attention=config.attention,
+                   confidence_threshold=config.confidence_threshold,
                    sampling=served_sampling(sampling, config.draft_rule, config.coin_seed))
 
     @classmethod
@@ -60,7 +65,7 @@ class Basis:
         s = report.scoring
         return cls(report.cache.get("fingerprint"), report.cache.get("target"), report.block_size,
                    tuple(sorted(report.tasks)), s.get("window"), s.get("max_rounds"), s.get("dtype"),
-                   tuple(report.methods), report.scorer_version, s.get("attention"),
+                   tuple(report.methods), report.scorer_version, s.get("attention"), s.get("confidence_threshold"),
                    served_sampling(report.sampling, s.get("draft_rule", "greedy"), s.get("coin_seed", 0)))
 
     def to_dict(self) -> dict:
@@ -92,16 +97,31 @@ class Basis:
         return [f"{what} was scored with {d}" for d in self.differences(Basis.of_report(report))]
 
 
-def attention_difference(ours: EvalReport, theirs: EvalReport) -> str | None:
-    """A line saying how the two drafters' layers attended inside the block, when their kinds of
-    layer differ (two architectures, or reports of before it was recorded); None when they agree
-    (the same patterns, whatever the number of layers)."""
+def drafter_difference(ours: EvalReport, theirs: EvalReport, other: str = "the baseline") -> str | None:
+    """One note of how the two reports' drafters differ, None when they do not: their families (or, of one
+    family, the settings that differ: `EvalReport.family`), and how their layers attend inside the block when
+    their kinds of layer differ (two architectures, or reports of before it was recorded; not the number of
+    layers). Each is scored as it is served, on the same anchors, so the numbers compare; the note says what
+    is compared. `other` names the second report ("the baseline")."""
+    clauses = []
+    title, their_title = family_title(ours), family_title(theirs)
+    settings, their_settings = (ours.family or {}).get("settings"), (theirs.family or {}).get("settings")
+    if title != their_title:
+        clauses.append(f"are of two families (ours: {title}; {other}: {their_title})")
+    elif settings is not None and their_settings is not None and settings != their_settings:
+        differ = sorted(k for k in {*settings, *their_settings} if settings.get(k) != their_settings.get(k))
+        show = lambda values: ", ".join(f"{k} {values.get(k)}" for k in differ)  # noqa: E731
+        clauses.append(f"are {title} drafters of other settings (ours: {show(settings)}; {other}: "
+                       f"{show(their_settings)})")
     kinds = lambda a: None if a is None else sorted(set(a))  # noqa: E731
-    if kinds(ours.attention) == kinds(theirs.attention):
+    if kinds(ours.attention) != kinds(theirs.attention):
+        show = lambda a: "unrecorded" if a is None else "; ".join(kinds(a))  # noqa: E731
+        clauses.append(f"attend differently inside the block (ours: {show(ours.attention)}; {other}: "
+                       f"{show(theirs.attention)})")
+    if not clauses:
         return None
-    show = lambda a: "unrecorded" if a is None else "; ".join(kinds(a))  # noqa: E731
-    return (f"the drafters attend differently inside the block (ours: {show(ours.attention)}; the baseline: "
-            f"{show(theirs.attention)}): each is scored as it is served, but they are not one architecture")
+    return (f"the drafters {' and '.join(clauses)}: each is scored as it is served, but they are not one "
+            "architecture")
 
 
 def _show(name: str, value) -> str:

@@ -31,6 +31,16 @@ def _bad(message: str):
     raise ValueError(message)
 
 
+def check_probability(name: str, value: object) -> None:
+    """None, or a number strictly between 0 and 1."""
+    try:
+        number = check_number(name, value, optional=True)
+    except ValueError:
+        number = -1.0
+    if number is not None and not 0 < number < 1:
+        raise ValueError(f"{name} must be None or a number between 0 and 1 (exclusive); got {value!r}")
+
+
 def check_device_name(device: object) -> None:
     """The form of `device`; whether it exists here is checked before scoring starts."""
     if not isinstance(device, str) or not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", device):
@@ -85,6 +95,10 @@ class ScoringConfig:
                                   "samples softmax(logits / T))")
     coin_seed: int = _field(0, numbers=True, help="the seed of the acceptance coins the live schedule draws where the "
                                                   "draft is sampled at T > 0 (the report records it)")
+    confidence_threshold: float | None = _field(None, numbers=True,
+                                                help="a drafter with a confidence head (DSpark): score the draft cut "
+                                                     "before the first slot whose confidence is below this (0 to 1, "
+                                                     "as DeepSpec's evaluation); None: the full block")
 
     def __post_init__(self) -> None:
         """Every bad field at once, one line each (the CLIs print one `error:` line per line)."""
@@ -122,6 +136,7 @@ class ScoringConfig:
             lambda: check_int("served_top_k", self.served_top_k, 0, optional=True),
             lambda: check_choice("draft_rule", self.draft_rule, DRAFT_RULES),
             lambda: check_int("coin_seed", self.coin_seed, 0),
+            lambda: check_probability("confidence_threshold", self.confidence_threshold),
         )
         if problems:
             raise ValueError("\n".join(problems))
@@ -131,6 +146,8 @@ class ScoringConfig:
         put("block_sizes", [int(b) for b in self.block_sizes])
         put("attentions", list(self.attentions))
         put("tasks", None if self.tasks is None else list(self.tasks))
+        if self.confidence_threshold is not None:
+            put("confidence_threshold", float(self.confidence_threshold))
 
     @property
     def methods(self) -> list[str]:

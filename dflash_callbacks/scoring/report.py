@@ -9,7 +9,8 @@ The per-anchor streaks a report keeps for its intervals (`streaks`, see
 `aggregates.encode_streaks`) are checked against the numbers made from them: one per anchor,
 each 0 to max_tau - 1, each aggregate following from them (`aggregates.Aggregate.check`: their mean tau
 the `dense` value, the live schedule over them the `live_rounds`); and each interval lies within 1 to
-max_tau, low end first.
+max_tau, low end first. A confidence-cut report's `confidence_reach` (a share per depth 1 to max_tau - 1)
+never rises with depth and is at each depth at least the `curve`'s share (a streak never passes its cut).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from .aggregates import AGGREGATES, task_streaks
 from .intervals import MIN_TASKS, Estimate, paired_comparison
 from .methods import Method, Monitor
 
-TASK_FIELDS = ("dense", "live", "curve", "live_rounds", "anchors", "streaks", "expected")
+TASK_FIELDS = ("dense", "live", "curve", "live_rounds", "anchors", "streaks", "expected", "confidence_reach")
 
 
 SCORER_VERSION = 5
@@ -48,7 +49,8 @@ another basis, and a cached baseline report of another version is scored again."
 
 @dataclass
 class EvalReport:
-    """Per task and method: {"dense", "live", "curve", "live_rounds", "anchors", "streaks"}; tau units.
+    """Per task and method: {"dense", "live", "curve", "live_rounds", "anchors", "streaks"}, and
+    "confidence_reach" when scored with `scoring.confidence_threshold`; tau units.
 
     JSON shape: {"step", "snapshot_id", "drafter", "cache": {"path", "fingerprint", "target"},
     "block_size", "tasks": {TASK: {METHOD: {...}}}, "mean": {METHOD: {"dense", "live"}}, ...}.
@@ -60,9 +62,10 @@ class EvalReport:
     SCORER_VERSION that computed the numbers (None in reports written before it was
     recorded); `attention` each drafter layer's attention pattern inside the block, as
     scored (`model.attention`; None in reports written before it was recorded); `family` the drafter's
-    family and how many tokens its block proposes at each block size scored ({"name", "proposals":
-    {B: P}}: P = B - 1 for DFlash, B for DSpark's anchor-first blocks; None in reports written before
-    it was recorded: DFlash's), which bounds each method's tau to 1 .. P + 1 (`max_tau`); `intervals` the
+    family, how many tokens its block proposes at each block size scored and the family's settings
+    ({"name", "proposals": {B: P}, "settings": {...} or null}: P = B - 1 for DFlash, B for DSpark's
+    anchor-first blocks; None in reports written before it was recorded: DFlash's; no "settings" in reports
+    written before they were), which bounds each method's tau to 1 .. P + 1 (`max_tau`); `intervals` the
     95% interval of every mean (`intervals.report_intervals`: {"confidence", "resamples", "seed",
     "mean": {METHOD: {AGG: [lo, hi]}}, "tasks": {TASK: {METHOD: {AGG: [lo, hi]}}}}; None in reports
     written before scorer version 4); `attention_patterns` each layer's pattern as its trainer trained it and
@@ -318,12 +321,15 @@ def _check_sampling(sampling: Any) -> None:
 
 
 def _check_family(family: Any) -> None:
-    """{"name": a family, "proposals": {block size: tokens proposed}} or null (a DFlash report of before)."""
+    """{"name": a family, "proposals": {block size: tokens proposed}, "settings": an object or null (absent in
+    reports of before)} or null (a DFlash report of before)."""
     if family is None:
         return
     proposals = family.get("proposals") if isinstance(family, dict) else None
     if not isinstance(family, dict) or not isinstance(family.get("name"), str) or not isinstance(proposals, dict):
         raise _bad(f"'family' is {family!r}, not an object of 'name' and 'proposals' (block size -> tokens proposed)")
+    if not isinstance(family.get("settings", {}), (dict, type(None))):
+        raise _bad(f"'family.settings' is {family['settings']!r}, not an object of the family's settings or null")
     for block, count in proposals.items():
         if not block.isdigit() or not is_int(count) or not 1 <= count <= int(block):
             raise _bad(f"'family.proposals' says a block of {block} proposes {count!r} tokens (1 to the block size)")
@@ -359,6 +365,8 @@ def _check_numbers(numbers: dict, where: str, max_tau: int, max_rounds: Any = No
     for i, tau in enumerate(rounds):
         _check_number(tau, f"{where}'live_rounds'[{i}]", 1, max_tau, integer=True)
     _check_number(numbers.get("anchors"), f"{where}'anchors'", 1, integer=True, optional=True)
+    if "confidence_reach" in numbers:
+        _check_reach(numbers["confidence_reach"], curve, where, max_tau)
     if "streaks" not in numbers:
         if "expected" in numbers:
             raise _bad(f"{where}'expected' without the 'streaks' of the coins drawn")
@@ -373,6 +381,21 @@ def _check_numbers(numbers: dict, where: str, max_tau: int, max_rounds: Any = No
         problem = aggregate.check(numbers, streaks, max_rounds if is_int(max_rounds) else None)
         if problem is not None:
             raise _bad(f"{where}{problem}")
+
+
+def _check_reach(reach: Any, curve: list, where: str, max_tau: int) -> None:
+    """`confidence_reach`: a share (0 to 1) per depth 1 to max_tau - 1, never rising with depth, and at each depth
+    at least the acceptance curve's (a streak never passes its anchor's cut)."""
+    if not isinstance(reach, list) or len(reach) != max_tau - 1:
+        raise _bad(f"{where}'confidence_reach' must be a list of {max_tau - 1} shares (depths 1 to {max_tau - 1})")
+    for depth, share in enumerate(reach, 1):
+        _check_number(share, f"{where}'confidence_reach' at depth {depth}", 0, 1)
+        if depth > 1 and share > reach[depth - 2]:
+            raise _bad(f"{where}'confidence_reach' rises from {reach[depth - 2]!r} to {share!r} at depth {depth}: "
+                       "a cut that reaches a depth reaches every depth before it")
+        if depth <= len(curve) and curve[depth - 1] > share:
+            raise _bad(f"{where}'curve' at depth {depth} is {curve[depth - 1]!r}, above 'confidence_reach' there "
+                       f"({share!r}): a streak never passes its anchor's confidence cut")
 
 
 def _check_intervals(intervals: Any, tasks: dict, max_taus: dict[str, int]) -> None:
@@ -442,6 +465,14 @@ def read_results(path: str | Path) -> Results:
     return results
 
 
+def family_title(report: EvalReport) -> str:
+    """How people write the family of the report's drafter ("DFlash 2"); DFlash for a report of before families."""
+    from ..model.families import FAMILIES  # the registry alone: no torch
+
+    name = (report.family or {}).get("name", "dflash")
+    return FAMILIES[name].title if name in FAMILIES else name
+
+
 def ratio(a: float, b: float) -> float:
     return a / b if b else math.nan
 
@@ -501,6 +532,8 @@ def comparison_table(ours: EvalReport, baseline: EvalReport | None = None, aggre
         lines.append("| " + " | ".join([name] + [cell(c, row[0], x) for c, x in zip(columns[1:], row[1:])]) + " |")
     title = f"{aggregate} tau (tokens per target forward, 1 to {max(map(ours.max_tau, ours.methods))}; higher is better)"
     title += f", block size {ours.block_size}" + (f", step {ours.step}" if ours.step is not None else "")
+    if baseline is not None and family_title(ours) != family_title(baseline):
+        title += f"; ours a {family_title(ours)} drafter, {other} a {family_title(baseline)} one"
     if kept and len(ours.tasks) < MIN_TASKS:
         title += (f"; [95% within-task interval]: {len(ours.tasks)} task{'s' if len(ours.tasks) > 1 else ''}, too few "
                   f"for a run-level one (at least {MIN_TASKS}), so the mean's is the text's noise alone")

@@ -25,10 +25,16 @@ labels are tok[a+1 .. a+B-1], invalid past the end of the sequence.
   enough rows to fill it (one task: ~7,700 rows; one chunk of 64 anchors: 960).
   Streaks follow from those alone: vanilla from the label's order, top@k from its
   rank, DDTree from the closed form (`kernels.ddtree.ddtree_streaks_from_top`).
+- With `confidence_threshold` (a drafter with a confidence head: DSpark), each anchor's
+  proposal is cut before the first slot whose confidence is below it, teacher-forced
+  (`families.dspark.confidence_cut`), and every method's streak is min(streak, cut): what a
+  served, cut block gets accepted. The task's `confidence_reach` gives, per depth, the share of
+  anchors whose cut reaches it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -41,6 +47,7 @@ from tqdm.auto import tqdm
 from ..kernels.ddtree import ddtree_streaks_from_stats
 from ..model import DFlashDrafter, TargetHead
 from ..model.attention import describe, resolve_attention
+from ..model.families.dspark import confidence_cut
 from ..model.geometry import anchor_range, block_inputs
 from .aggregates import AGGREGATES, Streaks, acceptance_curve, encode_expected, encode_streaks, live_rounds, \
     quantize_expected
@@ -150,6 +157,7 @@ class TaskStreaks:
     accept: dict[str, torch.Tensor] = field(default_factory=dict)
     """method -> float64 [n_anchors, P] (cpu): each slot's chance of acceptance where the draft is sampled
     (`served.ServedDraft.acceptance`); such a method's `streaks` entry is replaced by a draw of its coins."""
+    cuts: dict[str, torch.Tensor] | None = None  # method -> the confidence cut per anchor (with a threshold)
 
 
 @torch.no_grad()  # grad mode and autocast are the calling thread's: set here, restored on return
@@ -187,21 +195,25 @@ def score_task(
     vocab_ids = drafter.vocab_ids
     proposals = len(drafter.draft_rows(block_size))
     weight = drafter.head_weight(head.lm_head.weight)
+    threshold = config.confidence_threshold
     parts: dict[str, list[torch.Tensor]] = {}
     accepts: list[torch.Tensor] = []
-    pending: list[tuple[torch.Tensor, ...]] = []  # (slot features, labels, predecessors, valid, log p) per chunk
+    cuts: list[torch.Tensor] = []
+    pending: list[tuple[torch.Tensor, ...]] = []  # (slot features, labels, predecessors, valid, cut, log p) per chunk
     tempered = {} if served is None or served.head_temperature is None else {"temperature": served.head_temperature}
     logprob = task.target_logprob.to(device) if sampled else None
 
     def flush() -> None:
-        features, labels, previous, valid, logp = (torch.cat(t) for t in zip(*pending))  # [n, P, ...] of every chunk
+        features, labels, previous, valid, cut, logp = (torch.cat(t) for t in zip(*pending))  # [n, P, ...] of all
         pending.clear()
         stats = drafter.slot_stats(features, weight, labels, previous, top_n, config.backend, config.vocab_chunk,
                                    **tempered)
         for method, values in streaks_from_stats(stats, valid, config, drafter.ddtree_streaks).items():
-            parts.setdefault(method, []).append(values.cpu())
-        if sampled:
-            accepts.append(served.acceptance(stats, logp, valid).cpu())
+            parts.setdefault(method, []).append((values if threshold is None else torch.minimum(values, cut)).cpu())
+        cuts.append(cut.cpu())
+        if sampled:  # a slot past the confidence cut is never proposed: its chance is 0
+            inside = valid & (torch.arange(proposals, device=valid.device) < cut[:, None])
+            accepts.append(served.acceptance(stats, logp, inside).cpu())
 
     chunks = range(0, len(anchors), plan.anchors_per_forward)
     for start in tqdm(chunks, desc=task.name, disable=not progress, leave=False, unit="chunk"):
@@ -214,15 +226,19 @@ def score_task(
         hidden = drafter.decode_blocks([(k[:, :, :C], v[:, :, :C]) for k, v in context],
                                        head.embed_tokens(tokens).to(dtype), chunk, attention)
         features = drafter.slot_features(hidden, previous, head.embed_tokens)
+        cut = torch.full_like(chunk, proposals) if threshold is None else \
+            confidence_cut(drafter.confidence_logits(hidden, previous), threshold)
         if pending and sum(p[0].shape[0] * proposals for p in pending) + features.shape[0] * proposals > plan.head_rows:
             flush()
         # each label's served log p (the token at a + 1 + j); unread without a sampled draft
         logp = logprob[(chunk[:, None] + torch.arange(1, proposals + 1, device=device)).clamp(max=task.num_tokens - 1)] \
             if sampled else valid
-        pending.append((features, labels, previous, valid, logp))
+        pending.append((features, labels, previous, valid, cut, logp))
     flush()
     accept = {"vanilla": torch.cat(accepts)} if sampled else {}
-    return TaskStreaks(task.name, anchors[0], {m: torch.cat(v) for m, v in parts.items()}, accept)
+    cut = None if threshold is None else torch.cat(cuts)
+    return TaskStreaks(task.name, anchors[0], {m: torch.cat(v) for m, v in parts.items()}, accept,
+                       None if cut is None else dict.fromkeys(parts, cut))
 
 
 def draft_labels(labels: torch.Tensor, valid: torch.Tensor, vocab_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,11 +251,12 @@ def draft_labels(labels: torch.Tensor, valid: torch.Tensor, vocab_ids: torch.Ten
 
 def summarize(task: TaskStreaks, config: ScoringConfig, max_taus: dict[str, int]) -> dict[str, dict]:
     """The report entry of one task: per method each aggregate (`aggregates.AGGREGATES`), the acceptance
-    curve, the live rounds, and the per-anchor streaks they come from (for the intervals); `max_taus`: each
-    method's largest tau. A method with chances of acceptance (`TaskStreaks.accept`, a sampled draft) keeps its
-    expected streaks (`expected`, as the report stores them: every number is made from those) and, as
-    `streaks`, one draw of the coins (`served.coins`, seeded with scoring.coin_seed); its curve is the mean
-    chance of reaching each depth."""
+    curve, the live rounds, and the per-anchor streaks they come from (for the intervals); with a confidence
+    threshold, the share of anchors whose confidence cut reaches each depth (`confidence_reach`, as
+    `families.dspark.cut_reach`); `max_taus`: each method's largest tau. A method with chances of acceptance
+    (`TaskStreaks.accept`, a sampled draft) keeps its expected streaks (`expected`, as the report stores them:
+    every number is made from those) and, as `streaks`, one draw of the coins (`served.coins`, seeded with
+    scoring.coin_seed); its curve is the mean chance of reaching each depth."""
     out = {}
     for method, values in task.streaks.items():
         top = max_taus[method]
@@ -254,29 +271,41 @@ def summarize(task: TaskStreaks, config: ScoringConfig, max_taus: dict[str, int]
                        for name, aggregate in AGGREGATES.items()}
         out[method].update(curve=curve, live_rounds=live_rounds(streaks.drawn, task.first_anchor, config.max_rounds),
                            anchors=int(streaks.drawn.size), streaks=encode_streaks(streaks.drawn, top), **kept)
+        if task.cuts is not None:
+            out[method]["confidence_reach"] = acceptance_curve(task.cuts[method].numpy(), top - 1)
     return out
 
 
 def family_of(drafter: DFlashDrafter, blocks: list[int]) -> dict:
-    """What a report records of the drafter's family: its name and the tokens its block proposes at each
-    block size scored (`EvalReport.family`)."""
-    return {"name": drafter.family, "proposals": {str(b): len(drafter.draft_rows(b)) for b in blocks}}
+    """What a report records of the drafter's family: its name, the tokens its block proposes at each block
+    size scored, and its settings (`EvalReport.family`)."""
+    settings = drafter.config.family_config
+    return {"name": drafter.family, "proposals": {str(b): len(drafter.draft_rows(b)) for b in blocks},
+            "settings": None if settings is None else dataclasses.asdict(settings)}
 
 
 def block_problems(drafter_config, config: ScoringConfig, trained: int | None = None) -> list[str]:
     """What stops `config` from scoring a drafter of `drafter_config` (trained at block `trained`, default its
-    own): a block size above the trained one (its slots past the trained block never learnt to draft), and
-    DDTree for a family whose slots read the token before them (`Drafter.ddtree_refusal`)."""
-    from ..model import drafter_class
+    own): a block size above the trained one (its slots past the trained block never learnt to draft), DDTree
+    for a family whose slots read the token before them (`Drafter.ddtree_refusal`), and a confidence threshold
+    for a drafter without a confidence head (`Drafter.confidence_refusal`)."""
+    from ..model import build_drafter
+    from ..model.families import family_named
 
     trained = trained or drafter_config.block_size
     problems = [f"block size {b} is above the drafter's trained block size {trained}: the slots past it never "
                 f"learnt to draft; score at most block size {trained} (scoring.block_size / block_sizes)"
                 for b in [config.block_size, *config.block_sizes] if b is not None and b > trained]
-    refusal = drafter_class(drafter_config).ddtree_refusal
-    if config.ddtree_budgets and refusal is not None:
-        problems.append(f"ddtree@N can not be scored for a {drafter_config.family} drafter: {refusal}; score it without "
-                        "DDTree (scoring.ddtree_budgets=[]) and monitor vanilla or top@k")
+    with torch.device("meta"):  # the refusals may depend on the family's settings: nothing is allocated
+        drafter = build_drafter(drafter_config)
+    title = family_named(drafter_config.family).title
+    if config.ddtree_budgets and drafter.ddtree_refusal is not None:
+        problems.append(f"ddtree@N can not be scored for a {title} drafter: {drafter.ddtree_refusal}; score it "
+                        "without DDTree (scoring.ddtree_budgets=[]) and monitor vanilla or top@k (e.g. the stop's "
+                        "monitor='vanilla/live')")
+    if config.confidence_threshold is not None and drafter.confidence_refusal is not None:
+        problems.append(f"scoring.confidence_threshold={config.confidence_threshold:g} can not cut a {title} "
+                        f"drafter's block: {drafter.confidence_refusal}; leave it None (the full block)")
     return problems
 
 
@@ -366,7 +395,7 @@ def score_drafter(
     for task_name in tqdm(names, desc=f"scoring {name or 'drafter'}", disable=not progress, unit="task"):
         if cancel is not None and cancel.is_set():
             raise Cancelled(f"scoring was cancelled before task {task_name!r}")
-        task, streaks, accept = cache.task(task_name), {}, {}
+        task, streaks, accept, cuts = cache.task(task_name), {}, {}, {}
         for rule in rules:
             for block in blocks:
                 try:
@@ -376,7 +405,9 @@ def score_drafter(
                 named = lambda m: str(Method.parse(m).at(None if block == block_size else block).under(rule))  # noqa: E731
                 streaks.update({named(m): v for m, v in found.streaks.items()})
                 accept.update({named(m): v for m, v in found.accept.items()})
-        tasks[task_name] = summarize(TaskStreaks(task_name, found.first_anchor, streaks, accept), config, max_taus)
+                cuts.update({named(m): v for m, v in (found.cuts or {}).items()})
+        tasks[task_name] = summarize(TaskStreaks(task_name, found.first_anchor, streaks, accept, cuts or None),
+                                     config, max_taus)
     report = EvalReport(
         drafter=name or "drafter",
         cache=_report_cache(cache, head),

@@ -1,12 +1,12 @@
 """A transformers Trainer run of the synthetic world's drafter with DrafterEvalTrainerCallback, run as a
-user runs a training script; the HF fault tests (tests/test_hf.py) start it as a subprocess and SIGKILL it:
+user runs a training script; the HF fault tests (tests/contract/test_transformers_trainer.py) start it as a subprocess and SIGKILL it:
 
     python tests/scripts/train_hf.py --world W --root R --max-steps 100000 --every 2 --save-steps 3 \
         [--step-sleep 0.02] [--no-baseline] [--stop-min-ratio 10 --stop-patience 2] [--record]
 
-`--world` is a folder made by `tests/synthetic.py:build_world` (tests/scripts/train_run.py `shared_world`).
+`--world` is a folder made by `tests/support/synthetic.py:build_world` (tests/scripts/train_run.py `shared_world`).
 The Trainer writes its checkpoints to R/checkpoint-N/, the callback its run folder under R/dflash/. Under
-torchrun the Trainer runs DDP over gloo (tests/test_hf.py `test_two_ranks_*`); every rank writes
+torchrun the Trainer runs DDP over gloo (tests/contract/test_transformers_trainer.py `test_two_ranks_*`); every rank writes
 R/rank{N}.json with `--record`: the step it ended at, the stop, and what its callback held.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 TESTS = Path(__file__).resolve().parents[1]
-for folder in (TESTS, TESTS / "scripts"):
+for folder in (TESTS / "support", TESTS / "scripts"):  # the suite's helpers, as conftest.py puts them
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
@@ -35,6 +35,8 @@ from train_run import world_paths  # noqa: E402
 
 
 class StepSleep(TrainerCallback):
+    """The behaviour asked for by --step-sleep: a training step that takes that long."""
+
     def __init__(self, seconds: float):
         self.seconds = seconds
 

@@ -21,8 +21,9 @@ import time
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
-if str(TESTS) not in sys.path:
-    sys.path.insert(0, str(TESTS))
+for folder in (TESTS / "support", TESTS / "scripts"):  # the suite's helpers, as conftest.py puts them
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 
 import torch  # noqa: E402
 
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            if args.step_sleep:
+            if args.step_sleep:  # the behaviour asked for: a training step that takes this long
                 time.sleep(args.step_sleep)
             stopped = evaluator.step(step)
             if rank != 0:

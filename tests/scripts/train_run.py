@@ -7,7 +7,7 @@ runs a training script:
         [--devices 2 --strategy ddp|fsdp2] [--eval-cache C ...] [--stop-min-ratio 10] \
         [--ckpt-every 3] [--resume CKPT] [--record] [--corrupt-at-start FILE]
 
-- `--world` is a folder made by `tests/synthetic.py:build_world` (built here if missing).
+- `--world` is a folder made by `tests/support/synthetic.py:build_world` (built here if missing).
 - With `--strategy ddp` Lightning re-launches this script for rank 1 (gloo on CPU);
   `fsdp2` uses Lightning's ModelParallelStrategy, whose `configure_model` applies
   `fully_shard` to the drafter.
@@ -20,7 +20,7 @@ runs a training script:
 
 It also exports the pieces the in-process tests share with it (same module, data and
 hyperparameters): `shared_world`, `world_paths`, `make_module`, `make_loader`, `write_cache`,
-and `eval_cb` / `fit` for runs inside the test process.
+and `eval_cb` / `fit` / `ScoredAt` for runs inside the test process.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ import time
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
-if str(TESTS) not in sys.path:
-    sys.path.insert(0, str(TESTS))
+for folder in (TESTS / "support", TESTS / "scripts"):  # the suite's helpers, as conftest.py puts them
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
@@ -122,6 +123,20 @@ def fit(world: Path, tmp_path: Path, callbacks: list, max_steps: int, logger=Fal
     return trainer
 
 
+class ScoredAt(pl.Callback):
+    """After `cb` in trainer.callbacks: at `step`, training waits until the snapshot taken there is scored, so
+    that its report is published at the next step, while training goes on, whatever the machine's load."""
+
+    def __init__(self, cb: DrafterEvalCallback, step: int):
+        self.cb, self.step = cb, step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            from runs import wait_until
+
+            wait_until(lambda: not self.cb.engine.runner._outbox.empty(), what=f"the report of step {self.step}")
+
+
 # ---------------------------------------------------------------- callbacks of the script
 
 
@@ -159,6 +174,8 @@ class CorruptAtStart(pl.Callback):
 
 
 class StepSleep(pl.Callback):
+    """The behaviour asked for by --step-sleep: a training step that takes that long."""
+
     def __init__(self, seconds: float):
         self.seconds = seconds
 

@@ -165,6 +165,10 @@ class Drafter(DFlashDrafter):
         return super().ddtree_streaks(stats, valid, budgets)
 
     # ------------------------------------------------------------------ the confidence head
+    @property
+    def confidence_refusal(self) -> str | None:
+        return None if self.confidence_head is not None else "it has no confidence head (enable_confidence_head is false)"
+
     def confidence_logits(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
         """[n, P] fp32: the confidence head's logit at each draft slot (pre-sigmoid), the token
         before each slot given by `previous` [n, P] (teacher-forced: the anchor then the true tokens;
