@@ -15,14 +15,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_callbacks import load_drafter
+from dflash_callbacks.callbacks.stopping import TrailingBaselineStop
 from dflash_callbacks.cache.format import HiddenStateCache, TargetInfo, new_manifest, open_for_writing, write_task
 from dflash_callbacks.cache.sampling import Sampling
 from dflash_callbacks.cli import main as cli_main
+from dflash_callbacks.engine.stop import Moment
 from dflash_callbacks.model import TargetHead
 from dflash_callbacks.model.attention import resolve_attention
 from dflash_callbacks.scoring.aggregates import decode_expected, decode_streaks
 from dflash_callbacks.scoring.basis import Basis
 from dflash_callbacks.scoring.config import ScoringConfig
+from dflash_callbacks.scoring.intervals import paired_comparison, report_intervals, taus
 from dflash_callbacks.scoring.report import EvalReport
 from dflash_callbacks.scoring.scorer import score_drafter, score_task
 from dflash_callbacks.scoring.served import ServedDraft, coins, expected_streaks
@@ -242,3 +245,33 @@ def test_settings_the_cache_was_not_sampled_at_are_refused(tmp_path):
     dspark = load_drafter(FIXTURES / "families" / "dspark" / "checkpoint")
     with pytest.raises(ValueError, match="draft_rule 'probabilistic' can not be scored for a dspark drafter"):
         score_drafter(dspark, cache, head, ScoringConfig(ddtree_budgets=[], device="cpu", draft_rule="probabilistic"))
+
+
+def test_expected_streaks_carry_through_the_intervals_the_comparison_and_the_stop(tmp_path):
+    """A sampled draft's dense numbers come from its expected streaks everywhere a report is read: the anchors'
+    taus the intervals resample, the dense interval, the paired comparison and the stop's monitor. Two coin seeds
+    draw other streaks (live differs) but hold the same expectation: dense, its interval and its paired delta
+    (exactly 0) are the same, so no number of the dense kind depends on the draw."""
+    inputs, expected = load_inputs()
+    head, cache = sampled_cache(tmp_path, inputs, walked_tasks(inputs, expected))
+    drafter = load_drafter(FIXTURES / "families" / "dflash2-full" / "checkpoint")
+    config = ScoringConfig(ddtree_budgets=[], device="cpu", coin_seed=3)
+    ours = score_drafter(drafter, cache, head, config)
+    other = score_drafter(drafter, cache, head, dataclasses.replace(config, coin_seed=11))
+    drawn_means = []
+    for name, entry in ours.tasks.items():
+        kept = decode_expected(entry["vanilla"]["expected"], 5)
+        np.testing.assert_array_equal(taus(ours, name, "vanilla"), kept + 1)
+        drawn_means.append(decode_streaks(entry["vanilla"]["streaks"], 5).mean() + 1)
+    assert ours.mean["vanilla"]["dense"] == pytest.approx(np.mean([e["vanilla"]["dense"] for e in ours.tasks.values()]))
+    assert ours.mean["vanilla"]["dense"] != pytest.approx(float(np.mean(drawn_means)), abs=1e-3)  # not the draw's
+    assert any(ours.tasks[t]["vanilla"]["streaks"] != other.tasks[t]["vanilla"]["streaks"] for t in ours.tasks)
+    assert ours.intervals["mean"]["vanilla"]["dense"] == other.intervals["mean"]["vanilla"]["dense"]
+    assert ours.intervals["tasks"] == report_intervals(ours)["tasks"]
+    versus = paired_comparison(ours, other)
+    dense, live = versus["vanilla/dense"]["mean"], versus["vanilla/live"]["mean"]
+    assert dense.delta.value == 0 and dense.ratio.value == 1 and dense.delta.lo == dense.delta.hi == 0
+    assert live.delta.value == pytest.approx(ours.mean["vanilla"]["live"] - other.mean["vanilla"]["live"])
+    stop = TrailingBaselineStop(monitor="vanilla/dense", min_ratio=0.9)
+    stop.on_report(ours, other, Moment(step=1, horizon=10), print, print, versus=dense)
+    assert stop.history == [(1, ours.mean["vanilla"]["dense"])] and stop.bounds == {1: dense.ratio.hi}
