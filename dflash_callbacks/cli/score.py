@@ -128,6 +128,7 @@ def run_score(args: argparse.Namespace) -> int:
     if baseline is not None and (note := drafter_difference(ours, baseline)):
         print(f"warning: {note}", file=sys.stderr)
     print(comparison_table(ours, baseline, args.aggregate))
+    print(f"ours: {ours.served()}" + ("" if baseline is None else f"\nthe baseline: {baseline.served()}"))
     return 0
 
 
@@ -209,4 +210,5 @@ def run_compare(args: argparse.Namespace) -> int:
         print(f"warning: dropping {', '.join(only_ours + only_theirs)}: the table shows the methods both score",
               file=sys.stderr)
     print(comparison_table(ours, baseline, args.aggregate, other=baseline.drafter))
+    print(f"ours: {ours.served()}\n{baseline.drafter}: {baseline.served()}")  # each side's rule and cache settings
     return 0
