@@ -5,7 +5,6 @@ another rule beside the run's (`METHOD:RULE`), the report saying once where the 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 from pathlib import Path
