@@ -15,7 +15,14 @@ temperature T (top-p `--top-p`):
   distribution (the draft rule 1 - TV is the acceptance chance of), to split the teacher-forced
   number's bias into the text's part and the draft rule's.
 
+With `--family dflash2` the drafter is the toy DFlash 2 (`demos.toy.dflash2`: the toy baseline's backbone
+and a selector trained `--dflash2-steps` steps on 64 answers to held-out requests), served as vLLM serves
+it: its selector walk sampled at T, verified with q over its candidates (the live loop's "sample" rule);
+offline, the scorer's expected streaks (dense) and its live schedule on a seeded draw of the acceptance
+coins (live); no teacher-forced column (that estimate reads DFlash's logits).
+
     python benchmarks/bench_served_tau.py [--temperatures 0.7 1.0] [--top-p 0.95] [--runs 5] [--samples 5] [--sample-rule]
+    python benchmarks/bench_served_tau.py --family dflash2 --temperatures 1.0
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import json
 import shlex
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,19 +40,30 @@ import torch
 from dflash_callbacks import TargetHead, load_drafter
 from dflash_callbacks.cache.extract import extract_cache, load_target
 from dflash_callbacks.cache.sampling import Sampling
-from dflash_callbacks.demos.toy.world import TOY_LAYER_IDS, build_toy_cache, toy_baseline_path, toy_target_path
+from dflash_callbacks.demos.toy.dflash2 import toy_dflash2_drafter
+from dflash_callbacks.demos.toy.world import (
+    TOY_LAYER_IDS, build_toy_cache, build_toy_training_cache, toy_baseline_path, toy_target_path,
+)
 from dflash_callbacks.scoring.config import ScoringConfig
 from dflash_callbacks.scoring.scorer import score_drafter
 from dflash_callbacks.served.live import live_runs, live_tau
 from dflash_callbacks.served.teacher_forced import teacher_forced_tau
 
 
-def row(T: float, args: argparse.Namespace) -> dict:
-    target, drafter = toy_target_path(), load_drafter(toy_baseline_path())
+def toy_drafter(args: argparse.Namespace):
+    if args.family == "dflash":
+        return load_drafter(toy_baseline_path())
+    training = build_toy_training_cache(args.out / "dflash2-train-64x128", n_sequences=64, seq_len=128, progress=False)
+    return toy_dflash2_drafter(training.path, steps=args.dflash2_steps)
+
+
+def row(T: float, args: argparse.Namespace, drafter) -> dict:
+    target = toy_target_path()
     sampling = Sampling(T, args.top_p) if T > 0 else Sampling()
     started = time.perf_counter()
+    rule = "argmax" if args.family == "dflash" else "sample"  # as vLLM serves each by default
     runs = live_runs(target, drafter, "coding10", sampling, runs_per_prompt=args.runs, max_new_tokens=args.max_new_tokens,
-                     seed=args.seed)
+                     seed=args.seed, draft_rule=rule)
     live_s = time.perf_counter() - started
     live = live_tau(runs)
 
@@ -58,16 +77,21 @@ def row(T: float, args: argparse.Namespace) -> dict:
     offline_s = time.perf_counter() - started
     mean, interval = report.mean["vanilla"], report.intervals["mean"]["vanilla"]
 
-    greedy = build_toy_cache(args.out / f"greedy-n{args.max_new_tokens}", max_new_tokens=args.max_new_tokens)
-    model, _ = load_target(target)
-    with torch.no_grad():
-        forced = teacher_forced_tau(model, drafter, greedy, sampling)
-    sample_rule = None
-    if args.sample_rule:
+    forced = None
+    if args.family == "dflash":
+        greedy = build_toy_cache(args.out / f"greedy-n{args.max_new_tokens}", max_new_tokens=args.max_new_tokens)
+        model, _ = load_target(target)
+        with torch.no_grad():
+            forced = teacher_forced_tau(model, drafter, greedy, sampling)
+    sample_rule = offline_sample_rule = None
+    if args.sample_rule and args.family == "dflash":  # and offline: the probabilistic draft rule's expected streaks
         sample_rule = list(live_tau(live_runs(target, drafter, "coding10", sampling, runs_per_prompt=args.runs,
                                               max_new_tokens=args.max_new_tokens, seed=args.seed, draft_rule="sample")))
+        probabilistic = score_drafter(drafter, cache, TargetHead.from_pretrained(target),
+                                      replace(config, draft_rule="probabilistic"))
+        offline_sample_rule = [probabilistic.mean["vanilla"]["live"], *probabilistic.intervals["mean"]["vanilla"]["live"]]
     return {
-        "sample_rule": sample_rule,
+        "sample_rule": sample_rule, "offline_sample_rule": offline_sample_rule,
         "temperature": T, "top_p": args.top_p, "live": list(live), "offline_live": [mean["live"], *interval["live"]],
         "offline_dense": [mean["dense"], *interval["dense"]], "teacher_forced": forced,
         "rounds": sum(len(r.taus) for r in runs), "live_runs": len(runs), "offline_tasks": len(cache),
@@ -88,22 +112,28 @@ def main() -> list[dict]:
     p.add_argument("--out", type=Path, default=Path("runs/bench-served-tau"), help="caches are kept here")
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     p.add_argument("--sample-rule", action="store_true", help="also run the live loop drawing drafts from the drafter")
+    p.add_argument("--family", choices=("dflash", "dflash2"), default="dflash",
+                   help="the toy baseline (DFlash), or the toy DFlash 2 (demos.toy.dflash2)")
+    p.add_argument("--dflash2-steps", type=int, default=40, help="training steps of the toy DFlash 2")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
-    print(f"toy baseline on coding10, top-p {args.top_p}, {args.max_new_tokens} new tokens; 95% intervals")
+    drafter = toy_drafter(args)
+    name = "toy baseline" if args.family == "dflash" else f"toy DFlash 2 ({args.dflash2_steps} steps)"
+    print(f"{name} on coding10, top-p {args.top_p}, {args.max_new_tokens} new tokens; 95% intervals")
     print("| T | live mean [MC interval] | offline live [interval] | offline dense [interval] | teacher-forced "
           "tau_probabilistic | rounds | prompts (live runs / offline answers) | seconds (live / offline) |"
-          + (" live, sample rule [MC interval] |" if args.sample_rule else ""))
-    print("|---|---|---|---|---|---|---|---|" + ("---|" if args.sample_rule else ""))
+          + (" live, sample rule [MC interval] | offline live, probabilistic [interval] |" if args.sample_rule else ""))
+    print("|---|---|---|---|---|---|---|---|" + ("---|---|" if args.sample_rule else ""))
     for T in args.temperatures:
-        r = row(T, args)
+        r = row(T, args, drafter)
         rows.append(r)
         fmt = lambda v: f"{v[0]:.3f} [{v[1]:.3f}, {v[2]:.3f}]"  # noqa: E731
+        forced = "-" if r["teacher_forced"] is None else f"{r['teacher_forced']:.3f}"
         print(f"| {T:g} | {fmt(r['live'])} | {fmt(r['offline_live'])} | {fmt(r['offline_dense'])} | "
-              f"{r['teacher_forced']:.3f} | {r['rounds']} | {r['prompts']} ({r['live_runs']} / {r['offline_tasks']}) | "
+              f"{forced} | {r['rounds']} | {r['prompts']} ({r['live_runs']} / {r['offline_tasks']}) | "
               f"{r['live_seconds']:.0f} / {r['offline_seconds']:.0f} |"
-              + (f" {fmt(r['sample_rule'])} |" if args.sample_rule else ""), flush=True)
+              + (f" {fmt(r['sample_rule'])} | {fmt(r['offline_sample_rule'])} |" if r["sample_rule"] else ""), flush=True)
     print("reproduce: python " + " ".join(shlex.quote(a) for a in sys.argv))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")

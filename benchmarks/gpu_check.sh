@@ -4,7 +4,8 @@
 # omegaconf. Steps, each under its own `timeout`, each writing its files into
 # OUTPUT_DIR as it finishes (a killed run keeps the finished steps' files):
 #
-#   1. tests      (100 s) tests/unit/test_head_stats.py natively on CUDA: both backends
+#   1. tests      (100 s) tests/unit/test_head_stats.py (and the tempered statistics'
+#                 tests/unit/test_head_stats_tempered.py) natively on CUDA: both backends
 #                 against the reference on every case, realistic sizes, the kernel's
 #                 pivot == its own z_y on tensor cores, fp32 under TF32, auto follows
 #                 its table (a skipped CUDA test counts as a failure); the Triton
@@ -19,17 +20,20 @@
 #   4. sweep      (30 s)  bench_kernels.py at one task's rows, the kernel with its
 #                 default and four other tile configs (for TILE_CONFIGS), one timed
 #                 run each after the compiling one.
+#   4b. tempered  (30 s)  bench_tempered.py at one task's rows, bf16: the extra cost of the tempered
+#                 statistics a sampled draft is scored by (DFlash's probabilistic draft rule) over
+#                 greedy scoring's head_stats, both on the torch path.
 #   5. stall      (75 s)  bench_stall.py --size production: a 1.78 B drafter training
 #                 (bf16-true, AdamW) with and without the callbacks, a snapshot every
 #                 10 steps scored on the same GPU: step times, the stall per snapshot,
 #                 training time lost against the scorer's seconds, the scorer's peak memory.
 #
-# The limits add up to 350 s plus a few seconds of setup. Not yet run on a GPU: the
+# The limits add up to 380 s plus a few seconds of setup. Not yet run on a GPU: the
 # limits are the budget, sized from estimates (see each script), not measurements.
 #
 # Usage: benchmarks/gpu_check.sh [OUTPUT_DIR]     (default: $OUT, else ./gpu-results)
 # Writes: env.txt, nvidia-smi.txt, pytest_head_stats.{txt,xml}, kernels.{md,json,log},
-# production.{md,json,log}, sweep.{md,json,log}, stall.{md,json,log}, summary.txt.
+# production.{md,json,log}, sweep.{md,json,log}, tempered.{md,json,log}, stall.{md,json,log}, summary.txt.
 # Exit status 0 when every step passed.
 #
 # GPU_CHECK_CPU_SMOKE=1 runs the same plumbing on the CPU at toy sizes (a missing GPU
@@ -98,13 +102,14 @@ else
 fi
 t0=$SECONDS
 rc=0
-timeout 100 python -m pytest tests/unit/test_head_stats.py -q -rs -p no:cacheprovider ${tests_k[@]+"${tests_k[@]}"} \
+timeout 100 python -m pytest tests/unit/test_head_stats.py tests/unit/test_head_stats_tempered.py -q -rs -p no:cacheprovider \
+    ${tests_k[@]+"${tests_k[@]}"} \
     --junitxml="$out_dir/pytest_head_stats.xml" > "$out_dir/pytest_head_stats.txt" 2>&1 || rc=$?
 tail -n 15 "$out_dir/pytest_head_stats.txt"
 if [[ $rc -ne 0 ]]; then
     note "FAIL: tests exited $rc after $((SECONDS - t0)) s (124: timed out at 100 s)"
     status=1
-elif [[ $smoke != 1 ]] && grep -q "needs triton and a CUDA device" "$out_dir/pytest_head_stats.txt"; then
+elif [[ $smoke != 1 ]] && grep -qE "needs (triton and )?a CUDA device" "$out_dir/pytest_head_stats.txt"; then
     note "FAIL: CUDA tests were skipped"
     status=1
 else
@@ -119,6 +124,8 @@ step production 75 python benchmarks/bench_production.py --size "$production_siz
 step sweep 30 python benchmarks/bench_kernels.py --device "$device" --sizes "$sweep_sizes" --top-n 8 \
     --repeat 1 --warmup 1 --backends floor,triton \
     --triton-configs 128x128x64w8s4,64x128x64w8s4,64x64x64w4s3,128x128x128w8s2 --json "$out_dir/sweep.json"
+step tempered 30 python benchmarks/bench_tempered.py --device "$device" --sizes "$sweep_sizes" --dtype bf16 \
+    --repeat 2 --warmup 1 --json "$out_dir/tempered.json"
 step stall 75 python benchmarks/bench_stall.py --size "$stall_size" --device "$device" --work "$out_dir/stall-world" \
     --json "$out_dir/stall.json"
 rm -rf "$out_dir/stall-world"  # the synthetic target and cache (5 GB at production size)
@@ -159,6 +166,13 @@ if f.is_file():
         print(f"production {r['backend']}: {r['seconds']:.3f} s, {r['x_floor']:.2f}x floor{peak}{same}")
 else:
     print("production: no results")
+f = out / "tempered.json"
+if f.is_file():
+    for r in json.loads(f.read_text())["rows"]:
+        print(f"tempered {r['size']} (M={r['M']}, {r['dtype']}): head_stats {r['greedy_s']:.4f} s, tempered "
+              f"{r['tempered_s']:.4f} s ({100 * r['extra']:+.0f}%)")
+else:
+    print("tempered: no results")
 f = out / "stall.json"
 if f.is_file():
     r = json.loads(f.read_text())

@@ -20,11 +20,9 @@ skipped, and a killed run leaves no half-written file behind (see format.py).
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import logging
 import os
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -33,7 +31,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
-from ..checks import DTYPES, check_device, check_int, dtype_name
+from ..checks import check_int, dtype_name
 from ..model.target_head import head_fingerprint
 from .format import (
     CacheError,

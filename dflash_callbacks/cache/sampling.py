@@ -20,11 +20,12 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..checks import is_int
+
+if TYPE_CHECKING:  # torch is imported where it is used: the settings and their checks load without it
+    import torch
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "samples", "seed")
 
@@ -86,6 +87,8 @@ class Sampling:
     def generator(self, task: str, sample: int) -> torch.Generator:
         """The CPU generator one answer is drawn with, seeded from (seed, task, sample): an
         answer does not depend on which others are drawn, so a resumed extraction draws the same."""
+        import torch
+
         digest = hashlib.sha256(f"{self.seed}\0{task}\0{sample}".encode()).digest()
         return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
@@ -94,6 +97,8 @@ def served_logprobs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """Log-probabilities [..., V] (float32) of the served distribution of `logits` [..., V]:
     temperature, then top-k, then top-p (see the module docstring); -inf off the kept set.
     Temperature 0 is greedy: log-probability 0 at the argmax (the lowest id among ties), -inf elsewhere."""
+    import torch
+
     logits = logits.float()
     if sampling.greedy:
         best = logits.argmax(dim=-1, keepdim=True)

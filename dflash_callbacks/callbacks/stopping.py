@@ -21,9 +21,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks.callback import Callback
 from typing_extensions import override
 
-from ..engine.stop import (  # noqa: F401  (the pure pieces, importable from here too)
-    Decision, StopPolicy, fit_projection, projected_value, validate_monitor,
-)
+from ..engine.stop import StopPolicy
 from ..settings import StopSettings, signature
 from .eval_callback import DrafterEvalCallback, eval_callbacks
 

@@ -98,7 +98,7 @@ def drafter_source(args: argparse.Namespace):
 
 def run_score(args: argparse.Namespace) -> int:
     from ..scoring.basis import drafter_difference
-    from ..scoring.report import comparison_table
+    from ..scoring.table import comparison_table
     from ..scoring.service import ScoringService, ServiceSpec, preflight
 
     check_output("--json", args.json)
@@ -128,6 +128,7 @@ def run_score(args: argparse.Namespace) -> int:
     if baseline is not None and (note := drafter_difference(ours, baseline)):
         print(f"warning: {note}", file=sys.stderr)
     print(comparison_table(ours, baseline, args.aggregate))
+    print(f"ours: {ours.served()}" + ("" if baseline is None else f"\nthe baseline: {baseline.served()}"))
     return 0
 
 
@@ -189,7 +190,7 @@ def load_baseline(path: Path):
 
 def run_compare(args: argparse.Namespace) -> int:
     from ..scoring.basis import Basis, drafter_difference
-    from ..scoring.report import comparison_table
+    from ..scoring.table import comparison_table
 
     ours, baseline = load_ours(args.ours, args.step), load_baseline(args.baseline)
     # anything that changes numbers refuses, a method scored on one side only included
@@ -209,4 +210,5 @@ def run_compare(args: argparse.Namespace) -> int:
         print(f"warning: dropping {', '.join(only_ours + only_theirs)}: the table shows the methods both score",
               file=sys.stderr)
     print(comparison_table(ours, baseline, args.aggregate, other=baseline.drafter))
+    print(f"ours: {ours.served()}\n{baseline.drafter}: {baseline.served()}")  # each side's rule and cache settings
     return 0

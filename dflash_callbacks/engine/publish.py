@@ -40,7 +40,8 @@ from contextlib import contextmanager
 
 from ..scoring.intervals import interval_metrics
 from ..scoring.methods import AGGREGATES
-from ..scoring.report import EvalReport, comparison, ratio
+from ..scoring.report import EvalReport
+from ..scoring.table import comparison, ratio
 from .host import Logger
 from .run_folder import ResultsRecordError, ResultsWriteError, RunFolder
 
@@ -275,23 +276,3 @@ def staged_in_run(run):
         else:
             os.environ["WANDB_DATA_DIR"] = before
 
-
-class WandbRows:
-    """Writes our rows into a W&B run that the training loop may log to as well, with or without
-    `step=`: each report in a row of its own, and W&B's step counter never moved past a step the loop
-    has yet to log (W&B drops a row whose step is below its counter).
-
-    A report joins the run's current row, uncommitted (the loop's next log commits it with its own).
-    Only when our previous report still sits in that row (the loop has not logged since) is it
-    committed first, which moves the counter one past the loop's last step."""
-
-    def __init__(self, run):
-        self.run = run
-        self.row: int | None = None  # the step of the row our last report joined
-
-    def log(self, payload: dict, step: int) -> None:
-        """`payload`, of the report of training step `step` (which it holds as PREFIX/step)."""
-        if self.row is not None and self.run.step == self.row:
-            self.run.log({}, commit=True)
-        self.run.log(payload, commit=False)
-        self.row = self.run.step

@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..scoring.intervals import resolution_warning
-from ..scoring.report import EvalReport, comparison_table
+from ..scoring.report import EvalReport
+from ..scoring.table import comparison_table
 from ..settings import EvalSettings
 from .host import Host
 from .metrics import MEAN_KEYS, RunState, history_entry

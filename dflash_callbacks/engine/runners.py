@@ -26,7 +26,6 @@ import json
 import os
 import queue
 import select
-import signal
 import subprocess
 import sys
 import threading
@@ -46,7 +45,6 @@ from ..scoring.intervals import paired_comparison
 from ..scoring.report import EvalReport
 from ..scoring.scorer import Cancelled, NonFiniteError
 from ..scoring.service import ScoringService, ServiceSpec, recorded_weights, weights_fingerprint
-from ..settings import RUNNERS  # noqa: F401  (importable from here too)
 from .publish import results_record
 from .run_folder import RunFolder, WatcherError
 from .snapshot import Snapshot

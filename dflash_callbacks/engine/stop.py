@@ -18,9 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..scoring.intervals import MIN_TASKS
 from ..scoring.methods import Monitor
-from ..settings import (  # noqa: F401  (ACTIONS, CONFIDENCE, DEFAULT_MIN_RATIO: importable from here too)
-    ACTIONS, CONFIDENCE, DEFAULT_MIN_RATIO, StopSettings, built, describe, fields_of, signature,
-)
+from ..settings import StopSettings, built, describe, fields_of, signature
 
 if TYPE_CHECKING:
     from ..scoring.intervals import Comparison

@@ -54,6 +54,16 @@ Backends:
   elementwise passes over fp32 tiles). `benchmarks/gpu_check.sh` measures both; an
   entry changes to "triton" only with a measurement showing it faster at that size.
 
+Tempered (`head_stats_tempered`, what a draft sampled from softmax(z / T) is scored by, T > 0): the
+five statistics and, from the same pass over the same logits,
+
+    tempered_lse            [M] fp32   logsumexp_v z_v / T
+    tempered_label_logprob  [M] fp32   z_y / T - tempered_lse
+
+On the torch path each tile adds one more exponential to the online log-sum-exp (the running max of
+z / T is the running max over T), never [M, V]; "triton" runs the torch path (the kernel keeps no
+tempered sum), "reference" the materialised definition. Same tolerances as lse and label_logprob.
+
 Top-K with ids (`head_topk`, what DFlash 2's candidate selector reads): the k largest z_v of
 each row and their ids, [M, k] fp32 values and int64 ids, descending, ties to the lower id,
 never materialising [M, V] either. "reference": the fp32 logits sorted (a stable descending
@@ -92,7 +102,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .types import BACKENDS, HeadStats, HeadTopK
+from .types import BACKENDS, HeadStats, HeadTopK, TemperedHeadStats
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DEFAULT_CHUNK_SIZE = 8192
 """Default vocabulary tile width of the torch path."""
@@ -150,6 +160,28 @@ def head_stats(
             th.triton_head_stats(hidden, weight, labels, 0)  # raises the CPU/interpreter error
         return _chunked(hidden, weight, labels, top_n, chunk_size, None)
     return th.triton_head_stats(hidden, weight, labels, top_n)
+
+
+def head_stats_tempered(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    top_n: int,
+    temperature: float,
+    *,
+    backend: str = "auto",
+    chunk_size: int | None = None,
+) -> TemperedHeadStats:
+    """`head_stats` and the tempered log-sum-exp and label log-prob at `temperature` (> 0) of the module doc,
+    in one pass; every backend but "reference" runs the chunked torch path."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"temperature must be a number > 0; got {temperature!r}")
+    labels = _validate(hidden, weight, labels, top_n, chunk_size)
+    if backend == "reference":
+        return _reference(hidden, weight, labels, top_n, float(temperature))
+    return _chunked(hidden, weight, labels, top_n, chunk_size, None, float(temperature))
 
 
 def auto_backend(device: torch.device | str, m: int, h: int, v: int) -> str:
@@ -250,7 +282,8 @@ def _chunked_topk(hidden: Tensor, weight: Tensor, k: int, chunk_size: int | None
     return _from_order_keys(keys)
 
 
-def _reference(hidden: Tensor, weight: Tensor, labels: Tensor, top_n: int) -> HeadStats:
+def _reference(hidden: Tensor, weight: Tensor, labels: Tensor, top_n: int,
+               temperature: float | None = None) -> HeadStats | TemperedHeadStats:
     z = _fp32_matmul(hidden.float(), weight.float())
     m, v = z.shape
     lse = torch.logsumexp(z, dim=-1)
@@ -262,12 +295,16 @@ def _reference(hidden: Tensor, weight: Tensor, labels: Tensor, top_n: int) -> He
     k = min(top_n, v)
     if k > 0:
         top[:, :k] = (z - lse[:, None]).topk(k, dim=-1).values
+    if temperature is not None:
+        tempered = torch.logsumexp(z / temperature, dim=-1)
+        return TemperedHeadStats(lse, z_y[:, 0] - lse, rank, order, top, tempered, z_y[:, 0] / temperature - tempered)
     return HeadStats(lse, z_y[:, 0] - lse, rank, order, top)
 
 
 def _chunked(
-    hidden: Tensor, weight: Tensor, labels: Tensor, top_n: int, chunk_size: int | None, row_chunk: int | None
-) -> HeadStats:
+    hidden: Tensor, weight: Tensor, labels: Tensor, top_n: int, chunk_size: int | None, row_chunk: int | None,
+    temperature: float | None = None,
+) -> HeadStats | TemperedHeadStats:
     m, _ = hidden.shape
     v = weight.shape[0]
     f32, i64 = dict(dtype=torch.float32, device=hidden.device), dict(dtype=torch.int64, device=hidden.device)
@@ -280,6 +317,7 @@ def _chunked(
         torch.empty(m, **i64),
         torch.full((m, top_n), float("-inf"), **f32),
     )
+    tempered_lse, tempered_label = (torch.empty(m, **f32), torch.empty(m, **f32)) if temperature is not None else (None,) * 2
     k = min(top_n, v)
     column = torch.arange(v, **i64)
     for r0 in range(0, m, row_chunk):
@@ -296,11 +334,16 @@ def _chunked(
         n_gt = torch.zeros(r1 - r0, **i64)
         n_tie = torch.zeros(r1 - r0, **i64)
         top = torch.empty(r1 - r0, 0, **f32)
+        tempered_sum = torch.zeros(r1 - r0, **f32)
         for c0 in range(0, v, tile):
             c1 = min(v, c0 + tile)
             z = _logits(h, weight[c0:c1])  # [rows, tile] fp32: the only large temporary
             new_max = torch.maximum(run_max, z.amax(-1))  # online logsumexp, rescaled sum
-            run_sum = run_sum * torch.exp(run_max - new_max) + (z - new_max[:, None]).exp_().sum(-1)
+            shifted = z - new_max[:, None]
+            if temperature is not None:  # the same for z / T, whose running max is new_max / T
+                tempered_sum = (tempered_sum * torch.exp((run_max - new_max) / temperature)
+                                + shifted.div(temperature).exp_().sum(-1))
+            run_sum = run_sum * torch.exp(run_max - new_max) + shifted.exp_().sum(-1)
             run_max = new_max
             here = (y >= c0) & (y < c1)  # rows whose label is in this tile
             z_here = z.gather(1, (y - c0).clamp(0, c1 - c0 - 1)[:, None])[:, 0]
@@ -318,6 +361,11 @@ def _chunked(
         out.label_rank[r0:r1] = n_gt
         out.label_order[r0:r1] = n_gt + n_tie
         out.top_logprobs[r0:r1, :k] = top - run_lse[:, None]
+        if temperature is not None:
+            tempered_lse[r0:r1] = run_max / temperature + torch.log(tempered_sum)
+            tempered_label[r0:r1] = z_y / temperature - tempered_lse[r0:r1]
+    if temperature is not None:
+        return TemperedHeadStats(*out, tempered_lse, tempered_label)
     return out
 
 

@@ -29,3 +29,16 @@ class HeadStats(NamedTuple):
     label_rank: Tensor
     label_order: Tensor
     top_logprobs: Tensor
+
+
+class TemperedHeadStats(NamedTuple):
+    """HeadStats' five fields, and what a draft sampled from softmax(z / T) is scored by (head_stats.py,
+    `head_stats_tempered`): the tempered log-sum-exp and the label's tempered log-prob."""
+
+    lse: Tensor
+    label_logprob: Tensor
+    label_rank: Tensor
+    label_order: Tensor
+    top_logprobs: Tensor
+    tempered_lse: Tensor
+    tempered_label_logprob: Tensor

@@ -12,11 +12,26 @@ itself; codebases differ on two things, per layer:
   eager functions ignore the window).
 
 `resolve_attention(config, rule)` gives one `LayerAttention` per layer. The rule "auto"
-chooses as vLLM serves a drafter: `is_causal` or `dflash_config.causal` when the config
-sets them (every layer); else speculators' `sliding_window_non_causal` for sliding layers;
-else causal for sliding layers and bidirectional for full layers; the window counted back
-from each query. The other rules (`ScoringConfig.attention`) score a drafter the way a
-given stack runs it.
+(the default): `is_causal` or `dflash_config.causal` when the config sets them (every layer);
+else speculators' `sliding_window_non_causal` for sliding layers; else causal for sliding
+layers and bidirectional for full layers; the window counted back from each query. It is
+vLLM's rule for a config in the published layout; for a speculators folder vLLM differs
+("vllm" below). The other rules (`ScoringConfig.attention`) score a drafter the way a given
+stack runs it; three name a stack and read the config as it does:
+
+- "vllm": as vLLM resolves the config (docs/numbers.md cites the code): a speculators DFlash
+  (or DFlash 2) folder is mapped to `dflash_config.causal = not sliding_window_non_causal`
+  (absent: true, so bidirectional), which overrides EVERY layer, full layers included;
+  otherwise `is_causal` / `dflash_config.causal` override every layer, else sliding layers
+  are causal and full ones bidirectional; the window counted back from each query.
+- "sglang": as SGLang resolves it: an explicit `is_causal` for every layer (SGLang reads no
+  `dflash_config.causal` and no `sliding_window_non_causal`), else sliding layers causal
+  and full ones bidirectional; the window counted back from each query.
+- "trained": the pattern the checkpoint's trainer trained it under: a speculators folder
+  under speculators' mask (the window anchored at the block's anchor; sliding layers causal
+  unless `sliding_window_non_causal`; full layers bidirectional), any other under
+  SpecForge's training mask (sliding layers causal with the window counted back from each
+  query over the context only, the block whole; full layers bidirectional).
 """
 
 from __future__ import annotations
@@ -39,6 +54,14 @@ RULES = {
                               "(speculators' training mask with sliding_window_non_causal)",
     "no-window": "every layer bidirectional, the sliding window not applied (z-lab's HF code and SpecForge's "
                  "spec_generate under sdpa or eager)",
+    "vllm": "as vLLM resolves the config: a speculators folder's sliding_window_non_causal (absent: true) sets "
+            "every layer, full layers included; else is_causal / dflash_config.causal every layer; else sliding "
+            "layers causal, full layers bidirectional; the window counted back from each query",
+    "sglang": "as SGLang resolves the config: is_causal every layer; else sliding layers causal, full layers "
+              "bidirectional; the window counted back from each query",
+    "trained": "as the checkpoint's trainer trained it: speculators' mask for a speculators folder (anchored-causal, "
+               "or anchored-bidirectional with sliding_window_non_causal), else SpecForge's training mask (sliding "
+               "layers causal, the window over the context only, the block whole)",
 }
 """The attention rules a drafter can be scored under, with what each means."""
 
@@ -47,37 +70,69 @@ RULES = {
 class LayerAttention:
     """One layer's pattern inside the block. `window`: keys of a sliding layer beyond it are
     hidden (None: none hidden); `anchored`: the window counts back from the block's anchor,
-    not from each query."""
+    not from each query; `context_only`: a window counted from each query hides context keys
+    only, never the block's own (SpecForge's training mask)."""
 
     causal: bool = False
     window: int | None = None
     anchored: bool = False
+    context_only: bool = False
 
     def __str__(self) -> str:
         inside = "causal" if self.causal else "bidirectional"
         if self.window is None:
             return inside
-        return f"{inside}, window {self.window} from the " + ("anchor" if self.anchored else "query")
+        where = "anchor" if self.anchored else "query" + (", over the context only" if self.context_only else "")
+        return f"{inside}, window {self.window} from the {where}"
 
 
 def resolve_attention(config: DrafterConfig, rule: str = "auto") -> list[LayerAttention]:
     """The pattern of every layer of a drafter of `config` under `rule` (one of RULES)."""
     if rule not in RULES:
         raise ValueError(f"attention rule {rule!r} is not one of {list(RULES)}")
+    if rule == "trained":
+        return _trained(config)
+    override = {"vllm": vllm_causal(config), "sglang": config.is_causal, "auto": config.causal}.get(rule)
     out = []
     for kind in config.layer_types:
         sliding = kind == "sliding_attention"
         window = config.sliding_window if sliding and rule != "no-window" else None
-        if rule == "auto":
-            if config.causal is not None:
-                causal = config.causal
-            elif sliding and config.sliding_window_non_causal is not None:
-                causal = not config.sliding_window_non_causal
-            else:
-                causal = sliding
+        if override is not None:
+            causal = override
+        elif rule == "auto" and sliding and config.sliding_window_non_causal is not None:
+            causal = not config.sliding_window_non_causal
+        elif rule in ("auto", "vllm", "sglang"):
+            causal = sliding
         else:
             causal = sliding and rule in ("causal", "anchored-causal")
         out.append(LayerAttention(causal, window, window is not None and rule.startswith("anchored")))
+    return out
+
+
+VLLM_SPECULATORS_FAMILIES = ("dflash", "dflash2")
+"""The families whose speculators folders vLLM maps with `update_dflash` (the causal override); DSpark's
+`update_dspark` sets no causal key (docs/numbers.md)."""
+
+
+def vllm_causal(config: DrafterConfig) -> bool | None:
+    """What vLLM sets every layer's causality to (None: per layer type): for a speculators DFlash folder
+    `not sliding_window_non_causal`, absent counting as true; else `is_causal` / `dflash_config.causal`."""
+    if config.speculators and config.family in VLLM_SPECULATORS_FAMILIES:
+        return not (True if config.sliding_window_non_causal is None else config.sliding_window_non_causal)
+    return config.causal
+
+
+def _trained(config: DrafterConfig) -> list[LayerAttention]:
+    """The trainer's own pattern (module doc): speculators' anchored mask for its folders, else SpecForge's."""
+    out = []
+    for kind in config.layer_types:
+        sliding = kind == "sliding_attention"
+        window = config.sliding_window if sliding else None
+        if config.speculators:
+            causal = sliding and not config.sliding_window_non_causal
+            out.append(LayerAttention(causal, window, anchored=window is not None))
+        else:
+            out.append(LayerAttention(sliding, window, context_only=window is not None))
     return out
 
 

@@ -13,8 +13,8 @@ and merged exactly: the context holds the share w = e^lse_c / (e^lse_c + e^lse_b
 = sigmoid(lse_c - lse_b) of each query's softmax mass, so
     out = (1 - w) * out_b + w * out_c.
 A layer's `LayerAttention` shapes both masks: a causal layer hides a block's later keys
-from each query; a sliding window hides keys at positions <= q_pos - window in both parts,
-or, anchored, context keys before a_i - window.
+from each query; a sliding window hides keys at positions <= q_pos - window in both parts
+(in the context part only, `context_only`), or, anchored, context keys before a_i - window.
 
 The merge runs in fp32, or in the inputs' dtype when it is wider (float64 stays exact).
 Inference only: the log-sum-exp of the fused CPU kernel carries no gradient.
@@ -56,7 +56,7 @@ def block_masks(anchors: torch.Tensor, block_size: int, context_len: int, attent
     elif window is not None:  # keys at positions <= q_pos - window are hidden
         visible = visible & (anchors[:, None, None] + offsets[:, None] - k_pos < window)  # [n, B, C]
         sees_context = sees_context & (offsets + 1 < window)
-        inside = offsets[:, None] - offsets < window
+        inside = None if attention.context_only else offsets[:, None] - offsets < window
     if attention.causal:  # query j sees block keys 0 .. j
         causal = offsets[:, None] >= offsets
         inside = causal if inside is None else inside & causal

@@ -47,6 +47,9 @@ SPECULATORS_FIELDS = ("block_size", "mask_token_id", "draft_vocab_size", "slidin
                       "target_hidden_size", *UNIMPLEMENTED)
 """Top-level fields of a speculators DFlash config that describe the drafter (the rest is
 its proposal and verifier bookkeeping, or training-only settings)."""
+SPECULATORS_MARK = "converted_from_speculators"
+"""The key a config read from a speculators folder is written back with (true), so that its copies (snapshots)
+are served as that folder is (`model.attention`'s "vllm" and "trained" rules)."""
 QWEN3_MAX_WINDOW_LAYERS = 28
 """transformers' Qwen3Config default: without layer_types, layers from this index on slide."""
 
@@ -92,6 +95,9 @@ class DrafterConfig:
     family: str = "dflash"  # the drafter family (model.families): what reads the config, lays out and scores the block
     family_config: Any = None  # the family's own settings (its module's Settings, frozen), None for DFlash
     extra: dict[str, Any] = field(default_factory=dict)  # other keys of config.json, written back unchanged
+    # how serving stacks read the config's attention (model.attention's "vllm", "sglang" and "trained" rules):
+    speculators: bool = field(default=False, compare=False)  # read from a speculators folder
+    is_causal: bool | None = field(default=None, compare=False)  # the top-level is_causal alone (SGLang reads it)
 
     def __post_init__(self) -> None:
         settings = getattr(families.family_named(self.family).load(), "Settings", None)
@@ -169,6 +175,7 @@ class DrafterConfig:
         if not isinstance(raw, dict):
             raise ValueError(f"a drafter config is a JSON object; got {type(raw).__name__}")
         family = families.identify(raw)
+        speculators = "speculators_model_type" in raw or "transformer_layer_config" in raw
         raw, family_config = family.load().read_config(copy.deepcopy(raw))  # the backbone, in the published layout
         d = copy.deepcopy(raw)
         dflash = d.pop("dflash_config", None) or {}
@@ -197,6 +204,7 @@ class DrafterConfig:
         for name, value in causal.items():
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"field {name!r} must be true, false or null; got {value!r}")
+        is_causal = causal["is_causal"]
         causal = causal["dflash_config.causal"] if causal["is_causal"] is None else causal["is_causal"]
         non_causal = take("sliding_window_non_causal", None)
         draft_vocab = take("draft_vocab_size", None)
@@ -276,7 +284,8 @@ class DrafterConfig:
         )
         if dflash:
             d["dflash_config"] = dflash  # unknown dflash_config keys survive a round trip
-        cfg.extra = d
+        speculators = d.pop(SPECULATORS_MARK, False) is True or speculators
+        cfg.extra, cfg.speculators, cfg.is_causal = d, speculators, is_causal
         return cfg
 
     @classmethod
@@ -323,6 +332,8 @@ class DrafterConfig:
         )
         if self.num_target_layers is not None:
             out["num_target_layers"] = self.num_target_layers
+        if self.speculators:  # served as the speculators folder it was read from (model.attention's "vllm")
+            out[SPECULATORS_MARK] = True
         for name, value in (("is_causal", self.causal), ("sliding_window_non_causal", self.sliding_window_non_causal),
                             ("draft_vocab_size", self.draft_vocab_size)):
             if value is not None:

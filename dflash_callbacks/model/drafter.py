@@ -39,7 +39,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from ..kernels.ddtree import ddtree_streaks_from_stats
-from ..kernels.head_stats import HeadStats, head_stats
+from ..kernels.head_stats import HeadStats, head_stats, head_stats_tempered
 from .attention import LayerAttention, resolve_attention
 from .block_attention import BlockMasks, additive, block_attention, block_masks
 from .config import DrafterConfig
@@ -357,7 +357,8 @@ class DFlashDrafter(nn.Module):
             if pattern.window is not None and pattern.anchored:
                 rules.append(k_pos >= self._block_anchors(base, position_ids[:, C:]) - pattern.window)
             elif pattern.window is not None:
-                rules.append(q_pos - k_pos < pattern.window)
+                in_block = torch.arange(C + Q, device=q_pos.device) >= C  # the block's own keys: [C+Q]
+                rules.append((q_pos - k_pos < pattern.window) | (in_block & pattern.context_only))
             if not rules:
                 masks[pattern] = base
                 continue
@@ -395,12 +396,17 @@ class DFlashDrafter(nn.Module):
         return lm_head_weight if ids is None else lm_head_weight[ids.to(lm_head_weight.device)]
 
     def slot_stats(self, features: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, previous: torch.Tensor,
-                   top_n: int, backend: str = "auto", chunk_size: int | None = None) -> HeadStats:
+                   top_n: int, backend: str = "auto", chunk_size: int | None = None,
+                   temperature: float | None = None) -> HeadStats:
         """The statistics of the drafter's distribution at each draft slot that the methods read
         (`kernels.head_stats.HeadStats`, one row per slot, [n * P]: the label's log-prob, rank and order,
         the top-N log-probs), teacher-forced: `features` [n, P, H'] (`slot_features` of n blocks),
         `labels` [n, P] (ids of `weight`'s rows), `previous` [n, P] the true token before each slot.
-        DFlash: the fused LM-head statistics, never materialising [n * P, V]."""
+        DFlash: the fused LM-head statistics, never materialising [n * P, V]; with `temperature`, also the
+        label's log-prob under softmax(logits / T) (`head_stats_tempered`: a draft sampled at T)."""
+        if temperature is not None:
+            return head_stats_tempered(features.flatten(0, 1), weight, labels.flatten(), top_n, temperature,
+                                       backend=backend, chunk_size=chunk_size)
         return head_stats(features.flatten(0, 1), weight, labels.flatten(), top_n, backend=backend,
                           chunk_size=chunk_size)
 

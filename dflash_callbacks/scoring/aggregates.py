@@ -13,11 +13,19 @@ logged keys, the monitors and the watchers iterate over the registry.
   a <- a + streak(a) + 1, until a leaves the scored anchors or `max_rounds` rounds are done; the
   mean tau of those rounds (`live_rounds`).
 
+Where the drafter's proposal is sampled (DFlash 2's selector walk at T > 0, a probabilistic draft
+rule), a slot's acceptance given the served text is a coin, not a fact: a method's `Streaks` then
+carry, beside the integer streaks (`drawn`: a seeded draw of the coins, what `live` runs along), the
+expected streak at each anchor (`expected`: sum_k prod_{j<=k} P(slot j accepted), what `dense`
+averages). Where it is not (an argmax proposal), `expected` is None and `drawn` is exact.
+
 Also `acceptance_curve` (for d = 1..max_depth, the share of anchors with streak >= d) and the
 streaks as a report keeps them (`encode_streaks` / `decode_streaks`): each streak as base-36 digits
 (0-9, a-z), as many per anchor as the largest tau needs (one up to 36), side by side in one string.
 One byte per anchor, plain JSON that needs no escaping, readable by eye ("a9876543210" is a streak of
-10 counting down), decoded in one vectorised step.
+10 counting down), decoded in one vectorised step. Expected streaks are kept the same way in
+thousandths of a token (`encode_expected` / `decode_expected`, `EXPECTED_SCALE`): every number of
+the report is made from the kept values, so the strict reader can hold it to them.
 
 numpy only: streaks may be a torch tensor (CPU) or any integer array.
 """
@@ -44,6 +52,30 @@ def _check_streaks(streaks) -> np.ndarray:
     if values.min() < 0:
         raise ValueError(f"streaks must be >= 0; got a minimum of {int(values.min())}")
     return values.astype(np.int64)
+
+
+EXPECTED_SCALE = 1000
+"""Expected streaks are kept in units of 1 / EXPECTED_SCALE of a token."""
+
+
+@dataclass(frozen=True)
+class Streaks:
+    """One task's per-anchor streaks of one method, in anchor order. `drawn`: int64 [n] the streak at each
+    anchor (the argmax's run of true tokens, or, where the draft is sampled, a seeded draw of the acceptance
+    coins); `expected`: float64 [n] the expected streak where the draft is sampled (None: `drawn` is exact)."""
+
+    drawn: np.ndarray
+    expected: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, streaks) -> Streaks:
+        """`streaks` as Streaks (integer streaks of an argmax proposal are taken as they are)."""
+        return streaks if isinstance(streaks, Streaks) else cls(_check_streaks(streaks))
+
+    @property
+    def mean_streaks(self) -> np.ndarray:
+        """float64 [n]: the streak each anchor has in expectation (the drawn one where it is exact)."""
+        return self.drawn.astype(np.float64) if self.expected is None else self.expected
 
 
 def dense_tau(streaks) -> float:
@@ -88,13 +120,13 @@ LIVE_BLOCKS = 3
 class Aggregate:
     name: str
     help: str
-    value: Callable[[np.ndarray, int, int], float]
+    value: Callable[[Streaks, int, int], float]
     """(streaks, first_anchor, max_rounds) -> the task's number."""
     series: Callable[[np.ndarray, list[np.ndarray], int], tuple[int, np.ndarray, np.ndarray]]
-    """(taus [A, n] of A arms scored on the same anchors, each arm's live rounds, the block length the dense
-    taus ask for) -> (its block length, values [A, m], counts [A, m]): the intervals resample blocks of
-    these positions, a task's mean being sum(values) / sum(counts)."""
-    check: Callable[[dict, np.ndarray, int | None], str | None]
+    """(taus [A, n] of A arms scored on the same anchors (the expected taus where a draft is sampled), each
+    arm's live rounds, the block length the dense taus ask for) -> (its block length, values [A, m], counts
+    [A, m]): the intervals resample blocks of these positions, a task's mean being sum(values) / sum(counts)."""
+    check: Callable[[dict, Streaks, int | None], str | None]
     """(a task's stored numbers of one method, its streaks, max_rounds) -> why they do not follow, or None."""
 
 
@@ -114,14 +146,24 @@ def _live_series(taus: np.ndarray, rounds: list[np.ndarray], length: int) -> tup
     return max(1, min(length, span // LIVE_BLOCKS)), values[:, :span], counts[:, :span]
 
 
-def _check_dense(numbers: dict, streaks: np.ndarray, max_rounds: int | None) -> str | None:
-    if not math.isclose(numbers["dense"], float(streaks.mean()) + 1, rel_tol=1e-9):
-        return f"'dense' is {numbers['dense']!r}; the streaks' mean tau is {float(streaks.mean()) + 1!r}"
+def _dense_value(streaks: Streaks, first_anchor: int, max_rounds: int) -> float:
+    return float(streaks.mean_streaks.mean()) + 1.0
+
+
+def _live_value(streaks: Streaks, first_anchor: int, max_rounds: int) -> float:
+    return live_tau(streaks.drawn, first_anchor, max_rounds)
+
+
+def _check_dense(numbers: dict, streaks: Streaks, max_rounds: int | None) -> str | None:
+    mean = float(streaks.mean_streaks.mean()) + 1
+    if not math.isclose(numbers["dense"], mean, rel_tol=1e-9):
+        kind = "streaks'" if streaks.expected is None else "expected streaks'"
+        return f"'dense' is {numbers['dense']!r}; the {kind} mean tau is {mean!r}"
     return None
 
 
-def _check_live(numbers: dict, streaks: np.ndarray, max_rounds: int | None) -> str | None:
-    rounds, anchor = numbers.get("live_rounds", []), 0
+def _check_live(numbers: dict, streaks: Streaks, max_rounds: int | None) -> str | None:
+    rounds, anchor, streaks = numbers.get("live_rounds", []), 0, streaks.drawn
     for i, tau in enumerate(rounds):
         if anchor >= len(streaks) or tau != streaks[anchor] + 1:
             return (f"'live_rounds'[{i}] is {tau}; the live schedule over the streaks "
@@ -136,10 +178,10 @@ def _check_live(numbers: dict, streaks: np.ndarray, max_rounds: int | None) -> s
 
 
 AGGREGATES: dict[str, Aggregate] = {a.name: a for a in (
-    Aggregate("dense", "mean tau over every scored anchor", lambda s, first, rounds: dense_tau(s), _dense_series,
-              _check_dense),
-    Aggregate("live", "mean tau of the rounds live speculative decoding runs along the text", live_tau, _live_series,
-              _check_live),
+    Aggregate("dense", "mean tau over every scored anchor (its expectation where the draft is sampled)",
+              _dense_value, _dense_series, _check_dense),
+    Aggregate("live", "mean tau of the rounds live speculative decoding runs along the text (a seeded draw of the "
+                      "acceptance coins where the draft is sampled)", _live_value, _live_series, _check_live),
 )}
 
 
@@ -184,3 +226,41 @@ def decode_streaks(text: str, max_tau: int) -> np.ndarray:
     if values.max() > max_tau - 1:
         raise ValueError(f"holds the streak {int(values.max())}, above max_tau - 1 = {max_tau - 1}")
     return values.astype(np.int64)
+
+
+def encode_expected(expected, max_tau: int) -> str:
+    """Expected streaks (floats from 0 to max_tau - 1) in thousandths of a token (`EXPECTED_SCALE`, rounded to
+    the nearest), as `encode_streaks` keeps integers."""
+    values = np.asarray(expected, dtype=np.float64)
+    if values.ndim != 1 or not values.size or not np.isfinite(values).all() or values.min() < 0 \
+            or values.max() > max_tau - 1:
+        raise ValueError(f"expected streaks must be a non-empty 1-D array of numbers from 0 to {max_tau - 1}")
+    return encode_streaks(np.rint(values * EXPECTED_SCALE).astype(np.int64), (max_tau - 1) * EXPECTED_SCALE + 1)
+
+
+def quantize_expected(expected) -> np.ndarray:
+    """The expected streaks as a report keeps them (`encode_expected`, read back): float64."""
+    return np.rint(np.asarray(expected, dtype=np.float64) * EXPECTED_SCALE) / EXPECTED_SCALE
+
+
+def decode_expected(text: str, max_tau: int) -> np.ndarray:
+    """`encode_expected`'s string back to float64 expected streaks; ValueError for a string that is not one."""
+    return decode_streaks(text, (max_tau - 1) * EXPECTED_SCALE + 1).astype(np.float64) / EXPECTED_SCALE
+
+
+def task_streaks(numbers: dict, max_tau: int) -> Streaks:
+    """The Streaks a report keeps for one task and method (`streaks`, and `expected` where the draft is sampled);
+    ValueError naming the field that is not what it must be."""
+    try:
+        drawn = decode_streaks(numbers["streaks"], max_tau)
+    except ValueError as e:
+        raise ValueError(f"'streaks' {e}") from None
+    if "expected" not in numbers:
+        return Streaks(drawn)
+    try:
+        expected = decode_expected(numbers["expected"], max_tau)
+    except ValueError as e:
+        raise ValueError(f"'expected' {e}") from None
+    if len(expected) != len(drawn):
+        raise ValueError(f"'expected' holds {len(expected)} anchors; 'streaks' holds {len(drawn)}")
+    return Streaks(drawn, expected)

@@ -5,9 +5,11 @@ A run's reports, its baseline and every report taken for it (from a watcher, fro
 killed run's folder, from a saved JSON) share one basis: the cache (its fingerprint),
 the target's head (its fingerprint, when both name one), the block size, the tasks, the
 scoring fields that change numbers (window, max_rounds, dtype, the attention rule the
-drafters were scored under, and the confidence threshold a block was cut by), and the library's
-definitions (`SCORER_VERSION`); and each carries every method the run scores. A report on another
-basis is an error for that report, never a number; a resume on another basis starts a new run folder.
+drafters were scored under, and the confidence threshold a block was cut by), the settings a sampled
+cache's answers were drawn at with the draft rule and the acceptance coins' seed (`sampling`; None for
+a greedy cache, where neither changes a number), and the library's definitions (`SCORER_VERSION`); and
+each carries every method the run scores. A report on another basis is an error for that report, never
+a number; a resume on another basis starts a new run folder.
 
 The drafters themselves may differ (a DFlash baseline against a DFlash 2 drafter in training: each is
 scored as its family drafts, on the same anchors); `drafter_difference` says how, in one note.
@@ -22,7 +24,16 @@ from .report import SCORER_VERSION, EvalReport, family_title
 
 LABELS = {"cache": "cache", "target": "target head", "block_size": "block size", "tasks": "tasks",
           "window": "window", "max_rounds": "max_rounds", "dtype": "dtype", "attention": "attention rule",
-          "confidence_threshold": "confidence threshold", "scorer": "scorer version"}
+          "confidence_threshold": "confidence threshold", "sampling": "served sampling", "scorer": "scorer version"}
+
+
+def served_sampling(sampling: dict | None, draft_rule: str = "greedy", coin_seed: int = 0) -> str | None:
+    """What a report's numbers stand for at T > 0, as one line: the cache's sampling settings, the draft rule and
+    the coins' seed; None for a greedy cache (`sampling` None)."""
+    if sampling is None:
+        return None
+    return (f"temperature {sampling['temperature']:g}, top_p {sampling['top_p']:g}, top_k {sampling['top_k']}, "
+            f"draft rule {draft_rule}, coin seed {coin_seed}")
 
 
 @dataclass(frozen=True)
@@ -38,20 +49,24 @@ class Basis:
     scorer: int | None = SCORER_VERSION  # the library's definitions (None: a report from before it was recorded)
     attention: str | None = "auto"  # ScoringConfig.attention (None: a report from before it was recorded)
     confidence_threshold: float | None = None  # ScoringConfig.confidence_threshold (None: the full block)
+    sampling: str | None = None  # `served_sampling` (None: a greedy cache)
 
     @classmethod
     def of_run(cls, config: ScoringConfig, cache, block_size: int | None, target: str | None = None) -> Basis:
         """A run's basis: `config` scoring `cache` (a HiddenStateCache) at `block_size`."""
+        sampling = None if cache.sampling is None else cache.sampling.to_dict()
         return cls(cache.fingerprint, target, block_size, tuple(sorted(config.tasks or cache.task_names)),
                    config.window, config.max_rounds, config.dtype, tuple(config.methods), attention=config.attention,
-                   confidence_threshold=config.confidence_threshold)
+                   confidence_threshold=config.confidence_threshold,
+                   sampling=served_sampling(sampling, config.draft_rule, config.coin_seed))
 
     @classmethod
     def of_report(cls, report: EvalReport) -> Basis:
         s = report.scoring
         return cls(report.cache.get("fingerprint"), report.cache.get("target"), report.block_size,
                    tuple(sorted(report.tasks)), s.get("window"), s.get("max_rounds"), s.get("dtype"),
-                   tuple(report.methods), report.scorer_version, s.get("attention"), s.get("confidence_threshold"))
+                   tuple(report.methods), report.scorer_version, s.get("attention"), s.get("confidence_threshold"),
+                   served_sampling(report.sampling, s.get("draft_rule", "greedy"), s.get("coin_seed", 0)))
 
     def to_dict(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
@@ -112,4 +127,6 @@ def drafter_difference(ours: EvalReport, theirs: EvalReport, other: str = "the b
 def _show(name: str, value) -> str:
     if name == "scorer" and value is None:
         return "unrecorded (a report from before versions were recorded)"
+    if name == "sampling" and value is None:
+        return "none (a greedy cache)"
     return ", ".join(value) if isinstance(value, tuple) else str(value)

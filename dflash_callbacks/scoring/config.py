@@ -17,6 +17,8 @@ from ..model.attention import RULES as ATTENTION_RULES
 from .methods import scored_methods
 
 MAX_DDTREE_BUDGET = 1024
+DRAFT_RULES = ("greedy", "probabilistic")
+"""vLLM's `speculative_config.draft_sample_method` values (docs/numbers.md, "tau at temperature T")."""
 
 
 def check_tasks(tasks: object) -> None:
@@ -74,8 +76,25 @@ class ScoringConfig:
     dtype: str = _field("float32", numbers=True, help=" | ".join(DTYPE_NAMES))
     max_memory_gib: float | None = _field(None, help="the scorer's memory budget in GiB: chunks are sized to fit it")
     release_memory: bool = _field(False, help="give the scorer's accelerator memory back after each report")
-    attention: str = _field("auto", numbers=True, help="the attention pattern inside a block: auto (as vLLM serves "
-                                                       "the drafter) or another stack's rule (docs/numbers.md)")
+    attention: str = _field("auto", numbers=True, help="the attention pattern inside a block: auto (vLLM's rule for "
+                                                       "the published layout), vllm, sglang, trained, or another "
+                                                       "rule (docs/numbers.md)")
+    attentions: list[str] = _field(factory=list, numbers=True,
+                                   help="other attention rules to score every method under, each a method of its own "
+                                        "(METHOD:RULE), e.g. trained beside vllm: the cost of serving another pattern")
+    served_temperature: float | None = _field(None, help="the temperature the requests are served at (None: the "
+                                                          "cache's, 0 for a greedy cache); a cache sampled at another "
+                                                          "is refused")
+    served_top_p: float | None = _field(None, help="the requests' top-p (None: the cache's); a cache sampled at another "
+                                                   "is refused")
+    served_top_k: int | None = _field(None, help="the requests' top-k (None: the cache's, 0: off); a cache sampled at "
+                                                 "another is refused")
+    draft_rule: str = _field("greedy", numbers=True,
+                             help="the draft rule at T > 0, as vLLM's draft_sample_method: greedy (the argmax; "
+                                  "DFlash 2 samples its selector walk whatever this says) or probabilistic (DFlash "
+                                  "samples softmax(logits / T))")
+    coin_seed: int = _field(0, numbers=True, help="the seed of the acceptance coins the live schedule draws where the "
+                                                  "draft is sampled at T > 0 (the report records it)")
     confidence_threshold: float | None = _field(None, numbers=True,
                                                 help="a drafter with a confidence head (DSpark): score the draft cut "
                                                      "before the first slot whose confidence is below this (0 to 1, "
@@ -101,6 +120,22 @@ class ScoringConfig:
             lambda: check_number("max_memory_gib", self.max_memory_gib, above=0, optional=True),
             lambda: check_bool("release_memory", self.release_memory),
             lambda: check_choice("attention", self.attention, tuple(ATTENTION_RULES)),
+            lambda: check_str_list("attentions", self.attentions),
+            lambda: [check_choice("attentions", rule, tuple(ATTENTION_RULES)) for rule in self.attentions],
+            lambda: len(set(self.attentions)) == len(self.attentions) or _bad(
+                f"attentions holds a rule twice: {self.attentions}"),
+            lambda: self.attention not in self.attentions or _bad(
+                f"attentions holds attention {self.attention!r}, which every method is scored under already"),
+            lambda: check_number("served_temperature", self.served_temperature, optional=True) is None
+            or self.served_temperature >= 0 or _bad(
+                f"served_temperature must be >= 0 (0: greedy); got {self.served_temperature!r}: give the temperature "
+                "the requests are served at"),
+            lambda: check_number("served_top_p", self.served_top_p, optional=True) is None or 0 < self.served_top_p <= 1
+            or _bad(f"served_top_p must be in (0, 1] (1: off); got {self.served_top_p!r}: give the top-p the requests "
+                    "are served at"),
+            lambda: check_int("served_top_k", self.served_top_k, 0, optional=True),
+            lambda: check_choice("draft_rule", self.draft_rule, DRAFT_RULES),
+            lambda: check_int("coin_seed", self.coin_seed, 0),
             lambda: check_probability("confidence_threshold", self.confidence_threshold),
         )
         if problems:
@@ -109,6 +144,7 @@ class ScoringConfig:
         put("ddtree_budgets", [int(n) for n in self.ddtree_budgets])
         put("topk", [int(k) for k in self.topk])
         put("block_sizes", [int(b) for b in self.block_sizes])
+        put("attentions", list(self.attentions))
         put("tasks", None if self.tasks is None else list(self.tasks))
         if self.confidence_threshold is not None:
             put("confidence_threshold", float(self.confidence_threshold))
@@ -116,7 +152,7 @@ class ScoringConfig:
     @property
     def methods(self) -> list[str]:
         """The names of the methods scored, in report order (`scored_methods` gives the values)."""
-        return [str(m) for m in scored_methods(self.ddtree_budgets, self.topk, self.block_sizes)]
+        return [str(m) for m in scored_methods(self.ddtree_budgets, self.topk, self.block_sizes, self.attentions)]
 
     @property
     def torch_dtype(self):

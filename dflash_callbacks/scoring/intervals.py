@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .aggregates import AGGREGATES, LIVE_BLOCKS, decode_streaks  # noqa: F401  (LIVE_BLOCKS: importable from here too)
+from .aggregates import AGGREGATES, task_streaks
 from .methods import Monitor
 
 if TYPE_CHECKING:  # report.py renders these intervals in its table, so it imports this module
@@ -273,12 +273,13 @@ class Resampled:
 
 
 def taus(report: EvalReport, task: str, method: str) -> np.ndarray:
-    """The tau of every anchor of a task (from the streaks the report keeps)."""
+    """The tau of every anchor of a task (from the streaks the report keeps; their expectation where the draft
+    is sampled, `aggregates.Streaks`)."""
     numbers = report.tasks[task][method]
     if "streaks" not in numbers:
         raise ValueError(f"the report of {report.drafter} keeps no per-anchor streaks (it was written before scorer "
                          "version 4): score it again for intervals")
-    return decode_streaks(numbers["streaks"], report.max_tau(method)).astype(np.float64) + 1
+    return task_streaks(numbers, report.max_tau(method)).mean_streaks + 1
 
 
 def positions(arms: list[tuple[EvalReport, str]],

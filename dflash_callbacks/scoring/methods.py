@@ -5,6 +5,9 @@
     top@K            every label among the top K (an upper bound, not a node budget)
     METHOD:bB        the method scored at block size B, when a run scores more than one
                      (`ScoringConfig.block_sizes`; without it: the run's block size)
+    METHOD:RULE      the method scored under another attention rule (`ScoringConfig.attentions`,
+                     `model.attention.RULES`; without it: the run's `attention`), after any :bB:
+                     `vanilla:trained`, `ddtree@8:b8:vllm`
     METHOD/AGGREGATE a monitor: the run-level mean of one aggregate (`aggregates.AGGREGATES`)
 
 A method carries every setting its number depends on that is not the run's own: `ddtree@8:b8` next
@@ -19,11 +22,14 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ..model.attention import RULES
 from .aggregates import AGGREGATES
 
 KINDS = ("vanilla", "ddtree", "top")
-METHOD_FORMS = "vanilla, ddtree@N (node budget N >= 1) or top@K (width K >= 1), optionally :bB (block size B >= 2)"
-_FORM = re.compile(r"^(vanilla|ddtree@([1-9][0-9]*)|top@([1-9][0-9]*))(?::b([1-9][0-9]*))?\Z")
+METHOD_FORMS = ("vanilla, ddtree@N (node budget N >= 1) or top@K (width K >= 1), optionally :bB (block size B >= 2), "
+                f"then optionally :RULE (an attention rule: {', '.join(RULES)})")
+_FORM = re.compile(r"^(vanilla|ddtree@([1-9][0-9]*)|top@([1-9][0-9]*))(?::b([1-9][0-9]*))?"
+                   r"(?::(" + "|".join(map(re.escape, RULES)) + r"))?\Z")
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,7 @@ class Method:
     kind: str  # one of KINDS
     n: int | None = None  # DDTree node budget or top@K width; None for vanilla
     block: int | None = None  # the block size it is scored at; None: the run's
+    attention: str | None = None  # the attention rule it is scored under (model.attention.RULES); None: the run's
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -40,6 +47,8 @@ class Method:
         for name, value, low in (("N", self.n, 1), ("block size", self.block, 2)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 raise ValueError(f"{self.kind}: the {name} must be an integer >= {low}; got {value!r}")
+        if self.attention is not None and self.attention not in RULES:
+            raise ValueError(f"{self.kind}: the attention rule must be one of {list(RULES)}; got {self.attention!r}")
 
     @classmethod
     def parse(cls, text: object) -> Method:
@@ -50,15 +59,21 @@ class Method:
             raise ValueError(f"a method is {METHOD_FORMS}; got {text!r}")
         kind = found.group(1).split("@")[0]
         n = found.group(2) or found.group(3)
-        return cls(kind, None if n is None else int(n), None if found.group(4) is None else int(found.group(4)))
+        return cls(kind, None if n is None else int(n), None if found.group(4) is None else int(found.group(4)),
+                   found.group(5))
 
     def __str__(self) -> str:
         base = self.kind if self.n is None else f"{self.kind}@{self.n}"
-        return base if self.block is None else f"{base}:b{self.block}"
+        base = base if self.block is None else f"{base}:b{self.block}"
+        return base if self.attention is None else f"{base}:{self.attention}"
 
     def at(self, block: int | None) -> Method:
-        """This method at another block size (None: the run's)."""
-        return Method(self.kind, self.n, block)
+        """This method at another block size (None: the run's), under its own attention rule."""
+        return Method(self.kind, self.n, block, self.attention)
+
+    def under(self, attention: str | None) -> Method:
+        """This method under another attention rule (None: the run's), at its own block size."""
+        return Method(self.kind, self.n, self.block, attention)
 
 
 @dataclass(frozen=True)
@@ -84,8 +99,11 @@ class Monitor:
         return f"{self.method}/{self.aggregate}"
 
 
-def scored_methods(ddtree_budgets: Iterable[int], topk: Iterable[int], block_sizes: Iterable[int] = ()) -> list[Method]:
+def scored_methods(ddtree_budgets: Iterable[int], topk: Iterable[int], block_sizes: Iterable[int] = (),
+                   attentions: Iterable[str] = ()) -> list[Method]:
     """The methods a scoring config computes, in report order: vanilla, DDTree budgets, top@k widths at the
-    run's block size, then the same at each other block size of `block_sizes`."""
+    run's block size, then the same at each other block size of `block_sizes`; all of them again under each
+    other attention rule of `attentions`."""
     base = [Method("vanilla")] + [Method("ddtree", n) for n in ddtree_budgets] + [Method("top", k) for k in topk]
-    return base + [m.at(block) for block in block_sizes for m in base]
+    blocks = base + [m.at(block) for block in block_sizes for m in base]
+    return blocks + [m.under(rule) for rule in attentions for m in blocks]

@@ -1,4 +1,4 @@
-"""EvalReport: the numbers of one scoring run, as JSON, and the comparison table.
+"""EvalReport: the numbers of one scoring run, as JSON (its comparison table: `table.py`).
 
 A report is read back strictly (`EvalReport.from_dict`): anything that is not the shape
 below, holds a number that is not finite (anywhere, `extra` included) or a number outside
@@ -24,11 +24,11 @@ from typing import Any
 from ..cache.tasks import task_name_problem
 from ..checks import is_int
 from ..files import atomic_write
-from .aggregates import AGGREGATES, decode_streaks
-from .intervals import MIN_TASKS, Estimate, paired_comparison
+from ..cache.sampling import SAMPLING_KEYS, sampling_problems
+from .aggregates import AGGREGATES, task_streaks
 from .methods import Method, Monitor
 
-TASK_FIELDS = ("dense", "live", "curve", "live_rounds", "anchors", "streaks", "confidence_reach")
+TASK_FIELDS = ("dense", "live", "curve", "live_rounds", "anchors", "streaks", "expected", "confidence_reach")
 
 
 SCORER_VERSION = 5
@@ -67,7 +67,11 @@ class EvalReport:
     written before they were), which bounds each method's tau to 1 .. P + 1 (`max_tau`); `intervals` the
     95% interval of every mean (`intervals.report_intervals`: {"confidence", "resamples", "seed",
     "mean": {METHOD: {AGG: [lo, hi]}}, "tasks": {TASK: {METHOD: {AGG: [lo, hi]}}}}; None in reports
-    written before scorer version 4); `extra`
+    written before scorer version 4); `attention_patterns` each layer's pattern as its trainer trained it and
+    as vLLM serves it (`model.attention`'s "trained" and "vllm": {"trained": [...], "vllm": [...]}), where
+    those two and the scored one do not all agree (absent where they do); `cache.sampling` the settings a sampled cache's answers were drawn at (absent: a greedy
+    cache); per task and method, `expected` the expected streaks where the draft is sampled at T > 0
+    (`aggregates.encode_expected`; `streaks` then a seeded draw of the acceptance coins); `extra`
     anything else.
     """
 
@@ -86,6 +90,7 @@ class EvalReport:
     attention: list[str] | None = None
     family: dict[str, Any] | None = None
     intervals: dict[str, Any] | None = None
+    attention_patterns: dict[str, list[str]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -135,8 +140,30 @@ class EvalReport:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
+        if out["attention_patterns"] is None:  # said only where the patterns differ
+            del out["attention_patterns"]
         out["mean"] = self.mean
         return out
+
+    @property
+    def sampling(self) -> dict[str, Any] | None:
+        """The settings the cache's answers were sampled at (`cache.sampling`), None for a greedy cache."""
+        return self.cache.get("sampling")
+
+    def served(self) -> str:
+        """One line saying what this report's numbers stand for: the attention rule, and the cache's settings."""
+        rule = self.scoring.get("attention", "auto")
+        sampling = self.sampling
+        text = "greedy" if sampling is None else ", ".join(f"{k} {sampling[k]}" for k in SAMPLING_KEYS)
+        line = f"attention {rule}, cache {text}"
+        if sampling is not None:
+            line += f", draft rule {self.scoring.get('draft_rule', 'greedy')}, coin seed {self.scoring.get('coin_seed', 0)}"
+        if self.attention_patterns is not None:
+            shown = {**self.attention_patterns, f"scored ({rule})": self.attention or []}
+            line += ("; the drafter's patterns differ: " + "; ".join(
+                f"{name} {_layers(layers)}" for name, layers in shown.items())
+                + " (scoring.attentions scores the others beside it, METHOD:RULE)")
+        return line
 
     def to_json(self, path: str | Path | None = None) -> str:
         """The report as JSON text; with `path`, also written there atomically."""
@@ -172,6 +199,11 @@ class EvalReport:
             raise ValueError(f"{path} is not a JSON report: {e}") from None
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
+
+
+def _layers(patterns: list[str]) -> str:
+    """Each layer's pattern, "bidirectional x3" where every layer has the same."""
+    return f"{patterns[0]} x{len(patterns)}" if patterns and len(set(patterns)) == 1 else ", ".join(patterns)
 
 
 INT_MAX = 2**63 - 1
@@ -223,6 +255,11 @@ def _check_shape(raw: dict) -> None:
         raise _bad("'cache' is not an object with a 'fingerprint' string")
     if not all(isinstance(cache.get(k, ""), str) for k in ("path", "target")):
         raise _bad("'cache' holds a 'path' or 'target' that is not a string")
+    _check_sampling(cache.get("sampling"))
+    patterns = raw.get("attention_patterns")
+    if patterns is not None and (not isinstance(patterns, dict) or not all(
+            isinstance(v, list) and all(isinstance(a, str) for a in v) for v in patterns.values())):
+        raise _bad(f"'attention_patterns' is {patterns!r}, not an object of rule -> one pattern per layer, or null")
     if raw.get("snapshot_id") is not None and not isinstance(raw["snapshot_id"], str):
         raise _bad(f"'snapshot_id' is {raw['snapshot_id']!r}, not a string or null")
     for key in ("scoring", "extra"):
@@ -268,6 +305,18 @@ def _check_shape(raw: dict) -> None:
         if bare:
             raise _bad(f"'intervals' without the streaks they come from ({', '.join(bare[:3])} keep none)")
         _check_intervals(raw["intervals"], tasks, {m: _max_tau(raw, m) for m in methods})
+
+
+def _check_sampling(sampling: Any) -> None:
+    """A sampled cache's settings (`cache.sampling.SAMPLING_KEYS`, a temperature > 0), or absent (greedy)."""
+    if sampling is None:
+        return
+    if not isinstance(sampling, dict) or sorted(sampling) != sorted(SAMPLING_KEYS):
+        raise _bad(f"'cache.sampling' is {sampling!r}, not an object of {list(SAMPLING_KEYS)}")
+    problems = sampling_problems(*(sampling[k] for k in SAMPLING_KEYS)) or (
+        ["temperature 0 is greedy: a greedy cache records no sampling"] if sampling["temperature"] == 0 else [])
+    if problems:
+        raise _bad("'cache.sampling': " + "; ".join(problems))
 
 
 def _check_family(family: Any) -> None:
@@ -318,13 +367,15 @@ def _check_numbers(numbers: dict, where: str, max_tau: int, max_rounds: Any = No
     if "confidence_reach" in numbers:
         _check_reach(numbers["confidence_reach"], curve, where, max_tau)
     if "streaks" not in numbers:
+        if "expected" in numbers:
+            raise _bad(f"{where}'expected' without the 'streaks' of the coins drawn")
         return
     try:
-        streaks = decode_streaks(numbers["streaks"], max_tau)
+        streaks = task_streaks(numbers, max_tau)
     except ValueError as e:
-        raise _bad(f"{where}'streaks' {e}") from None
-    if numbers.get("anchors") != len(streaks):
-        raise _bad(f"{where}'streaks' holds {len(streaks)} anchors; 'anchors' says {numbers.get('anchors')}")
+        raise _bad(f"{where}{e}") from None
+    if numbers.get("anchors") != len(streaks.drawn):
+        raise _bad(f"{where}'streaks' holds {len(streaks.drawn)} anchors; 'anchors' says {numbers.get('anchors')}")
     for aggregate in AGGREGATES.values():
         problem = aggregate.check(numbers, streaks, max_rounds if is_int(max_rounds) else None)
         if problem is not None:
@@ -419,74 +470,3 @@ def family_title(report: EvalReport) -> str:
 
     name = (report.family or {}).get("name", "dflash")
     return FAMILIES[name].title if name in FAMILIES else name
-
-
-def ratio(a: float, b: float) -> float:
-    return a / b if b else math.nan
-
-
-def comparison(ours: EvalReport, baseline: EvalReport | None = None, aggregate: str = "live") -> tuple[list[str], list[list]]:
-    """Columns and rows comparing two reports: a row per task and one for the mean; per
-    method (those both reports score) ours and, with a baseline, the baseline's value,
-    delta = ours - baseline and ratio = ours / baseline (floats; names in the first column)."""
-    methods = [m for m in ours.methods if baseline is None or m in baseline.methods]
-    columns = ["task"]
-    for m in methods:
-        columns += [f"{m} {aggregate} {part}" for part in (("ours", "baseline", "delta", "ratio") if baseline else ("ours",))]
-    rows = []
-    for task in list(ours.tasks) + ["mean"]:
-        row: list = [task]
-        for m in methods:
-            a = ours.value(f"{m}/{aggregate}", task)
-            row.append(a)
-            if baseline is not None:
-                b = baseline.value(f"{m}/{aggregate}", task)
-                row += [b, a - b, ratio(a, b)]
-        rows.append(row)
-    return columns, rows
-
-
-def comparison_table(ours: EvalReport, baseline: EvalReport | None = None, aggregate: str = "live",
-                     other: str = "the baseline") -> str:
-    """`comparison` as a markdown table (ratios in percent, the mean row in bold), each number
-    with its 95% interval, `mean [lo, hi]`, where the reports carry them (delta and ratio paired:
-    `intervals.paired_comparison`), then a line per method with the run-level ratio and the
-    verdict against `other` (how the verdict names the other report). Over fewer than
-    MIN_TASKS tasks the title names the mean's interval the within-task one, and each line says
-    why it gives no verdict."""
-    columns, rows = comparison(ours, baseline, aggregate)
-    kept = ours.intervals is not None and (baseline is None or baseline.intervals is not None)
-    paired, unpaired = {}, []
-    if kept and baseline is not None:
-        try:
-            paired = paired_comparison(ours, baseline)
-        except ValueError as e:  # compared with --force across caches: the numbers, without paired intervals
-            unpaired.append(f"(delta and ratio without intervals: {e})")
-
-    def cell(column: str, task: str, x) -> str:
-        method, _, part = column.rsplit(" ", 2)
-        monitor = f"{method}/{aggregate}"
-        percent, sign = part == "ratio", part == "delta"
-        if kept and part in ("ours", "baseline"):
-            return Estimate(x, *(ours if part == "ours" else baseline).interval(monitor, task)).show()
-        if kept and monitor in paired:
-            return getattr(paired[monitor][task], part).show(percent=percent, sign=sign)
-        return f"{100 * x:.0f}%" if percent else f"{x:+.2f}" if sign else f"{x:.2f}"
-
-    header = [c.replace(f" {aggregate} ", " ") for c in columns]  # the title names the aggregate
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(columns)]
-    for row in rows:
-        name = f"**{row[0]}**" if row[0] == "mean" else row[0]
-        lines.append("| " + " | ".join([name] + [cell(c, row[0], x) for c, x in zip(columns[1:], row[1:])]) + " |")
-    title = f"{aggregate} tau (tokens per target forward, 1 to {max(map(ours.max_tau, ours.methods))}; higher is better)"
-    title += f", block size {ours.block_size}" + (f", step {ours.step}" if ours.step is not None else "")
-    if baseline is not None and family_title(ours) != family_title(baseline):
-        title += f"; ours a {family_title(ours)} drafter, {other} a {family_title(baseline)} one"
-    if kept and len(ours.tasks) < MIN_TASKS:
-        title += (f"; [95% within-task interval]: {len(ours.tasks)} task{'s' if len(ours.tasks) > 1 else ''}, too few "
-                  f"for a run-level one (at least {MIN_TASKS}), so the mean's is the text's noise alone")
-    elif kept:
-        title += f"; [95% interval] over {len(ours.tasks)} tasks"
-    verdicts = [f"{monitor.split('/')[0]} {aggregate}: {found['mean'].ratio.show(percent=True)} of {other}, "
-                f"{found['mean'].says('it')}" for monitor, found in paired.items() if monitor.endswith(f"/{aggregate}")]
-    return "\n".join([title, *lines, *verdicts, *unpaired])

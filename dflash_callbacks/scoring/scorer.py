@@ -11,6 +11,10 @@ labels are tok[a+1 .. a+B-1], invalid past the end of the sequence.
   keys [0, a_i) and its own B keys, in two exact parts (`model.block_attention`), as
   each layer's attention pattern allows (`ScoringConfig.attention`: "auto" is as vLLM
   serves the drafter, `model.attention`).
+- On a sampled cache, where the family samples its proposal at the cache's temperature
+  (`served.ServedDraft`: DFlash 2's selector walk, DFlash's probabilistic draft rule), vanilla's
+  acceptance at each slot is a coin of chance min(1, q / p): the report keeps the expected
+  streak of every anchor and one seeded draw of the coins (`summarize`).
 - A pruned draft vocabulary (`DFlashDrafter.vocab_ids`) is scored over its own target
   ids: the LM head's rows of those ids (ascending, so ties go to the lower target id),
   and a label outside it ends the streak there, as it can never be drafted.
@@ -35,7 +39,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 from tqdm.auto import tqdm
@@ -45,11 +49,13 @@ from ..model import DFlashDrafter, TargetHead
 from ..model.attention import describe, resolve_attention
 from ..model.families.dspark import confidence_cut
 from ..model.geometry import anchor_range, block_inputs
-from .aggregates import AGGREGATES, acceptance_curve, encode_streaks, live_rounds
+from .aggregates import AGGREGATES, Streaks, acceptance_curve, encode_expected, encode_streaks, live_rounds, \
+    quantize_expected
 from .config import ScoringConfig
 from .intervals import report_intervals
 from .methods import Method, scored_methods
 from .report import SCORER_VERSION, EvalReport
+from .served import ServedDraft, coins, expected_streaks, served_problems
 
 
 class NonFiniteError(ValueError):
@@ -148,6 +154,9 @@ class TaskStreaks:
     name: str
     first_anchor: int
     streaks: dict[str, torch.Tensor]  # method -> int64 [n_anchors] (cpu)
+    accept: dict[str, torch.Tensor] = field(default_factory=dict)
+    """method -> float64 [n_anchors, P] (cpu): each slot's chance of acceptance where the draft is sampled
+    (`served.ServedDraft.acceptance`); such a method's `streaks` entry is replaced by a draw of its coins."""
     cuts: dict[str, torch.Tensor] | None = None  # method -> the confidence cut per anchor (with a threshold)
 
 
@@ -162,10 +171,17 @@ def score_task(
     block_size: int,
     progress: bool = False,
     plan: MemoryPlan | None = None,
+    attention_rule: str | None = None,
+    served: ServedDraft | None = None,
 ) -> TaskStreaks:
     """Per-anchor streaks of one cache task (drafter and head already on one device/dtype),
-    in chunks of `plan` (default: `anchors_per_forward` blocks, MAX_HEAD_ROWS draft rows)."""
+    in chunks of `plan` (default: `anchors_per_forward` blocks, MAX_HEAD_ROWS draft rows), under
+    `attention_rule` (default `config.attention`); with a sampled `served` draft, vanilla's chances of
+    acceptance too (`TaskStreaks.accept`; the task's `target_logprob` holds each label's log p)."""
     plan = plan or MemoryPlan(config.anchors_per_forward, MAX_HEAD_ROWS)
+    sampled = served is not None and served.sampled
+    if sampled and task.target_logprob is None:
+        raise ValueError(f"task {task.name!r} has no target_logprob: a sampled draft is scored on a sampled cache")
     device, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
     anchors = anchor_range(task.prompt_len, task.num_tokens, config.window)
     if len(anchors) == 0:
@@ -175,22 +191,29 @@ def score_task(
     target_hidden = task.hidden[:context_len].to(device=device, dtype=dtype)[None]
     context = drafter.encode_context(target_hidden, torch.arange(context_len, device=device)[None])
     top_n = max(config.ddtree_budgets, default=0)
-    attention = resolve_attention(drafter.config, config.attention)
+    attention = resolve_attention(drafter.config, attention_rule or config.attention)
     vocab_ids = drafter.vocab_ids
     proposals = len(drafter.draft_rows(block_size))
     weight = drafter.head_weight(head.lm_head.weight)
     threshold = config.confidence_threshold
     parts: dict[str, list[torch.Tensor]] = {}
+    accepts: list[torch.Tensor] = []
     cuts: list[torch.Tensor] = []
-    pending: list[tuple[torch.Tensor, ...]] = []  # (slot features, labels, predecessors, valid, cut) per chunk
+    pending: list[tuple[torch.Tensor, ...]] = []  # (slot features, labels, predecessors, valid, cut, log p) per chunk
+    tempered = {} if served is None or served.head_temperature is None else {"temperature": served.head_temperature}
+    logprob = task.target_logprob.to(device) if sampled else None
 
     def flush() -> None:
-        features, labels, previous, valid, cut = (torch.cat(t) for t in zip(*pending))  # [n, P, ...] of every chunk
+        features, labels, previous, valid, cut, logp = (torch.cat(t) for t in zip(*pending))  # [n, P, ...] of all
         pending.clear()
-        stats = drafter.slot_stats(features, weight, labels, previous, top_n, config.backend, config.vocab_chunk)
+        stats = drafter.slot_stats(features, weight, labels, previous, top_n, config.backend, config.vocab_chunk,
+                                   **tempered)
         for method, values in streaks_from_stats(stats, valid, config, drafter.ddtree_streaks).items():
             parts.setdefault(method, []).append((values if threshold is None else torch.minimum(values, cut)).cpu())
         cuts.append(cut.cpu())
+        if sampled:  # a slot past the confidence cut is never proposed: its chance is 0
+            inside = valid & (torch.arange(proposals, device=valid.device) < cut[:, None])
+            accepts.append(served.acceptance(stats, logp, inside).cpu())
 
     chunks = range(0, len(anchors), plan.anchors_per_forward)
     for start in tqdm(chunks, desc=task.name, disable=not progress, leave=False, unit="chunk"):
@@ -207,10 +230,14 @@ def score_task(
             confidence_cut(drafter.confidence_logits(hidden, previous), threshold)
         if pending and sum(p[0].shape[0] * proposals for p in pending) + features.shape[0] * proposals > plan.head_rows:
             flush()
-        pending.append((features, labels, previous, valid, cut))
+        # each label's served log p (the token at a + 1 + j); unread without a sampled draft
+        logp = logprob[(chunk[:, None] + torch.arange(1, proposals + 1, device=device)).clamp(max=task.num_tokens - 1)] \
+            if sampled else valid
+        pending.append((features, labels, previous, valid, cut, logp))
     flush()
+    accept = {"vanilla": torch.cat(accepts)} if sampled else {}
     cut = None if threshold is None else torch.cat(cuts)
-    return TaskStreaks(task.name, anchors[0], {m: torch.cat(v) for m, v in parts.items()},
+    return TaskStreaks(task.name, anchors[0], {m: torch.cat(v) for m, v in parts.items()}, accept,
                        None if cut is None else dict.fromkeys(parts, cut))
 
 
@@ -226,17 +253,26 @@ def summarize(task: TaskStreaks, config: ScoringConfig, max_taus: dict[str, int]
     """The report entry of one task: per method each aggregate (`aggregates.AGGREGATES`), the acceptance
     curve, the live rounds, and the per-anchor streaks they come from (for the intervals); with a confidence
     threshold, the share of anchors whose confidence cut reaches each depth (`confidence_reach`, as
-    `families.dspark.cut_reach`); `max_taus`: each method's largest tau."""
+    `families.dspark.cut_reach`); `max_taus`: each method's largest tau. A method with chances of acceptance
+    (`TaskStreaks.accept`, a sampled draft) keeps its expected streaks (`expected`, as the report stores them:
+    every number is made from those) and, as `streaks`, one draw of the coins (`served.coins`, seeded with
+    scoring.coin_seed); its curve is the mean chance of reaching each depth."""
     out = {}
     for method, values in task.streaks.items():
-        values = values.numpy()
-        out[method] = {name: aggregate.value(values, task.first_anchor, config.max_rounds)
+        top = max_taus[method]
+        accept = task.accept.get(method)
+        if accept is None:
+            streaks, curve, kept = Streaks(values.numpy()), acceptance_curve(values.numpy(), top - 1), {}
+        else:
+            found = expected_streaks(accept.numpy(), coins(config.coin_seed, task.name, *accept.shape))
+            streaks = Streaks(found.drawn, quantize_expected(found.expected))
+            curve, kept = found.reach.mean(axis=0).tolist(), {"expected": encode_expected(found.expected, top)}
+        out[method] = {name: aggregate.value(streaks, task.first_anchor, config.max_rounds)
                        for name, aggregate in AGGREGATES.items()}
-        out[method].update(curve=acceptance_curve(values, max_taus[method] - 1),
-                           live_rounds=live_rounds(values, task.first_anchor, config.max_rounds),
-                           anchors=int(values.size), streaks=encode_streaks(values, max_taus[method]))
+        out[method].update(curve=curve, live_rounds=live_rounds(streaks.drawn, task.first_anchor, config.max_rounds),
+                           anchors=int(streaks.drawn.size), streaks=encode_streaks(streaks.drawn, top), **kept)
         if task.cuts is not None:
-            out[method]["confidence_reach"] = acceptance_curve(task.cuts[method].numpy(), max_taus[method] - 1)
+            out[method]["confidence_reach"] = acceptance_curve(task.cuts[method].numpy(), top - 1)
     return out
 
 
@@ -273,13 +309,30 @@ def block_problems(drafter_config, config: ScoringConfig, trained: int | None = 
     return problems
 
 
-def _report_cache(cache, head: TargetHead) -> dict[str, str]:
-    """What a report records of its inputs: the cache (path, fingerprint) and, when the head
-    was read from a target folder, the target head's fingerprint."""
+def _report_cache(cache, head: TargetHead) -> dict:
+    """What a report records of its inputs: the cache (path, fingerprint), when the head was read from a
+    target folder the target head's fingerprint, and a sampled cache's settings (`cache.sampling`)."""
     out = {"path": str(cache.path), "fingerprint": cache.fingerprint}
     if head.fingerprint is not None:
         out["target"] = head.fingerprint
+    if cache.sampling is not None:
+        out["sampling"] = cache.sampling.to_dict()
     return out
+
+
+def attention_patterns(drafter_config, rule: str, block_size: int) -> dict[str, list[str]] | None:
+    """Each layer's pattern as its trainer trained it (`model.attention`'s "trained") and as vLLM serves it
+    ("vllm"), where the two, or either and the scored `rule`'s, differ for blocks of up to `block_size`; None
+    where all three agree (what `EvalReport.attention_patterns` records: the report says so once, and
+    `scoring.attentions` scores the others as methods of their own)."""
+    def seen(name: str) -> list[str]:  # a window over the context only hides nothing more when the block fits in it
+        return [str(replace(a, context_only=False) if a.context_only and block_size <= a.window else a)
+                for a in resolve_attention(drafter_config, name)]
+
+    found = {name: seen(name) for name in ("trained", "vllm")}
+    if found["trained"] == found["vllm"] == seen(rule):
+        return None
+    return {name: describe(resolve_attention(drafter_config, name)) for name in found}
 
 
 class Cancelled(RuntimeError):
@@ -314,9 +367,12 @@ def score_drafter(
     drafter_block = drafter.config.block_size
     block_size = config.block_size or drafter_block
     blocks = [block_size, *config.block_sizes]  # every method at each: `:bB` past the first
-    problems = block_problems(drafter.config, config)
+    problems = block_problems(drafter.config, config) + served_problems(config, cache.sampling, drafter.family,
+                                                                         f"the cache {cache.path}")
     if problems:
         raise ValueError("; ".join(problems))
+    served = ServedDraft.of(config, cache.sampling, drafter.family)
+    rules = [None, *config.attentions]  # every method under each: `:RULE` past the first
     cache.check_compatible(drafter.config, block_size=block_size)
     problems = drafter.head_problems(head.embed_tokens.weight, head.lm_head.weight)
     if problems:
@@ -339,17 +395,19 @@ def score_drafter(
     for task_name in tqdm(names, desc=f"scoring {name or 'drafter'}", disable=not progress, unit="task"):
         if cancel is not None and cancel.is_set():
             raise Cancelled(f"scoring was cancelled before task {task_name!r}")
-        task, streaks, cuts = cache.task(task_name), {}, {}
-        for block in blocks:
-            try:
-                found = score_task(drafter, head, task, config, block, progress, plan)
-            except NonFiniteError as e:
-                raise NonFiniteError(f"task {task_name!r}: {e}") from None
-            at = None if block == block_size else block
-            streaks.update({str(Method.parse(m).at(at)): v for m, v in found.streaks.items()})
-            cuts.update({str(Method.parse(m).at(at)): v for m, v in (found.cuts or {}).items()})
-        tasks[task_name] = summarize(TaskStreaks(task_name, found.first_anchor, streaks, cuts or None), config,
-                                     max_taus)
+        task, streaks, accept, cuts = cache.task(task_name), {}, {}, {}
+        for rule in rules:
+            for block in blocks:
+                try:
+                    found = score_task(drafter, head, task, config, block, progress, plan, rule, served)
+                except NonFiniteError as e:
+                    raise NonFiniteError(f"task {task_name!r}: {e}") from None
+                named = lambda m: str(Method.parse(m).at(None if block == block_size else block).under(rule))  # noqa: E731
+                streaks.update({named(m): v for m, v in found.streaks.items()})
+                accept.update({named(m): v for m, v in found.accept.items()})
+                cuts.update({named(m): v for m, v in (found.cuts or {}).items()})
+        tasks[task_name] = summarize(TaskStreaks(task_name, found.first_anchor, streaks, accept, cuts or None),
+                                     config, max_taus)
     report = EvalReport(
         drafter=name or "drafter",
         cache=_report_cache(cache, head),
@@ -365,6 +423,7 @@ def score_drafter(
         scorer_version=SCORER_VERSION,
         attention=describe(resolve_attention(drafter.config, config.attention)),
         family=family,
+        attention_patterns=attention_patterns(drafter.config, config.attention, max(blocks)),
     )
     report.intervals = report_intervals(report)
     report.seconds = time.perf_counter() - clock

@@ -46,6 +46,7 @@ from .basis import Basis
 from .config import ScoringConfig
 from .report import SCORER_VERSION, EvalReport
 from .scorer import NonFiniteError, block_problems, memory_plan, score_drafter
+from .served import draft_rule_problems, served_problems
 
 VERIFY_BYTES = 4 << 30
 """Preflight reads every cache file (sha256, finite hidden states) when they total at most this;
@@ -155,6 +156,8 @@ def preflight(spec: ServiceSpec, drafter: DrafterConfig | None, drafter_shapes: 
         problems.append(f"cache: {e}")
     if cache is not None:
         problems += _cache_problems(cache, drafter, config, block)
+        problems += served_problems(config, cache.sampling, drafter.family if drafter is not None else None,
+                                    f"the cache {cache.path}")
     vocab = drafter.vocab_size if drafter is not None else cache.vocab_size if cache is not None else None
     hidden = drafter.hidden_size if drafter is not None else cache.hidden_size if cache is not None else None
     target_problems, head = _target_problems(spec.target, vocab, hidden,
@@ -277,6 +280,7 @@ def _baseline_problems(source: Path, cache: HiddenStateCache, config: ScoringCon
     except (OSError, ValueError) as e:
         return [f"baseline {source}: {e}"]
     problems += [f"baseline {source}: {p}" for p in block_problems(drafter, config)]
+    problems += [f"baseline {source}: {p}" for p in draft_rule_problems(config, cache.sampling, drafter.family)]
     scored_at = config.block_size or drafter.block_size  # the block size the baseline's report will have
     if block is not None and scored_at != block:
         problems.append(f"baseline {source} is a drafter of block size {drafter.block_size}, this run scores block "

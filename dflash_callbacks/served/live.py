@@ -1,11 +1,15 @@
-"""Live speculative sampling with a DFlash drafter: what a served request does, round by round.
+"""Live speculative sampling with a DFlash or DFlash 2 drafter: what a served request does, round by round.
 
 A round at anchor a (the last token so far, tok[a]): the drafter sees the target's hidden
 states at its `target_layer_ids` for the context [0, a) and its block [tok[a], MASK x (B-1)]
 at positions a..a+B-1 (as in `cache.extract` and the scorer), and proposes one token per slot:
 its argmax ("argmax", vLLM's default `draft_sample_method="greedy"`; the verifier then treats
 the draft as certain, q = one-hot) or a draw from its tempered distribution softmax(logits / T)
-("sample", vLLM's "probabilistic": the temperature only, no top-k or top-p). The target runs one forward over the text and the drafts and verifies them with
+("sample", vLLM's "probabilistic": the temperature only, no top-k or top-p). A DFlash 2 drafter
+proposes by its selector walk (`selector_walk`): slot j's K candidates scored given the token
+proposed at j - 1 (the anchor for slot 0), the argmax ("argmax") or a draw from softmax(score / T)
+over them ("sample": what vLLM serves at T > 0), q that softmax placed on the candidates' ids and 0
+elsewhere. The target runs one forward over the text and the drafts and verifies them with
 standard speculative sampling at the served settings (`cache.sampling.served_logprobs`): draft
 d at slot j is accepted with probability min(1, p_j(d) / q_j(d)); at the first rejection the
 token is drawn from max(0, p_j - q_j) normalised; when every draft is accepted, a bonus token
@@ -41,6 +45,8 @@ from ..model import DFlashDrafter
 from ..scoring.intervals import CONFIDENCE, t_quantile
 
 DRAFT_RULES = ("argmax", "sample")
+LIVE_FAMILIES = ("dflash", "dflash2")
+"""The families the loop proposes for: DFlash's slots read no predecessor, DFlash 2's walk reads its own."""
 
 
 @dataclass
@@ -51,6 +57,27 @@ class LiveRun:
     prompt_len: int
     tokens: list[int]
     taus: list[int]
+
+
+def selector_walk(stats, vocab: int, temperature: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(drafts [P], q [P, vocab]) of a DFlash 2 block from its selector statistics (`slot_stats` of one block, whose
+    `edge_scores` [P, K, K] score each slot's candidates given each candidate of the slot before, slot 0 given
+    the anchor): from row 0, each slot takes the argmax (temperature 0; the lower index on ties) or a draw from
+    softmax(score / T) of its row, and the next slot reads the row of what it took. q: one-hot, or that softmax
+    on the candidates' ids."""
+    ids, edges = stats.candidate_ids, stats.edge_scores
+    drafts, q, row = [], torch.zeros(len(ids), vocab), 0
+    for j in range(len(ids)):
+        scores = edges[j, row].float()
+        if temperature == 0:
+            row = int(scores.argmax())
+            q[j, ids[j, row]] = 1.0
+        else:
+            probs = (scores / temperature).softmax(-1)
+            row = int(torch.multinomial(probs, 1, generator=generator))
+            q[j, ids[j]] = probs
+        drafts.append(int(ids[j, row]))
+    return torch.tensor(drafts), q
 
 
 def speculative_verify(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
@@ -84,8 +111,9 @@ def live_decode(
     task: str = "",
 ) -> LiveRun:
     """Decode one request from the token ids `prompt` with the target `model` (a transformers
-    causal LM on the CPU) verifying `drafter`'s blocks at the served `sampling` settings."""
+    causal LM on the CPU) verifying `drafter`'s blocks (DFlash or DFlash 2) at the served `sampling` settings."""
     check_choice("draft_rule", draft_rule, DRAFT_RULES)
+    check_choice("the live loop's drafter family", drafter.family, LIVE_FAMILIES)
     layer_ids = drafter.config.target_layer_ids
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
     B, mask = drafter.block_size, drafter.mask_token_id
@@ -108,12 +136,18 @@ def live_decode(
         a = len(ids) - 1
         context = drafter.encode_context(features[None, :a], torch.arange(a)[None])
         block = torch.tensor([[ids[a]] + [mask] * (B - 1)])
-        logits = lm_head(drafter.decode_blocks(context, embed(block), torch.tensor([a]))[0, 1:])  # [B-1, V]
-        if draft_rule == "argmax":
+        hidden = drafter.decode_blocks(context, embed(block), torch.tensor([a]))[:, 1:]  # [1, B-1, H]
+        if drafter.family == "dflash2":
+            stats = drafter.slot_stats(hidden, lm_head.weight, torch.zeros(1, B - 1, dtype=torch.long),
+                                       torch.tensor([[ids[a]] * (B - 1)]), 0)
+            drafts, q = selector_walk(stats, lm_head.weight.shape[0], sampling.temperature if draft_rule == "sample" else 0,
+                                      generator)
+        elif draft_rule == "argmax":
+            logits = lm_head(hidden[0])  # [B-1, V]
             drafts = logits.argmax(dim=-1)
             q = torch.nn.functional.one_hot(drafts, logits.shape[-1]).float()
         else:
-            q = served_logprobs(logits, tempered).exp()
+            q = served_logprobs(lm_head(hidden[0]), tempered).exp()
             drafts = torch.multinomial(q, 1, generator=generator)[:, 0]
         p, block_features = target([ids[a], *drafts.tolist()], B)  # positions a .. a+B-1
         accepted, token = speculative_verify(p, q, drafts, generator)

@@ -48,7 +48,6 @@ import argparse
 import errno
 import hashlib
 import json
-import math
 import os
 import re
 import struct

@@ -25,7 +25,8 @@ from dflash_callbacks.demos.demo import report_line
 from dflash_callbacks.demos.toy.world import toy_baseline_path, toy_target_path
 from dflash_callbacks.demos.training import CacheSequences, DFlashTrainingModule, collate_sequences
 from dflash_callbacks.model import build_drafter
-from dflash_callbacks.scoring.report import EvalReport, comparison_table
+from dflash_callbacks.scoring.report import EvalReport
+from dflash_callbacks.scoring.table import comparison_table
 from dflash_callbacks.scoring.service import PreflightError
 
 from loops import hf_fit, plain_fit
@@ -122,7 +123,8 @@ def test_the_plain_loop_scores_and_stops_a_drafter_of_each_family(family, tmp_pa
     logged = []
     evaluator = DrafterEvaluator(**evaluation(family, tmp_path, toy_cache_dir, toy_family_baselines[family]),
                                  stop=stop(family), max_steps=MAX_STEPS, log=lambda metrics, step: logged.append(step))
-    plain_fit(world_of(family, toy_training_cache_dir), MAX_STEPS, evaluator, step_sleep=STEP_SECONDS)
+    plain_fit(world_of(family, toy_training_cache_dir), MAX_STEPS, evaluator,
+              after_step=lambda model, step: time.sleep(STEP_SECONDS))
     assert evaluator.errors == 0 and evaluator.should_stop and evaluator.stop_reason is not None
     check_reports(evaluator.reports, evaluator.baseline_report, family)
     assert logged == [r.step for r in evaluator.reports] and max(logged) < MAX_STEPS

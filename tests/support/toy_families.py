@@ -28,6 +28,7 @@ from dflash_callbacks.demos.objective import CacheSequences, drafter_weights, se
 from dflash_callbacks.demos.toy import toy_drafter_config, toy_target_path
 from dflash_callbacks.model import DrafterConfig, TargetHead, build_drafter, save_drafter
 from dflash_callbacks.model.families import dflash2, domino, dspark
+from suite_paths import FIXTURES
 
 __all__ = ["toy_family_baselines"]
 
@@ -39,7 +40,7 @@ FAMILY_SETTINGS = {
 """The families beside DFlash, each with settings that fit the toy target (hidden 128, vocabulary 260)."""
 BASELINE_STEPS = 60
 BASELINE_LR = 3e-3
-TEMPLATES = Path(__file__).resolve().parent / "fixtures" / "families"
+TEMPLATES = FIXTURES / "families"
 SPECULATORS_TEMPLATE = {"dflash2": TEMPLATES / "dflash2-full" / "checkpoint" / "config.json",
                         "dspark": TEMPLATES / "dspark" / "checkpoint" / "config.json"}
 

@@ -10,7 +10,6 @@ import dataclasses
 import itertools
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,8 +22,9 @@ from dflash_callbacks.model import build_drafter
 from dflash_callbacks.model.families.dflash2 import Drafter, Settings, block_conv, read_config
 from dflash_callbacks.model.families.dflash2_selector import NOT_PROPOSED
 from dflash_callbacks.demos.objective import CacheSequences, default_gamma, depth_weights, sequence_loss
+from suite_paths import FIXTURES
 
-FULL = Path(__file__).resolve().parents[1] / "fixtures" / "families" / "dflash2-full"
+FULL = FIXTURES / "families" / "dflash2-full"
 
 
 def fixture_raw() -> dict:

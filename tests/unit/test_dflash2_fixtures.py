@@ -33,8 +33,9 @@ from dflash_callbacks.model.families.dflash2_selector import greedy_walk
 from dflash_callbacks.model.geometry import block_attention_mask, block_positions
 from dflash_callbacks.scoring.config import ScoringConfig
 from dflash_callbacks.scoring.scorer import score_drafter, score_task, streaks_from_stats
+from suite_paths import FIXTURES
 
-FAMILIES = Path(__file__).resolve().parents[1] / "fixtures" / "families"
+FAMILIES = FIXTURES / "families"
 CASES = {"dflash2-full": "auto", "dflash2-sliding": "anchored-bidirectional"}  # the trainer's attention pattern
 BACKBONE_TOLERANCE = 1e-4
 SELECTOR_TOLERANCE = 2e-5

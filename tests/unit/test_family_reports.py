@@ -18,7 +18,8 @@ from dflash_callbacks.model.families import dspark
 from dflash_callbacks.model.geometry import block_inputs
 from dflash_callbacks.scoring.basis import Basis, drafter_difference
 from dflash_callbacks.scoring.config import ScoringConfig
-from dflash_callbacks.scoring.report import EvalReport, comparison_table, family_title
+from dflash_callbacks.scoring.report import EvalReport, family_title
+from dflash_callbacks.scoring.table import comparison_table
 from dflash_callbacks.scoring.scorer import block_problems, score_drafter
 
 from family_cases import FAMILIES, case, decode, head, one_task_cache

@@ -189,7 +189,7 @@ def test_block_lengths_of_every_short_series_against_the_plain_loop():
 
 
 def test_a_report_with_tasks_of_four_and_five_anchors_has_its_intervals_and_its_table():
-    from dflash_callbacks.scoring.report import comparison_table
+    from dflash_callbacks.scoring.table import comparison_table
 
     rng = np.random.default_rng(9)
     rows = [rng.integers(0, 8, n) for n in (4, 5, 40, 60)]
@@ -235,7 +235,8 @@ def test_a_tasks_live_rounds_are_resampled_in_several_blocks():
         lo, hi = found[task]["vanilla"]["live"]
         assert len(set(rounds)) > 1 and lo < report.value("vanilla/live", task) < hi, (task, rounds, lo, hi)
 
-    from dflash_callbacks.scoring.intervals import LIVE_BLOCKS, positions
+    from dflash_callbacks.scoring.aggregates import LIVE_BLOCKS
+    from dflash_callbacks.scoring.intervals import positions
 
     for task in report.tasks:  # the text asks for blocks longer than the rounds span: cut to LIVE_BLOCKS in it
         lengths, series = positions([(report, "vanilla")], task)
@@ -248,7 +249,7 @@ def test_fewer_than_three_tasks_give_the_within_task_interval_and_no_verdict():
     the run-level interval is the within-task one, under that name, and gives no verdict, where
     it gave "behind" and the stop acted. Three tasks judge as before; a task's own comparison
     keeps its verdict."""
-    from dflash_callbacks.scoring.report import comparison_table
+    from dflash_callbacks.scoring.table import comparison_table
 
     streaks = Model(rho=0.7, offsets=(0.3, -0.8)).streaks(np.random.default_rng(13), 1, 3)[:, 0]
     for count in (1, 2, 3):

@@ -7,7 +7,8 @@ from dflash_callbacks import DFlashDrafter, TargetHead
 from dflash_callbacks.cache.format import CacheTask, HiddenStateCache
 from dflash_callbacks.scoring.config import ScoringConfig
 from naive_scorer import score_task_naive
-from dflash_callbacks.scoring.report import EvalReport, comparison, comparison_table
+from dflash_callbacks.scoring.report import EvalReport
+from dflash_callbacks.scoring.table import comparison, comparison_table
 from dflash_callbacks.model.attention import resolve_attention
 from dflash_callbacks.model.geometry import anchor_range, block_attention_mask
 from dflash_callbacks.scoring.scorer import score_drafter, score_task

@@ -86,17 +86,18 @@ def test_mean_interval():
 
 
 @pytest.mark.slow
-def test_the_live_mean_lies_in_the_offline_estimates_interval(tmp_path):
-    """T = 1, top-p 0.95, four coding10 prompts, 48 new tokens: the scorer's live mean on a cache of
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_the_live_mean_lies_in_the_offline_estimates_interval(temperature, tmp_path):
+    """T = 0.7 and 1, top-p 0.95, four coding10 prompts, 48 new tokens: the scorer's live mean on a cache of
     10 answers per prompt sampled at those settings (seed 1) holds the mean of the live loop over
     5 requests per prompt (seed 0, about 780 rounds). Both are noisy estimates of the same number,
-    so an interval holds the other's estimate about 83% of the time: over 4 x 4 seeds, 13 pairs did."""
-    sampling, tasks, n = Sampling(1.0, 0.95), load_tasks("coding10")[:4], 48
+    so an interval holds the other's estimate about 83% of the time: at T = 1, over 4 x 4 seeds, 13 pairs did."""
+    sampling, tasks, n = Sampling(temperature, 0.95), load_tasks("coding10")[:4], 48
     drafter = load_drafter(toy_baseline_path())
     runs = live_runs(toy_target_path(), drafter, tasks, sampling, runs_per_prompt=5, max_new_tokens=n, seed=0)
     live, lo, hi = live_tau(runs)
     cache = extract_cache(toy_target_path(), tmp_path / "sampled", tasks, TOY_LAYER_IDS, max_new_tokens=n,
-                          progress=False, temperature=1.0, top_p=0.95, samples=10, seed=1)
+                          progress=False, temperature=temperature, top_p=0.95, samples=10, seed=1)
     report = score_drafter(drafter, cache, TargetHead.from_pretrained(toy_target_path()),
                            ScoringConfig(ddtree_budgets=[], device="cpu", max_rounds=n))
     low, high = report.intervals["mean"]["vanilla"]["live"]

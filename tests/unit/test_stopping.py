@@ -7,7 +7,8 @@ import warnings
 
 import pytest
 
-from dflash_callbacks.callbacks.stopping import TrailingBaselineStop, fit_projection, projected_value, validate_monitor
+from dflash_callbacks.callbacks.stopping import TrailingBaselineStop
+from dflash_callbacks.engine.stop import fit_projection, projected_value, validate_monitor
 from dflash_callbacks.engine.stop import Moment
 
 from made_reports import BASE, make_report

@@ -1,0 +1,149 @@
+"""tau as a request is served at a temperature: the settings a report is scored at, and the acceptance of a
+sampled draft (docs/numbers.md, "tau at temperature T").
+
+A sampled cache (`cache.sampling`) holds answers the target drew at the served settings and, for each
+token, its served log-probability log p. Where the drafter proposes its argmax (vLLM's default draft
+rule for DFlash, DSpark and Domino) its streaks on that text are the served acceptance, integers, and
+nothing here changes them. Where it samples its proposal from q (DFlash 2's selector walk at T > 0;
+DFlash under the "probabilistic" draft rule), standard speculative sampling accepts a slot whose emitted
+token is the cached one with probability
+
+    c_j = P(accepted | emitted x_j) = min(q_j(x_j), p_j(x_j)) / p_j(x_j) = min(1, q_j / p_j),
+
+q_j the proposal's probability of the cached token given the true tokens before it (up to the first
+rejection the walk's own proposals are those tokens). Given the text, the slots of a round are coins
+with these chances, so the expected streak at an anchor is sum_k prod_{j<=k} c_j (what `dense` averages)
+and the live schedule runs along one draw of the coins (`coins`: a generator this module seeds from the
+coin seed, the task and the slot, never the global one; the same draw for every drafter, so a paired
+comparison shares it). Text drawn from p and coins drawn given it have the law of the served rounds, so
+the draw is one realisation of the served process and the live interval, made from its rounds as from
+any other cache's, holds its Monte-Carlo error.
+
+`served_problems` refuses, one line each naming the fix, settings the cache was not sampled at and a draft
+rule a family is not served with; `ServedDraft` is what the scorer reads.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+    from .config import ScoringConfig
+
+SAMPLED_FAMILIES = {"dflash2": "always", "dflash": "probabilistic"}
+"""Families whose proposal is a draw at T > 0: DFlash 2 whatever the draft rule (vLLM allocates its draft
+logits unconditionally), DFlash under the probabilistic draft rule (softmax(logits / T), temperature only)."""
+PROBABILISTIC_REFUSED = {
+    "dspark": "vLLM's probabilistic DSpark draft cuts q to dspark_draft_topk, which this library does not score",
+    "domino": "no serving engine samples a Domino draft (vLLM does not serve Domino; its branch proposes the argmax)",
+}
+
+
+def served_problems(config: ScoringConfig, sampling: Any, family: str | None, cache_path: str = "the cache") -> list[str]:
+    """Why `config` can not score a cache sampled at `sampling` (a `cache.sampling.Sampling`, None: greedy) for a
+    drafter of `family` (None: not known yet): scoring settings the cache was not sampled at, a draft rule the
+    family is not served with at T > 0. One line each, naming the fix."""
+    cache = {"temperature": 0.0, "top_p": 1.0, "top_k": 0} if sampling is None else {
+        "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k}
+    asked = {name: getattr(config, f"served_{name}") for name in cache if getattr(config, f"served_{name}") is not None}
+    differ = {name: value for name, value in asked.items() if value != cache[name]}
+    problems = draft_rule_problems(config, sampling, family)
+    if differ:
+        kind = "holds greedy answers" if sampling is None else "was sampled at " + ", ".join(
+            f"{k} {v:g}" for k, v in cache.items())
+        wanted = ", ".join(f"{k} {v:g}" for k, v in differ.items())
+        flags = " ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in {**cache, **asked}.items()
+                         if v != {"temperature": 0.0, "top_p": 1.0, "top_k": 0}[k])
+        problems.append(f"{cache_path} {kind}, but scoring asks for {wanted}: a cache's streaks are tau at its own "
+                        f"settings only; extract a cache at yours (dflash-callbacks extract {flags or '(greedy)'}) or "
+                        f"leave scoring.served_{', scoring.served_'.join(differ)} unset")
+    return problems
+
+
+def draft_rule_problems(config: ScoringConfig, sampling: Any, family: str | None) -> list[str]:
+    """Why a drafter of `family` can not be scored under `config.draft_rule` at a sampled cache's temperature."""
+    if family in PROBABILISTIC_REFUSED and config.draft_rule == "probabilistic" and sampling is not None:
+        return [f"scoring.draft_rule 'probabilistic' can not be scored for a {family} drafter: "
+                f"{PROBABILISTIC_REFUSED[family]}; score draft_rule 'greedy' (vLLM's default)"]
+    return []
+
+
+@dataclass(frozen=True)
+class ServedDraft:
+    """How a drafter's proposals are drawn as the cache's requests are served: `temperature` the cache's (0: a
+    greedy cache), `sampled` whether the proposal is a draw from q (`SAMPLED_FAMILIES`), `coin_seed` the seed of
+    the acceptance coins the live schedule draws."""
+
+    family: str
+    temperature: float
+    sampled: bool
+    coin_seed: int = 0
+
+    @classmethod
+    def of(cls, config: ScoringConfig, sampling: Any, family: str) -> ServedDraft:
+        temperature = 0.0 if sampling is None else sampling.temperature
+        rule = SAMPLED_FAMILIES.get(family)
+        sampled = temperature > 0 and (rule == "always" or rule == config.draft_rule)
+        return cls(family, temperature, sampled, config.coin_seed)
+
+    @property
+    def head_temperature(self) -> float | None:
+        """The temperature the LM-head statistics must carry (`Drafter.slot_stats(temperature=)`): DFlash's
+        probabilistic draft reads softmax(z / T) of the label; None where no tempered statistic is read."""
+        return self.temperature if self.sampled and self.family != "dflash2" else None
+
+    def label_logq(self, stats) -> torch.Tensor:
+        """[M] log q of each row's label at the served temperature, given the true token before it (-inf: a label
+        the proposal can not draw): DFlash 2, the selector's softmax(score / T) over the K candidates (0 off
+        them); DFlash, the tempered head statistics' label log-prob."""
+        import torch
+
+        if self.family == "dflash2":
+            logq = (stats.candidate_scores / self.temperature).log_softmax(-1)
+            found = stats.label_index >= 0
+            return torch.where(found, logq.gather(1, stats.label_index.clamp(min=0)[:, None])[:, 0], float("-inf"))
+        return stats.tempered_label_logprob
+
+    def acceptance(self, stats, target_logprob: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """float64 [n, P] c = min(1, q / p) of each slot of n blocks: `target_logprob` [n, P] log p of the label
+        (the cache's), `valid` [n, P]; 0 where the label is past the text (or not draftable)."""
+        import torch
+
+        logq = self.label_logq(stats).view(valid.shape).double()
+        accept = (logq - target_logprob.double()).clamp(max=0).exp()
+        return torch.where(valid, accept, 0.0)
+
+
+def coins(seed: int, task: str, anchors: int, slots: int) -> np.ndarray:
+    """float64 [anchors, slots] uniforms in [0, 1): slot j's coin at the i-th scored anchor of `task`, from a
+    generator seeded with (seed, task, j) alone: the same for every drafter, method and block size, and a
+    window that scores fewer anchors takes the first of them."""
+    key = zlib.crc32(task.encode())
+    return np.stack([np.random.default_rng([seed, key, j]).random(anchors) for j in range(slots)], axis=1) \
+        if slots else np.zeros((anchors, 0))
+
+
+@dataclass(frozen=True)
+class Expected:
+    """One task's sampled-draft method: `drawn` int64 [n] the streak of one draw of the coins, `expected`
+    float64 [n] the expected streak, `reach` float64 [n, P] the chance of reaching each depth."""
+
+    drawn: np.ndarray
+    expected: np.ndarray
+    reach: np.ndarray
+
+
+def expected_streaks(accept: np.ndarray, uniforms: np.ndarray) -> Expected:
+    """From c [n, P] (`ServedDraft.acceptance`) and coins [n, P]: the streak of the draw (a slot accepted where
+    its coin is below c, the streak the run of accepted slots), the expected streak sum_k prod_{j<=k} c_j, and
+    prod_{j<=d} c_j for each depth d."""
+    reach = np.cumprod(accept, axis=1)
+    drawn = np.cumprod(uniforms < accept, axis=1).sum(axis=1).astype(np.int64)
+    return Expected(drawn, reach.sum(axis=1), reach)
+
