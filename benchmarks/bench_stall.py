@@ -10,11 +10,15 @@ it decides, never stops). Reported, as a table and as JSON:
   started in on_train_batch_end) plus the wait in on_before_optimizer_step: the stall;
 - the scorer's own seconds (sum over reports) and the steps/s lost, as seconds of
   training time, to set against them;
-- the scorer's peak accelerator memory per report (CUDA only).
+- the scorer's peak accelerator memory per report (CUDA only);
+- with `--min-ratio R`, a baseline drafter (random weights) and the stop at that threshold: the
+  longest the training thread spent in the evaluation on any step (the baseline's arrival and the
+  stop's setup warning included), against the 10 ms every step must stay under.
 
     python benchmarks/bench_stall.py --size toy                           # CPU, about a minute
     python benchmarks/bench_stall.py --size toy --loop plain --runner process
     python benchmarks/bench_stall.py --size production --json stall.json  # one GPU
+    python benchmarks/bench_stall.py --size toy --loop plain --min-ratio 0.9995   # the worst threshold
 
 Sizes: production is the Qwen3.6-27B DFlash shape (hidden 5120, 5 layers, 1.78 B
 parameters), bf16-true, batch 4 of 1024 context + 512 block tokens, V = 248,320, 10
@@ -40,6 +44,7 @@ from dflash_callbacks.cache.format import TargetInfo, new_manifest, open_for_wri
 from dflash_callbacks.callbacks.eval_callback import DrafterEvalCallback  # noqa: E402
 from dflash_callbacks.callbacks.stopping import TrailingBaselineStop  # noqa: E402
 from dflash_callbacks.loop import DrafterEvaluator  # noqa: E402
+from dflash_callbacks.model.io import save_drafter  # noqa: E402
 from dflash_callbacks.model import DFlashDrafter, DrafterConfig, build_target_layer_ids  # noqa: E402
 from dflash_callbacks.model.geometry import block_attention_mask, block_positions  # noqa: E402
 
@@ -132,11 +137,13 @@ class TimedEvalCallback(DrafterEvalCallback):
         super().__init__(*args, **kwargs)
         self.batch_end_s: dict[int, float] = {}
         self.before_step_s: dict[int, float] = {}
+        self.batch_end_cpu_s: dict[int, float] = {}  # the training thread's own CPU time in the hook
 
     def on_train_batch_end(self, trainer, *args):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         super().on_train_batch_end(trainer, *args)
         self.batch_end_s[trainer.global_step] = time.perf_counter() - t0
+        self.batch_end_cpu_s[trainer.global_step] = time.thread_time() - c0
 
     def on_before_optimizer_step(self, trainer, *args):
         t0 = time.perf_counter()
@@ -173,13 +180,14 @@ def train(size: dict, config: DrafterConfig, callbacks: list, steps: int, device
 
 
 def train_plain(size: dict, config: DrafterConfig, evaluator: DrafterEvaluator | None, steps: int,
-                device: str) -> tuple[list[float], dict[int, float], dict[int, float]]:
+                device: str) -> tuple[list[float], dict[int, float], dict[int, float], dict[int, float]]:
     """The same training in a plain loop: (step times, seconds in evaluator.step() per step, seconds in the
-    optimizer's pre-hook, the wait for a snapshot's copy, per step)."""
+    optimizer's pre-hook, the wait for a snapshot's copy, per step, the training thread's CPU seconds in
+    evaluator.step() per step)."""
     torch.manual_seed(0)
     module = DrafterOnFeatures(config, size).to(device=device, dtype=size["dtype"])
     optimizer = torch.optim.AdamW(module.drafter.parameters(), lr=1e-5)
-    in_step, in_hook = {}, {}
+    in_step, in_hook, in_step_cpu = {}, {}, {}
     if evaluator is not None:
         landed = evaluator.engine.copy_landed
 
@@ -198,9 +206,9 @@ def train_plain(size: dict, config: DrafterConfig, evaluator: DrafterEvaluator |
         loss.backward()
         optimizer.step()
         if evaluator is not None:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             evaluator.step(step)
-            in_step[step] = time.perf_counter() - t0
+            in_step[step], in_step_cpu[step] = time.perf_counter() - t0, time.thread_time() - c0
         if device == "cuda":
             torch.cuda.synchronize()
         now = time.perf_counter()
@@ -209,7 +217,7 @@ def train_plain(size: dict, config: DrafterConfig, evaluator: DrafterEvaluator |
         last = now
     if evaluator is not None:
         evaluator.close()
-    return times, in_step, in_hook
+    return times, in_step, in_hook, in_step_cpu
 
 
 def main(argv=None) -> dict:
@@ -222,6 +230,9 @@ def main(argv=None) -> dict:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--loop", choices=["lightning", "plain"], default="lightning")
     p.add_argument("--runner", choices=["thread", "process"], default="thread")
+    p.add_argument("--min-ratio", type=float, default=None,
+                   help="score a baseline too and stop (action warn) below this ratio of it; e.g. 0.9995, the worst a "
+                        "cache of few tasks can resolve")
     args = p.parse_args(argv)
     size = SIZES[args.size]
     steps, every = args.steps or size["steps"], args.every or size["every"]
@@ -234,37 +245,49 @@ def main(argv=None) -> dict:
 
     scoring = {"ddtree_budgets": [4, 8], "topk": [4], "device": args.device,
                "dtype": "bfloat16" if size["dtype"] == torch.bfloat16 else "float32"}
-    stop = TrailingBaselineStop(monitor="ddtree@8/live", action="warn", verbose=False)
+    stop = TrailingBaselineStop(monitor="ddtree@8/live", action="warn", verbose=False, min_ratio=args.min_ratio)
+    baseline = None
+    if args.min_ratio is not None:
+        baseline = target.parent / "baseline"
+        if not (baseline / "config.json").is_file():  # random weights of the trained drafter's shape
+            torch.manual_seed(1)
+            save_drafter(baseline, config, DFlashDrafter(config).to(size["dtype"]).state_dict())
+    evaluation = dict(cache=cache, target=target, baseline=baseline, verbose=False, scoring=scoring,
+                      dirpath=args.work / "runs", busy="skip", runner=args.runner,
+                      baseline_cache_dir=args.work / "baseline-reports")
     if args.loop == "lightning":
         without = train(size, config, [], steps, args.device).times
-        cb = TimedEvalCallback(cache=cache, target=target, every_n_train_steps=every, verbose=False, scoring=scoring,
-                               dirpath=args.work / "runs", busy="skip", runner=args.runner)
+        cb = TimedEvalCallback(every_n_train_steps=every, **evaluation)
         with_times = train(size, config, [cb, stop], steps, args.device).times
-        in_step, in_hook, engine = cb.batch_end_s, {s - 1: t for s, t in cb.before_step_s.items()}, cb.engine
+        in_step, in_hook, view = cb.batch_end_s, {s - 1: t for s, t in cb.before_step_s.items()}, cb
+        in_step_cpu = cb.batch_end_cpu_s
     else:
-        without, _, _ = train_plain(size, config, None, steps, args.device)
-        evaluator = DrafterEvaluator(cache=cache, target=target, every_n_steps=every, stop=stop, verbose=False,
-                                     scoring=scoring, dirpath=args.work / "runs", busy="skip", runner=args.runner)
-        with_times, in_step, in_hook = train_plain(size, config, evaluator, steps, args.device)
-        engine = evaluator.engine
-    snapshot_steps = sorted({r.step for r in engine.reports} | {s for s in in_step if s % every == 0})
+        without, _, _, _ = train_plain(size, config, None, steps, args.device)
+        evaluator = DrafterEvaluator(every_n_steps=every, stop=stop, **evaluation)
+        with_times, in_step, in_hook, in_step_cpu = train_plain(size, config, evaluator, steps, args.device)
+        view = evaluator
+    snapshot_steps = sorted({r.step for r in view.reports} | {s for s in in_step if s % every == 0})
     stalls = [in_step.get(s, 0.0) + in_hook.get(s, 0.0) for s in snapshot_steps if s < steps]
-    scorer_s = sum(r.seconds or 0.0 for r in engine.reports)
+    any_step = max(in_step.get(s, 0.0) + in_hook.get(s, 0.0) for s in in_step)  # the baseline's arrival too
+    scorer_s = sum(r.seconds or 0.0 for r in view.reports)
     lost_s = sum(with_times) - sum(without)
     result = {
         "loop": args.loop, "runner": args.runner,
         "size": args.size, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "steps": steps, "every_n_train_steps": every, "setup_s": setup_s, "reports": len(engine.reports),
-        "skipped_busy": engine.skipped, "errors": engine.errors,
+        "steps": steps, "every_n_train_steps": every, "setup_s": setup_s, "reports": len(view.reports),
+        "skipped_busy": view.skipped, "errors": view.errors,
         "step_s_median": {"without": statistics.median(without), "with": statistics.median(with_times)},
         "step_s_max": {"without": max(without), "with": max(with_times)},
         "steps_per_s": {"without": len(without) / sum(without), "with": len(with_times) / sum(with_times)},
         "stall_ms_per_snapshot": {"max": 1000 * max(stalls, default=0.0), "median": 1000 * statistics.median(stalls)
                                   if stalls else 0.0, "first": 1000 * stalls[0] if stalls else None},
         "wait_before_optimizer_ms_max": 1000 * max(in_hook.values(), default=0.0),
+        "stall_ms_any_step_max": 1000 * any_step, "min_ratio": args.min_ratio,
+        "training_thread_cpu_ms_any_step_max": 1000 * max(in_step_cpu.values(), default=0.0),
+        "baseline_scored": view.baseline_report is not None,
         "scorer_s": scorer_s, "training_s_lost": lost_s,
         "lost_over_scorer": lost_s / scorer_s if scorer_s else None,
-        "scorer_peak_memory_gib": max((r.peak_memory or 0) for r in engine.reports) / 2**30 if engine.reports else None,
+        "scorer_peak_memory_gib": max((r.peak_memory or 0) for r in view.reports) / 2**30 if view.reports else None,
     }
     result["steps_per_s_ratio"] = result["steps_per_s"]["with"] / result["steps_per_s"]["without"]
     print(f"| {args.size} on {result['device']}, {args.loop} loop, runner {args.runner}, {steps} steps, a snapshot "
@@ -275,8 +298,11 @@ def main(argv=None) -> dict:
     print(f"| steps/s | {result['steps_per_s']['without']:.2f} | {result['steps_per_s']['with']:.2f} |")
     print(f"| stall per snapshot (hooks + wait before the optimizer step), max / first | - | "
           f"{result['stall_ms_per_snapshot']['max']:.2f} / {result['stall_ms_per_snapshot']['first'] or 0:.2f} ms |")
+    print(f"| the longest step inside the evaluation, any step{baseline_said(args.min_ratio)}: wall / the training "
+          f"thread's CPU | - | {result['stall_ms_any_step_max']:.2f} / "
+          f"{result['training_thread_cpu_ms_any_step_max']:.2f} ms |")
     print(f"| steps/s with / without | - | {result['steps_per_s_ratio']:.3f} |")
-    print(f"| reports ({engine.skipped} skipped while busy), scorer seconds | - | {len(engine.reports)}, {scorer_s:.2f} s |")
+    print(f"| reports ({view.skipped} skipped while busy), scorer seconds | - | {len(view.reports)}, {scorer_s:.2f} s |")
     print(f"| training time lost / scorer seconds | - | {lost_s:.2f} s / {scorer_s:.2f} s |")
     peak = result["scorer_peak_memory_gib"]
     print(f"| scorer peak memory | - | {'-' if not peak else f'{peak:.2f} GiB'} |")
@@ -284,6 +310,10 @@ def main(argv=None) -> dict:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def baseline_said(min_ratio: float | None) -> str:
+    return "" if min_ratio is None else f" (a baseline, the stop at min_ratio={min_ratio!r})"
 
 
 if __name__ == "__main__":

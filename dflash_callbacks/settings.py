@@ -261,7 +261,7 @@ class EvalSettings:
                                                "is still pending then is recorded as an error")
     name: str = setting("dflash", help="the metric prefix and the default folder name (unique among a run's "
                                        "evaluations)")
-    verbose: bool = setting(True, help="a one-line summary per report")
+    verbose: bool = setting(True, help="a one-line summary per report, and the last report's table at the end")
     sync_every_n_steps: int = setting(1, help="on several processes, every this many steps rank 0's news (the "
                                               "means, a stop) reach every rank (>= 1)")
 

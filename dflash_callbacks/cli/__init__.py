@@ -1,4 +1,4 @@
-"""`dflash-callbacks extract | score | compare | watch | demo`.
+"""`dflash-callbacks extract | score | compare | watch | plot | demo`.
 
 An ordinary mistake (a wrong path, a folder of the wrong kind, a setting that can not
 work here) prints one `error: ...` line per problem and exits with status 2; `--debug`
@@ -14,7 +14,7 @@ import itertools
 import os
 import sys
 
-from . import demo, extract, score, watch
+from . import demo, extract, plot, score, watch
 from .usage import USER_ERRORS, UsageError  # noqa: F401  (the CLI's error, importable from here)
 
 COMMANDS = {  # command -> (the function adding its arguments, the function running it, its help)
@@ -29,6 +29,8 @@ COMMANDS = {  # command -> (the function adding its arguments, the function runn
     "watch": (watch.add_watch_arguments, watch.run_watch,
               "score the snapshots training runs write (--dir: DrafterEvalCallback(runner='external')) or the "
               "checkpoints a trainer saves (--checkpoints)"),
+    "plot": (plot.add_plot_arguments, plot.run_plot,
+             "draw a run folder's live tau per report against the baseline, with intervals and the stop (a PNG)"),
 }
 """Each command's module imports what it runs when it runs it: a help, or a refused argument, answers
 before torch loads."""

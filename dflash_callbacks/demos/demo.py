@@ -24,8 +24,13 @@ as `key=value` (e.g. `train.max_steps=300`, `eval.every_n_train_steps=25`, `stop
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import sys
 import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -34,9 +39,9 @@ from ..callbacks import TrailingBaselineStop
 from ..callbacks.schema import build_eval_callback, build_stop_callback
 from ..scoring.intervals import paired_comparison
 from ..scoring.methods import Monitor
+from ..engine.reports import final_table
 from ..scoring.report import EvalReport, family_title
-from ..scoring.table import comparison_table
-from .plot import plot_live_tau
+from ..plot import plot_live_tau
 from .toy.threads import torch_threads
 from .settings import DemoConfig, TrainConfig, check_demo, demo_config  # noqa: F401  (the demo's settings)
 
@@ -48,7 +53,10 @@ def training_data(world: Path, train: TrainConfig):
     from .toy.world import build_toy_training_cache
 
     folder = world / f"train-{train.sequences}x{train.seq_len}"
-    build_toy_training_cache(folder, n_sequences=train.sequences, seq_len=train.seq_len)
+    if not (folder / "manifest.json").is_file():
+        print(f"demo: writing the training text ({train.sequences} answers of the toy target) to {folder} (once)",
+              flush=True)
+    build_toy_training_cache(folder, n_sequences=train.sequences, seq_len=train.seq_len, progress=sys.stderr.isatty())
     data = CacheSequences(folder)
     return DataLoader(data, batch_size=train.batch_size, shuffle=True, collate_fn=collate_sequences,
                       generator=torch.Generator().manual_seed(train.seed), num_workers=0)
@@ -74,7 +82,8 @@ def resolve_world(cfg: DemoConfig) -> tuple[str, str, str | None]:
     if cache == "toy":
         cache = str(world / f"coding10-b{cfg.train.block_size}")
         if not (Path(cache) / "manifest.json").is_file():
-            build_toy_cache(cache, block_size=cfg.train.block_size, progress=True)
+            print(f"demo: building the toy target's coding10 cache in {cache} (once)", flush=True)
+            build_toy_cache(cache, block_size=cfg.train.block_size, progress=sys.stderr.isatty())
     baseline = str(toy_baseline_path()) if cfg.eval.baseline == "toy" else cfg.eval.baseline
     return cache, target, baseline
 
@@ -146,8 +155,45 @@ def report_line(report: EvalReport, baseline: EvalReport | None, stop: TrailingB
 
 def run_demo(cfg: DemoConfig) -> dict:
     check_demo(cfg)
-    with torch_threads(1):  # toy models: one intra-op thread for training, one core left for scoring
+    with torch_threads(1), demo_output():  # toy models: one intra-op thread for training, one core left for scoring
         return _run_demo(cfg)
+
+
+@contextmanager
+def demo_output() -> Iterator[None]:
+    """Around the demo only, its output is its own: the third-party lines a user can not act on are not
+    printed (Lightning's device lines and tips, deprecation warnings), a warning is one line, and without
+    a terminal, no progress bar (transformers' weight loading; the demo's own bars are off there too)."""
+    import lightning
+    import transformers.utils.logging as transformers_logging
+
+    lightning_info = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # this library's lines go there too
+    own = LightningsOwnLines(lightning.__path__[0])
+    bars = transformers_logging.is_progress_bar_enabled()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.showwarning = lambda message, *args, **kwargs: print(f"warning: {message}", file=sys.stderr, flush=True)
+        lightning_info.addFilter(own)
+        if not sys.stderr.isatty():
+            transformers_logging.disable_progress_bar()
+        try:
+            yield
+        finally:
+            lightning_info.removeFilter(own)
+            if bars:
+                transformers_logging.enable_progress_bar()
+
+
+class LightningsOwnLines(logging.Filter):
+    """Drops the info lines Lightning itself says (a record names where `rank_zero_info` was called)."""
+
+    def __init__(self, folder: str):
+        super().__init__()
+        self.folder = os.path.join(folder, "")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno > logging.INFO or not record.pathname.startswith(self.folder)
 
 
 def _run_demo(cfg: DemoConfig) -> dict:
@@ -167,15 +213,19 @@ def _run_demo(cfg: DemoConfig) -> dict:
     eval_cb.subscribe(lines.show)
     loggers = [CSVLogger(out, name="csv")]
     if cfg.wandb != "disabled":
+        import wandb
         from lightning.pytorch.loggers import WandbLogger
 
-        loggers.append(WandbLogger(project=cfg.wandb_project, save_dir=str(out), offline=cfg.wandb == "offline"))
+        # the run made here, not by the logger (whose settings W&B warns about at every start)
+        loggers.append(WandbLogger(experiment=wandb.init(project=cfg.wandb_project, dir=str(out), mode=cfg.wandb)))
     data = training_data(out / "world", cfg.train)
     trainer = pl.Trainer(
         max_steps=cfg.train.max_steps, max_epochs=-(-cfg.train.max_steps // len(data)),  # "Epoch 4/9", not "4/-2"
         accelerator="cpu", logger=loggers,
         callbacks=[eval_cb] + ([stop_cb] if stop_cb else []), enable_checkpointing=False,
-        enable_model_summary=False, log_every_n_steps=10, default_root_dir=str(out),
+        enable_model_summary=False, default_root_dir=str(out),
+        log_every_n_steps=min(10, len(data)),  # Lightning warns of an interval longer than an epoch
+        enable_progress_bar=sys.stderr.isatty(),  # else its last state is left among the demo's lines
     )
     trainer.fit(toy_module(cfg.train), data)
     if cfg.wandb != "disabled":
@@ -189,8 +239,7 @@ def _run_demo(cfg: DemoConfig) -> dict:
         "errors": eval_cb.errors,
     }
     if eval_cb.reports:
-        last = max(eval_cb.reports, key=lambda r: r.step)
-        print("\n" + comparison_table(last, eval_cb.baseline_report) + "\n")
+        print(final_table(eval_cb.reports, eval_cb.baseline_report))
         title = f"demo run {eval_cb.run_id}: live tau of ours against the baseline ({len(eval_cb.reports)} reports)"
         reason = f"stopped at step {lines.stop_step}: {lines.stop_reason}" if lines.stop_step is not None else None
         summary["plot"] = str(plot_live_tau(eval_cb.reports, eval_cb.baseline_report, out / "live_tau.png", title=title,

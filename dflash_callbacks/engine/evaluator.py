@@ -40,13 +40,13 @@ from torch import nn
 from ..model import DrafterConfig
 from ..scoring.basis import Basis
 from ..scoring.report import EvalReport
-from ..scoring.service import ServiceSpec, preflight
+from ..scoring.service import PreflightError, ServiceSpec, preflight
 from ..settings import EvalSettings
 from .host import Host
 from .metrics import RunState
 from .news import exchange
 from .publish import Publisher, Subscriber
-from .reports import Reports
+from .reports import Reports, final_table
 from .run_folder import RunFolder
 from .runners import BackgroundRunner
 from .schedule import Schedule, should_snapshot
@@ -68,6 +68,7 @@ class EvalEngine:
         self.host = Host()
         self.basis: Basis | None = None  # what every report of this run stands on (after `check`)
         self._restored: dict | None = None
+        self._most_tau: tuple[int, int] | None = None  # (the most tau can be, at the block size): after `check`
         self._started = False
         self._fresh({})
 
@@ -132,7 +133,10 @@ class EvalEngine:
         return lambda: self.subscribers.remove(fn) if fn in self.subscribers else None
 
     def add_stop(self, policy: StopPolicy) -> None:
-        """Follow `policy` (its monitor must be scored here)."""
+        """Follow `policy` (its monitor must be scored here; after `check`, its threshold within reach)."""
+        line = policy.unreachable(*self._most_tau) if self._most_tau is not None else None
+        if line is not None:
+            raise PreflightError(f"the scoring inputs do not fit together:\n  {line}")
         self.stops.add(policy, self.scoring.methods, self.name)
         if self.settings.baseline is None:
             self.host.warn(f"{type(policy).__name__}: {self.name!r} has no baseline, so {policy.monitor} is recorded "
@@ -151,7 +155,14 @@ class EvalEngine:
                                  self.scoring, None if self.settings.baseline_cache_dir is None
                                  else str(self.settings.baseline_cache_dir))
         shapes = {k: tuple(v) for k, v in (shapes or {k: v.shape for k, v in drafter.state_dict().items()}).items()}
-        self.basis = preflight(self._spec, config, shapes)
+        self._most_tau = most_tau(drafter, self.scoring.block_size or config.block_size)
+        unreachable = [line for p in self.stops.policies if (line := p.unreachable(*self._most_tau))]
+        try:
+            self.basis = preflight(self._spec, config, shapes)
+        except PreflightError as e:  # every problem at once
+            raise PreflightError("\n  ".join([str(e), *unreachable])) from None
+        if unreachable:
+            raise PreflightError("the scoring inputs do not fit together:\n  " + "\n  ".join(unreachable))
         self._config, self._shapes = config, shapes
         every, cadence = self.settings.every_n_steps, self.names.get("every_n_steps", "every_n_steps")
         if max_steps is not None and 0 < max_steps < every:
@@ -212,7 +223,8 @@ class EvalEngine:
         except Exception:  # before the runner starts: nothing queued is cancelled, the folder is let go
             self.run.unlock()
             raise
-        self.runner = BackgroundRunner(self.settings.runner, self._spec, self.run, self.settings.keep_last, self.basis)
+        self.runner = BackgroundRunner(self.settings.runner, self._spec, self.run, self.settings.keep_last, self.basis,
+                                       notes=self.reports.unresolvable)
         for job in opened.jobs:
             self.runner.submit(job)
         self.schedule.allocate(drafter)
@@ -287,6 +299,9 @@ class EvalEngine:
                 self.close(True, f"wait_timeout={self.settings.wait_timeout:g} s ran out at the end of training")
             else:
                 self.close(False, f"wait_on_end=False: {where} returned without waiting for it")
+        table = final_table(self.reports.reports, self.baseline_report) if error is None else None
+        if table is not None and self.settings.verbose:
+            self.host.info(table)
 
     def close(self, wait: bool, reason: str, publish: bool = True) -> None:
         """Rank 0: with `wait`, the pending reports within `wait_timeout` (what is left then is an error line
@@ -302,7 +317,7 @@ class EvalEngine:
         if wait and runner.pending:
             self.host.info(f"{self.name}: waiting for {runner.pending} pending report(s) (steps "
                            f"{runner.pending_steps()}), at most {self.settings.wait_timeout:g} s")
-        runner.close(wait, self.settings.wait_timeout, reason)
+        runner.close(wait, self.settings.wait_timeout, reason, keep=not publish)
         try:  # on_error="raise" may raise from here: the folder is unlocked all the same
             if publish:
                 self.reports.drain(runner)  # a baseline polled now still comes before the recovered reports
@@ -335,6 +350,14 @@ class EvalEngine:
             self.close(False, "the process exited before the evaluation was closed", publish=False)
         except Exception:
             pass
+
+
+def most_tau(drafter: nn.Module | None, block_size: int) -> tuple[int, int]:
+    """(the most tau any report can hold, the block size): the drafter's proposals per block + 1
+    (`draft_rows`; without a live drafter, at most the block size's)."""
+    draft_rows = getattr(drafter, "draft_rows", None)
+    proposals = len(draft_rows(block_size)) if callable(draft_rows) else block_size
+    return proposals + 1, block_size
 
 
 def _pin_device(settings: EvalSettings, drafter: nn.Module | None) -> EvalSettings:

@@ -27,13 +27,16 @@ W&B also gets, per report, a table of the live aggregate per task (PREFIX/live_t
 one acceptance-curve plot per method (ours and the baseline: the share of anchors whose
 streak reaches each depth, mean over tasks), one band plot per method (PREFIX/band/METHOD:
 the live mean of ours and of the baseline at every report so far, each with its 95%
-interval), and, once, the cache fingerprint and block sizes in the run config.
+interval), and, once, the cache fingerprint and block sizes in the run config. Offline, the copies
+W&B keeps of the tables go into the run's own folder (`staged_in_run`).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
+from contextlib import contextmanager
 
 from ..scoring.intervals import interval_metrics
 from ..scoring.methods import AGGREGATES
@@ -76,6 +79,19 @@ def versus_record(versus: dict) -> dict:
                         "ratio": [round(x, 6) for x in (mean.ratio.value, mean.ratio.lo, mean.ratio.hi)],
                         "verdict": mean.verdict}
     return out
+
+
+def results_record(report: EvalReport, score_seconds: float, versus: dict | None) -> tuple[dict, str | None]:
+    """The report's results.jsonl line (with `versus`, its run-level comparison with the baseline) and,
+    when the strict reader would refuse it, why (None: it reads back). Milliseconds of work: the runner
+    makes it off the training thread."""
+    record = {**report.to_dict(), "score_seconds": score_seconds,
+              **({"versus_baseline": versus_record(versus)} if versus else {})}
+    try:
+        EvalReport.from_dict(record)  # what the reader would refuse is never logged
+    except ValueError as e:
+        return record, str(e)
+    return record, None
 
 
 def wandb_name(key: str) -> str:
@@ -135,16 +151,14 @@ class Publisher:
             self.unsaved.pop(0)
         return written
 
-    def record_report(self, report: EvalReport, score_seconds: float, versus: dict | None = None) -> bool:
-        """Append the report's results.jsonl line (with `versus`, its run-level comparison with the
-        baseline: `versus_record`). A report the reader would refuse is an error line instead (and a
-        failure): False, and none of its numbers may be logged."""
-        record = {**report.to_dict(), "score_seconds": score_seconds,
-                  **({"versus_baseline": versus_record(versus)} if versus else {})}
-        try:
-            EvalReport.from_dict(record)  # what the reader would refuse is never logged
-        except ValueError as e:
-            error = f"step {report.step}: the report is refused, none of its numbers is logged: {e}"
+    def record_report(self, report: EvalReport, score_seconds: float, versus: dict | None = None,
+                      prepared: tuple[dict, str | None] | None = None) -> bool:
+        """Append the report's results.jsonl line (`results_record`; `prepared`: made already, by the
+        runner). A report the reader would refuse is an error line instead (and a failure): False, and
+        none of its numbers may be logged."""
+        record, refused = prepared or results_record(report, score_seconds, versus)
+        if refused is not None:
+            error = f"step {report.step}: the report is refused, none of its numbers is logged: {refused}"
             self.record({"step": report.step, "snapshot_id": report.snapshot_id, "error": error})
             self.fail(error)
             return False
@@ -152,11 +166,12 @@ class Publisher:
         return True
 
     def publish(self, report: EvalReport, baseline: EvalReport | None, score_seconds: float,
-                errors: int, versus: dict | None = None) -> dict[str, float] | None:
+                errors: int, versus: dict | None = None,
+                prepared: tuple[dict, str | None] | None = None) -> dict[str, float] | None:
         """Record, then log to every logger at the report's step (`versus`: the paired comparison
-        with the baseline, for the intervals of the deltas and ratios); returns what was logged
-        (None, and nothing logged, for a refused report)."""
-        if not self.record_report(report, score_seconds, versus):
+        with the baseline, for the intervals of the deltas and ratios; `prepared`: its line, made by
+        the runner); returns what was logged (None, and nothing logged, for a refused report)."""
+        if not self.record_report(report, score_seconds, versus, prepared):
             return None
         metrics = report_metrics(self.prefix, report, baseline)
         metrics.update(interval_metrics(self.prefix, report, baseline if versus else None, versus))
@@ -213,7 +228,8 @@ class Publisher:
                 xs=depths, ys=ys, keys=keys, xname="depth (draft tokens)",
                 title=f"{method}: share of anchors accepting at least d tokens, step {report.step}")
         extras.update(self._band_plots(report, baseline))
-        log({**metrics, **extras}, report.step)
+        with staged_in_run(run):
+            log({**metrics, **extras}, report.step)
 
     def _band_plots(self, report: EvalReport, baseline: EvalReport | None) -> dict:
         """PREFIX/band/METHOD: the live mean of ours and of the baseline at every report so far, each
@@ -236,3 +252,27 @@ class Publisher:
                 xs=[r[0] for r in rows], ys=[[r[1 + i] for r in rows] for i in range(len(columns))], keys=columns,
                 xname="step", title=f"{method}/live: ours and the baseline, each with its 95% interval")
         return plots
+
+
+@contextmanager
+def staged_in_run(run):
+    """W&B copies every table (and plot) logged into a staging folder, for its upload; offline, nothing
+    uploads and the copies stay in the data folder (~/.local/share/wandb/artifacts/staging) for good: a
+    pile that grows with every report. Offline, our tables' copies go into the run's own folder instead
+    (W&B reads the folder from WANDB_DATA_DIR at each copy), where a later `wandb sync` reads them and
+    which goes with the run. Online, W&B moves each copy out once uploaded: nothing changes."""
+    settings = getattr(run, "settings", None)
+    folder = getattr(settings, "sync_dir", None) if getattr(settings, "_offline", False) else None
+    if not folder:
+        yield
+        return
+    before = os.environ.get("WANDB_DATA_DIR")
+    os.environ["WANDB_DATA_DIR"] = str(folder)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("WANDB_DATA_DIR", None)
+        else:
+            os.environ["WANDB_DATA_DIR"] = before
+

@@ -13,12 +13,23 @@ from collections.abc import Callable
 
 from ..scoring.intervals import resolution_warning
 from ..scoring.report import EvalReport
+from ..scoring.table import comparison_table
 from ..settings import EvalSettings
 from .host import Host
 from .metrics import MEAN_KEYS, RunState, history_entry
 from .publish import Publisher, Subscriber, summary_line, versus_record
 from .runners import BackgroundRunner, BaselineOutcome, SnapshotOutcome, is_non_finite, versus_baseline
 from .stop import Moment, Stops
+
+
+def final_table(reports: list[EvalReport], baseline: EvalReport | None) -> str | None:
+    """What a run ends with (the demo, and every adapter with verbose=True): the last report's live tau
+    per task against the baseline, each number with its 95% interval, and a verdict per method; None
+    before any report."""
+    if not reports:
+        return None
+    last = max(reports, key=lambda r: r.step)
+    return f"\n{comparison_table(last, baseline)}\n"
 
 
 class Reports:
@@ -62,7 +73,8 @@ class Reports:
             self.baseline_settled = True
             if outcome.error is None:
                 self.baseline = outcome.report
-                self.warn_unresolvable()
+                for line in outcome.notes:  # the stops' setup warnings, made on the runner's thread
+                    self.host.warn(line)
                 if self.state.restored:  # a resume, nothing newer yet: now with the baseline's keys
                     self.state.restore(self.baseline, self.host, self.closing)
             self.publish_recovered()  # older than anything polled after the baseline
@@ -75,14 +87,14 @@ class Reports:
                 self.state.nan_means(outcome.step, self.host, self.closing)
             self.fail(f"step {outcome.step} failed: {outcome.error}")
         else:
-            self.publish(outcome.report, outcome.seconds, outcome.versus)
+            self.publish(outcome.report, outcome.seconds, outcome.versus, outcome.record)
 
     def keep(self, outcome) -> None:
         """An outcome on disk without logging it (training is failing)."""
         if isinstance(outcome, BaselineOutcome):
             self.baseline = outcome.report or self.baseline
         elif outcome.report is not None:
-            self.publisher.record_report(outcome.report, outcome.seconds, outcome.versus)
+            self.publisher.record_report(outcome.report, outcome.seconds, outcome.versus, outcome.record)
         else:
             self.record_outcome(outcome)
 
@@ -96,24 +108,31 @@ class Reports:
         self.publisher.record({"step": outcome.step, "snapshot_id": outcome.snapshot_id, "error": outcome.error,
                                "seconds": outcome.seconds})
 
-    def warn_unresolvable(self) -> None:
-        """Once the baseline's report is in hand: a stop whose threshold this cache is too small to ever
-        resolve (the baseline's own interval wider than the margin) is said, in one line. It still runs."""
-        if self.baseline is None or self.baseline.intervals is None:
-            return
-        for policy in self.stops.policies:
+    def unresolvable(self, baseline: EvalReport) -> list[str]:
+        """Once the baseline's report is in hand (the runner's `notes`, off the training thread): a line for
+        each stop whose threshold this cache is too small to ever resolve (the baseline's own interval
+        wider than the margin). It still runs."""
+        if baseline.intervals is None:
+            return []
+        lines = []
+        for policy in list(self.stops.policies):
             if policy.confidence is not None and policy.min_ratio is not None:
-                line = resolution_warning(self.baseline, policy.monitor, policy.min_ratio)
+                line = resolution_warning(baseline, policy.monitor, policy.min_ratio)
                 if line is not None:
-                    self.host.warn(f"{type(policy).__name__}: {line}")
+                    lines.append(f"{type(policy).__name__}: {line}")
+        return lines
 
     # ------------------------------------------------------------------ a report
-    def publish(self, report: EvalReport, seconds: float | None, versus: dict | None = None) -> None:
+    def publish(self, report: EvalReport, seconds: float | None, versus: dict | None = None,
+                record: tuple[dict, str | None] | None = None) -> None:
         """results.jsonl, the loggers, the metrics, the history, then the stops and the subscribers.
-        `versus`: the report against the baseline (the runner's; made here for a recovered report)."""
+        `versus` (the report against the baseline) and `record` (its results.jsonl line): the runner's,
+        made off the training thread; made here for a recovered report."""
         seconds = report.seconds if seconds is None else seconds
-        versus = versus or versus_baseline(report, self.baseline)
-        metrics = self.publisher.publish(report, self.baseline, seconds, self.errors, versus)
+        if versus is None:  # the runner had no baseline yet: the comparison, and a line with it, made here
+            versus = versus_baseline(report, self.baseline)
+            record = record if versus is None else None
+        metrics = self.publisher.publish(report, self.baseline, seconds, self.errors, versus, record)
         if metrics is None:
             return  # refused: an error line, nothing logged
         self.state.restored = False  # the metrics hold newer numbers now

@@ -33,7 +33,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -45,6 +45,7 @@ from ..scoring.intervals import paired_comparison
 from ..scoring.report import EvalReport
 from ..scoring.scorer import Cancelled, NonFiniteError
 from ..scoring.service import ScoringService, ServiceSpec, recorded_weights, weights_fingerprint
+from .publish import results_record
 from .run_folder import RunFolder, WatcherError
 from .snapshot import Snapshot
 
@@ -87,11 +88,12 @@ class SnapshotOutcome(Outcome):
     snapshot_id: str
     on_disk: Path | None = None  # cancelled or abandoned with its snapshot (or checkpoint) here: a resume scores it
     versus: dict | None = None  # the report against the baseline (intervals.paired_comparison), made off the training thread
+    record: tuple[dict, str | None] | None = None  # its results.jsonl line, and why the reader would refuse it (idem)
 
 
 @dataclass(kw_only=True)
 class BaselineOutcome(Outcome):
-    pass
+    notes: list[str] = field(default_factory=list)  # what the run is told of it, worked out off the training thread
 
 
 class ScorerError(RuntimeError):
@@ -384,12 +386,17 @@ def versus_baseline(report: EvalReport, baseline: EvalReport | None) -> dict | N
 
 
 class BackgroundRunner:
-    def __init__(self, kind: str, spec: ServiceSpec, run: RunFolder, keep_last: int, basis: Basis):
+    def __init__(self, kind: str, spec: ServiceSpec, run: RunFolder, keep_last: int, basis: Basis,
+                 notes: Callable[[EvalReport], list[str]] | None = None):
+        """`notes(baseline)`: the lines the run is told once the baseline's report is in (the stops' setup
+        warnings, `reports.unresolvable`), made on this runner's thread: they may take a while."""
         self.run, self.keep_last, self.basis, self.has_baseline = run, keep_last, basis, spec.baseline is not None
+        self._notes = notes
         self._baseline_failed = False
         self._baseline_report: EvalReport | None = None  # to compare each report with, on this thread
         self._cancel, self._closing = threading.Event(), threading.Event()
         self._cancel_reason = "scoring was cancelled"
+        self._keep = False  # closed after training failed: snapshots in memory are written for a resume
         self.scorer = SCORERS[kind](spec, run, self._cancel, self._closing)
         self._inbox: queue.Queue = queue.Queue()
         self._outbox: queue.Queue = queue.Queue()
@@ -430,10 +437,12 @@ class BackgroundRunner:
                     self._pending.pop(outcome.step, None)
             out.append(outcome)
 
-    def close(self, wait: bool, timeout: float, reason: str) -> None:
+    def close(self, wait: bool, timeout: float, reason: str, keep: bool = False) -> None:
         """With `wait`, let every submitted job finish within `timeout` seconds; whatever is
-        left then (or everything, without `wait`) ends as an error outcome saying `reason`."""
-        self._cancel_reason = reason
+        left then (or everything, without `wait`) ends as an error outcome saying `reason`.
+        With `keep` (training failed), a snapshot still in memory is written to the run folder
+        instead, its outcome `on_disk`: a resume scores it, as if a kill had left it there."""
+        self._cancel_reason, self._keep = reason, keep
         self._inbox.put(None)
         if wait:
             self._closing.set()
@@ -445,6 +454,16 @@ class BackgroundRunner:
         self.scorer.close()
 
     def _abandon(self, reason: str) -> None:
+        if self._keep:  # the jobs the stuck thread has not taken: written here, for a resume
+            while True:
+                try:
+                    job = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None and job.snapshot is not None:
+                    self._write_for_resume(job)
+                    job.snapshot.release()
+            self._inbox.put(None)  # the thread ends after its task
         with self._lock:
             self._abandoned = True
             ready = []
@@ -456,6 +475,16 @@ class BackgroundRunner:
                       for step, snapshot_id in sorted(self._pending.items()) if step not in handed]
             for outcome in ready:
                 self._outbox.put(outcome)
+
+    def _write_for_resume(self, job: Job) -> Path | None:
+        """`keep`: a cancelled job's snapshot still in memory, written to the run folder (None when
+        writing fails: its outcome is then an error line)."""
+        if job.folder is None and job.snapshot is not None:
+            try:
+                job.folder = self.run.write_snapshot(job.snapshot)
+            except Exception:
+                return None
+        return job.folder if job.folder is not None and job.folder.exists() else None
 
     def _written(self, step: int, snapshot_id: str) -> Path | None:
         """The snapshot folder of this step and id, when it is on disk."""
@@ -507,11 +536,19 @@ class BackgroundRunner:
             if problems:
                 raise RuntimeError("; ".join(problems))
             self._baseline_report = report
-            self._put(BaselineOutcome(report=report, seconds=time.monotonic() - started))
+            self._put(BaselineOutcome(report=report, seconds=time.monotonic() - started, notes=self._notes_on(report)))
             self._baseline_failed = False
         except Exception as e:
             self._put(BaselineOutcome(error=describe(e), seconds=time.monotonic() - started))
             self._baseline_failed = True
+
+    def _notes_on(self, report: EvalReport | None) -> list[str]:
+        if report is None or self._notes is None:
+            return []
+        try:
+            return self._notes(report)
+        except Exception as e:  # a note that can not be made is one line too, never a failed baseline
+            return [f"the notes on the baseline's report failed: {describe(e)}"]
 
     def _run(self, job: Job) -> SnapshotOutcome:
         started = time.monotonic()
@@ -536,8 +573,10 @@ class BackgroundRunner:
             outcome = SnapshotOutcome(step=job.step, snapshot_id=job.snapshot_id, report=report,
                                       versus=versus_baseline(report, self._baseline_report))
         except Cancelled:
+            on_disk = self._write_for_resume(job) if self._keep else \
+                job.folder if job.folder is not None and job.folder.exists() else None
             outcome = SnapshotOutcome(step=job.step, snapshot_id=job.snapshot_id, error=f"not scored: {self._cancel_reason}",
-                                      on_disk=job.folder if job.folder is not None and job.folder.exists() else None)
+                                      on_disk=on_disk)
         except Exception as e:
             outcome = SnapshotOutcome(step=job.step, snapshot_id=job.snapshot_id, error=describe(e))
         finally:
@@ -551,4 +590,6 @@ class BackgroundRunner:
             elif job.folder is not None and job.folder.parent == self.run.snapshots_dir:
                 self._pruned(job.folder)
         outcome.seconds = time.monotonic() - started
+        if outcome.report is not None:
+            outcome.record = results_record(outcome.report, outcome.seconds, outcome.versus)
         return outcome

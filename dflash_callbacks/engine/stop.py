@@ -249,6 +249,22 @@ class StopPolicy:
         text = f"; projection {PROJECTION_CURVE} reaches {projected:.2f} by max_steps={max_steps} {verdict}"
         return not reaches, text, projected
 
+    def unreachable(self, most_tau: int, block_size: int) -> str | None:
+        """One line when this stop's threshold is above `most_tau`, the most tau can be (the drafter's
+        proposals per block + 1, at `block_size`), for any baseline (a baseline's tau is at least 1):
+        ours could never reach it. None when it can be reached."""
+        name = type(self).__name__
+        most = f"{most_tau}, the most tau can be at block size {block_size} ({most_tau - 1} proposals + 1)"
+        if self.min_delta is not None and 1 + self.min_delta > most_tau:
+            return (f"{name}(min_delta={self.min_delta:g}): its threshold, the baseline's tau + {self.min_delta:g}, "
+                    f"is above {most}, for any baseline, so it can never be reached; give a min_delta below "
+                    f"{most_tau - 1}, e.g. -0.5")
+        if self.min_delta is None and self.min_ratio > most_tau:
+            return (f"{name}(min_ratio={self.min_ratio:g}): its threshold, {self.min_ratio:g} x the baseline's tau, "
+                    f"is above {most}, for any baseline, so it can never be reached; min_ratio is a share of the "
+                    "baseline's tau: e.g. min_ratio=0.9 for 90%")
+        return None
+
     # ----- following a run ---------------------------------------------------------------------------
 
     def on_report(self, report: EvalReport, baseline: EvalReport | None, now: Moment,

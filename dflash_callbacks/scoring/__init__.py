@@ -8,6 +8,6 @@ __all__ = [
 ]
 __getattr__ = exports(__name__, {
     "acceptance_curve": ".aggregates", "dense_tau": ".aggregates", "live_rounds": ".aggregates",
-    "live_tau": ".aggregates", "ScoringConfig": ".config", "EvalReport": ".report", "comparison_table": ".report",
+    "live_tau": ".aggregates", "ScoringConfig": ".config", "EvalReport": ".report", "comparison_table": ".table",
     "score_drafter": ".scorer", "score_task": ".scorer",
 })

@@ -75,7 +75,7 @@ degree of freedom is 12.7), so the run-level interval is the within-task one, th
 alone (`Comparison.verdict`: "too few tasks"; the stop does not act on it)."""
 
 
-@lru_cache(maxsize=None)
+@lru_cache(maxsize=4096)
 def t_quantile(p: float, df: int) -> float:
     """Student's t quantile at p (1/2 < p < 1) for an integer df >= 1: exact to 1e-12 up to
     df = 200 (the closed-form distribution function of Abramowitz & Stegun 26.7.3-4, solved by
@@ -433,10 +433,20 @@ def tasks_to_resolve(baseline: EvalReport, monitor: str, min_ratio: float) -> in
             if count > 1 else 1.0
         return t * math.sqrt(count / tasks)
 
-    tasks = count + 1
-    while half * scale(tasks) > margin:
-        tasks += 1
-    return tasks
+    # scale falls as tasks grow (t falls, sqrt grows): the first count that resolves it, by bisection from
+    # the normal quantile's answer (t > z: no fewer tasks can do), in O(log tasks) steps, not one per task
+    z = NormalDist().inv_cdf(1 - (1 - CONFIDENCE) / 2)
+    t_now = t_quantile(1 - (1 - CONFIDENCE) / 2, count - 1) if count > 1 else z
+    low = max(count + 1, math.ceil(count * (half * z / t_now / margin) ** 2))  # scale(low - 1) > margin / half
+    if half * scale(low) <= margin:
+        return low
+    high = 2 * low
+    while half * scale(high) > margin:
+        low, high = high, 2 * high
+    while high - low > 1:  # scale(low) too wide, scale(high) resolves it
+        mid = (low + high) // 2
+        low, high = (mid, high) if half * scale(mid) > margin else (low, mid)
+    return high
 
 
 def resolution_warning(baseline: EvalReport, monitor: str, min_ratio: float) -> str | None:
@@ -453,9 +463,9 @@ def resolution_warning(baseline: EvalReport, monitor: str, min_ratio: float) -> 
         return None
     lo, hi = baseline.interval(monitor)
     value = baseline.value(monitor)
-    return (f"the cache's {len(baseline.tasks)} tasks can not resolve min_ratio={min_ratio:g} on {monitor}: the "
+    return (f"the cache's {len(baseline.tasks)} tasks can not resolve min_ratio={float(min_ratio)!r} on {monitor}: the "
             f"baseline's own 95% interval, {value:.2f} [{lo:.2f}, {hi:.2f}], is +-{50 * (hi - lo) / value:.0f}% of "
-            f"its mean, wider than the {100 * (1 - min_ratio):.0f}% margin; about {needed} tasks would resolve it "
+            f"its mean, wider than the {100 * (1 - min_ratio):.2g}% margin; about {needed} tasks would resolve it "
             f"(a larger task set: {larger}); the stop still runs")
 
 

@@ -98,6 +98,19 @@ def weights_fingerprint(folder: str | os.PathLike) -> str:
     return digest.hexdigest()[:16]
 
 
+def cached_baseline(source: str | os.PathLike, cache: str, target: str, config: ScoringConfig,
+                    cache_dir: str | os.PathLike | None = None) -> tuple[dict, Path]:
+    """(the key, the file) of the cached report of the baseline drafter folder `source` (its weights'
+    fingerprint and its family), scored on the cache and target head of these fingerprints with `config`:
+    what `ScoringService.baseline` writes, and `dflash-callbacks plot` reads back."""
+    drafter = read_config(source)  # read as its family: one read as another is scored again
+    key = {"weights": weights_fingerprint(source), "cache": cache, "target": target,
+           "scoring": config.fingerprint_fields(), "scorer": SCORER_VERSION,  # a fix to the definitions scores it again
+           "family": drafter.family, "family_config": _plain(drafter.family_config)}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return key, Path(cache_dir or default_baseline_cache_dir()) / f"baseline-{digest}.json"
+
+
 def recorded_weights(report) -> str | None:
     """The baseline weights' fingerprint a baseline report records (`extra.baseline_key.weights`,
     set when `ScoringService.baseline` scored a drafter folder), None if it records none."""
@@ -362,19 +375,14 @@ class ScoringService:
         if source.is_file():
             report = EvalReport.load(source)
         else:
-            config = read_config(source)  # read as its family: one read as another is scored again
-            key = {"weights": weights_fingerprint(source), "cache": self.cache.fingerprint,
-                   "target": self.head.fingerprint, "scoring": self.config.fingerprint_fields(),
-                   "scorer": SCORER_VERSION, "family": config.family, "family_config": _plain(config.family_config)}
-            digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-            cache_dir = Path(self.spec.baseline_cache_dir or default_baseline_cache_dir())
-            cached = cache_dir / f"baseline-{digest}.json"
+            key, cached = cached_baseline(source, self.cache.fingerprint, self.head.fingerprint, self.config,
+                                          self.spec.baseline_cache_dir)
             if cached.is_file():
                 report = EvalReport.load(cached)
             else:
                 report = self.score_folder(source, cancel=cancel, progress=progress)
                 report.extra["baseline_key"] = key
-                cache_dir.mkdir(parents=True, exist_ok=True)
+                cached.parent.mkdir(parents=True, exist_ok=True)
                 report.to_json(cached)
         problems = self.basis(self.config.block_size).mismatches(report, f"baseline {source}")
         if problems:

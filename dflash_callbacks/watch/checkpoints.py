@@ -576,10 +576,35 @@ class CheckpointWatcher:
         for step in submitted:
             seen = self.seen[step]
             self.host.latest = max(self.host.latest, step)
-            self.front.submit(Job(step, seen.fingerprint, folder=seen.source,
-                                   read=partial(self.checkpoints.read, seen.source, step)))
+            self.front.submit(Job(step, seen.fingerprint, folder=seen.source, read=partial(self.read, seen.source, step)))
             self.done.add(step)
         return len(submitted)
+
+    def read(self, source: Path, step: int):
+        """The checkpoint's drafter, read when its scoring starts (on the runner's thread), which it says."""
+        print(f"watch: step {step}: scoring {source}", flush=True)
+        return self.checkpoints.read(source, step)
+
+    def summary(self) -> str:
+        """What it did, said at exit: steps scored and errors, the last report's monitored number (every
+        method's live tau without a stop) and the stop's state."""
+        reports, errors = self.engine.reports.reports, self.engine.errors
+        said = f"watch: exiting: {len(reports)} step(s) scored, {errors} error(s)"
+        policy = self.engine.stops.policies[0] if self.engine.stops.policies else None
+        if reports:
+            last = max(reports, key=lambda r: r.step)
+            if policy is not None:
+                base = self.engine.baseline_report
+                against = f" (the baseline's {base.value(policy.monitor):.2f})" if base is not None else ""
+                said += f"; the last report, step {last.step}: {policy.monitor} {last.value(policy.monitor):.2f}{against}"
+            else:
+                said += f"; the last report, step {last.step}: live tau " + ", ".join(
+                    f"{m} {last.value(f'{m}/live'):.2f}" for m in last.methods)
+        if policy is not None:
+            decision = policy.last_decision
+            said += (f"; the stop: {policy.stop_reason}" if policy.stop_reason else
+                     f"; the stop: {decision.reason}" if decision is not None else "; the stop: no report judged yet")
+        return said
 
     def start_with(self, sources: list[Path]) -> bool:
         """The first of `sources` that reads, when no checkpoint was there at start: it is the run's
@@ -660,5 +685,8 @@ def run_watch_checkpoints(args: argparse.Namespace, settings: dict[str, Any], sc
         watcher.run()
         ok = True
     finally:
-        watcher.close(ok)
+        try:
+            watcher.close(ok)
+        finally:  # also on Ctrl-C
+            print(watcher.summary(), flush=True)
     return 0

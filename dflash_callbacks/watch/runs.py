@@ -87,6 +87,8 @@ class Watcher:
         self._refused: dict[Path, str] = {}  # run folder -> why it is refused, logged once while it lasts
         self._unwritten: dict[Path, dict] = {}  # report path -> the payload whose write failed
         self._failing: dict[Path, str] = {}  # run folder or report path -> its failure, logged once while it lasts
+        self.scored, self.failed = 0, 0  # snapshots scored, and failed, by this watcher
+        self.last: str | None = None  # the last report it wrote: "RUN step N: live tau ..."
 
     @staticmethod
     def _key(config: ScoringConfig) -> str:
@@ -284,18 +286,26 @@ class Watcher:
             payload = self._unwritten.get(path, {})
             if snapshot_id is None or payload.get("snapshot_id") != snapshot_id:  # not scored yet
                 started = time.monotonic()
+                self.log(f"watch: {run.path.name} step {step}: scoring {folder}")
                 try:
                     payload = self.service_with(config, run).score_folder(folder).to_dict()
                     summary = ", ".join(f"{m} {v['live']:.2f}" for m, v in payload["mean"].items())
                     self.log(f"watch: {run.path.name} step {step}: live tau {summary} ({time.monotonic() - started:.1f} s)")
+                    self.scored, self.last = self.scored + 1, f"{run.path.name} step {step}: live tau {summary}"
                 except FileNotFoundError:
                     continue  # pruned by the training run before we got to it
                 except Exception as e:
                     payload = {"error": describe(e), "step": step, "snapshot_id": snapshot_id}
                     self.log(f"watch: {run.path.name} step {step} failed: {payload['error']}")
+                    self.failed += 1
                 self.beat(run)  # a report may take minutes: the run hears from its watcher after each
             done += self.write(run, step, payload)
         return done
+
+    def summary(self) -> str:
+        """What it did, said at exit: snapshots scored and failed, and the last report."""
+        last = f"; the last report: {self.last}" if self.last else ""
+        return f"watch: exiting: {self.scored} snapshot(s) scored, {self.failed} failed{last}"
 
     def beat(self, run: RunFolder) -> None:
         """The heartbeat in a run folder this watcher scores (a failure is logged once while it lasts)."""
@@ -344,9 +354,12 @@ def run_watch(args: argparse.Namespace, config: ScoringConfig, given: dict[str, 
     elif no_runs:
         print(f"watch: {args.dir} holds no run folder yet, waiting for one{runs_hint(args.dir)}", flush=True)
     last_work = time.time()
-    while True:
-        if watcher.scan_once():
-            last_work = time.time()
-        if args.once or (args.idle_exit is not None and time.time() - last_work > args.idle_exit):
-            return 0
-        time.sleep(args.poll_seconds)
+    try:
+        while True:
+            if watcher.scan_once():
+                last_work = time.time()
+            if args.once or (args.idle_exit is not None and time.time() - last_work > args.idle_exit):
+                return 0
+            time.sleep(args.poll_seconds)
+    finally:  # also on Ctrl-C
+        print(watcher.summary(), flush=True)

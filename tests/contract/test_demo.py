@@ -1,13 +1,13 @@
-"""The demo: one line per report with the stop's verdict, the full table once at the end, and a
-picture that reads at a glance (one stop step throughout, the monitored panel marked, the grace
+"""The demo, run as a user runs it: one line per report with the stop's verdict, the full table once at
+the end, no line that is not its own, and a picture that reads at a glance (one stop step throughout, the monitored panel marked, the grace
 period shaded, the stop's projection drawn, a layout a laptop screen shows whole)."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import matplotlib.image
@@ -17,34 +17,51 @@ from matplotlib.figure import Figure
 
 from dflash_callbacks.engine.stop import fit_projection, projected_value
 from dflash_callbacks.callbacks.schema import build_stop_callback
-from dflash_callbacks.demos.demo import demo_config, run_demo
-from dflash_callbacks.demos.plot import draw_tau, live_tau_figure
+from dflash_callbacks.demos.settings import demo_config
+from dflash_callbacks.plot import draw_tau, live_tau_figure
 from dflash_callbacks.scoring.report import EvalReport, read_results
+
+from runs import DEADLINE
+from suite_paths import REPO
 
 MAX_STEPS = 400
 
 
+OWN_LINES = re.compile("|".join([  # what the demo itself says, and nothing else
+    r"step +\d+ \| .*",  # a report
+    r"live tau \(tokens per target forward, .*", r"\|.*\|", r"\S+ live: .* of the baseline, .*",  # the table
+    r"trained \d+ of \d+ steps in \d+ s; \d+ reports in \S+", r"live tau curves: \S+",  # the end
+    r"dflash: .*", r"demo: .*",  # the library's lines, and the demo's while it builds its world
+]))
+
+
 @pytest.fixture(scope="module")
 def demo_run(toy_cache_dir, toy_training_cache_dir, tmp_path_factory):
-    """A short demo on the session's toy caches: reports every 10 steps, judged from step 20, a stop
-    after 2 trailing reports (a threshold of the baseline + 0.5 on the point values: the stop is certain,
-    whenever the reports arrive; three tasks can not resolve it with intervals). Returns (its config, its
-    summary, the lines it printed)."""
+    """A short demo on the session's toy caches, run as a user runs it (`python -m dflash_callbacks.cli demo`,
+    without a terminal, W&B offline): reports every 10 steps, judged from step 20, a stop after 2 trailing
+    reports (a threshold of the baseline + 0.5 on the point values: the stop is certain, whenever the reports
+    arrive; three tasks can not resolve it with intervals). Returns (its config, its summary read back from
+    its last lines, the lines it printed, the lines it wrote to stderr)."""
     out = tmp_path_factory.mktemp("demo") / "out"
     shutil.copytree(toy_training_cache_dir, out / "world" / "train-32x128")
-    cfg = demo_config([f"out={out}", "wandb=disabled", f"eval.cache={toy_cache_dir}", "train.sequences=32",
-                       "train.seq_len=128", f"train.max_steps={MAX_STEPS}", "eval.every_n_train_steps=10",
-                       "eval.max_pending=8", "eval.scoring.tasks=[fizzbuzz,trie,lru_cache]", "stop.grace_steps=20",
-                       "stop.patience=2", "stop.min_ratio=null", "stop.min_delta=0.5", "stop.confidence=null"])
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        summary = run_demo(cfg)
-    print(printed.getvalue())  # shown when a test fails
-    return cfg, summary, printed.getvalue().splitlines()
+    overrides = [f"out={out}", "wandb=offline", f"eval.cache={toy_cache_dir}", "train.sequences=32",
+                 "train.seq_len=128", f"train.max_steps={MAX_STEPS}", "eval.every_n_train_steps=10",
+                 "eval.max_pending=8", "eval.scoring.tasks=[fizzbuzz,trie,lru_cache]", "stop.grace_steps=20",
+                 "stop.patience=2", "stop.min_ratio=null", "stop.min_delta=0.5", "stop.confidence=null"]
+    run = subprocess.run([sys.executable, "-m", "dflash_callbacks.cli", "demo", *overrides], cwd=REPO,
+                         capture_output=True, text=True, timeout=DEADLINE)
+    print(run.stdout, run.stderr, sep="\n")  # shown when a test fails
+    assert run.returncode == 0, run.stderr[-4000:]
+    printed = run.stdout.splitlines()
+    trained = re.fullmatch(r"trained (\d+) of \d+ steps in (\d+) s; \d+ reports in (\S+)", printed[-3])
+    stops = [int(line.split()[1]) for line in printed if line.endswith(": stop") and re.match(r"step +\d+ \| ", line)]
+    summary = {"steps": int(trained[1]), "seconds": int(trained[2]), "results": trained[3], "stop_reason": printed[-2],
+               "plot": printed[-1].removeprefix("live tau curves: "), "stop_step": stops[0] if stops else None}
+    return demo_config(overrides), summary, printed, run.stderr.splitlines()
 
 
 def test_the_demo_prints_a_line_per_report_and_the_table_once(demo_run):
-    cfg, summary, printed = demo_run
+    cfg, summary, printed, _ = demo_run
     reports = read_results(Path(summary["results"])).reports
     stop_step = summary["stop_step"]
     assert stop_step == 30 and summary["steps"] < MAX_STEPS  # the third report: 20 and 30 trail, 10 is in the grace period
@@ -66,18 +83,43 @@ def test_the_demo_prints_a_line_per_report_and_the_table_once(demo_run):
     tables = [i for i, line in enumerate(printed) if line.startswith("| task |")]
     assert len(tables) == 1 and tables[0] > printed.index(lines[-1])  # the full table, once, at the end
     assert f", step {reports[-1].step};" in printed[tables[0] - 1]  # the title: the last report, its intervals
-    assert printed[-3:] == [f"trained {summary['steps']} of {MAX_STEPS} steps in {summary['seconds']:.0f} s; "
-                            f"{len(reports)} reports in {summary['results']}", summary["stop_reason"],
-                            f"live tau curves: {summary['plot']}"]
-    assert f"stopping at step {stop_step}:" in summary["stop_reason"]
+    assert printed[-3].startswith(f"trained {summary['steps']} of {MAX_STEPS} steps in ")
+    assert printed[-3].endswith(f"; {len(reports)} reports in {summary['results']}")
+    assert summary["stop_reason"].startswith(f"dflash: stopping at step {stop_step}: ddtree@8/live ")
+    assert Path(summary["plot"]) == Path(cfg.out) / "live_tau.png"
 
     # the PNG: a laptop screen shows it whole, and it is not a strip
     height, width = matplotlib.image.imread(summary["plot"]).shape[:2]
     assert width <= 1400 and height <= 900 and height >= 0.5 * width, (width, height)
 
 
+def test_the_demo_says_only_its_own_lines(demo_run):
+    """No progress bar left behind without a terminal, no third-party warning or tip a user can not act on
+    (Lightning's devices and logging interval, W&B's setup, deprecations): every line, on stdout and on
+    stderr, is the demo's own or the library's."""
+    _, _, printed, errors = demo_run
+    theirs = [line for line in printed + errors if line.strip() and not OWN_LINES.fullmatch(line)]
+    assert not theirs, theirs
+    assert all(line.startswith(("dflash: ", "demo: ")) for line in errors), errors
+
+
+def test_the_toy_world_builds_without_a_progress_bar_when_there_is_no_terminal(tmp_path):
+    """The demo's first run writes its training text (the toy target's answers): one line saying so, no
+    progress bar (transformers' weight loading drew one per load, to a log as to a terminal)."""
+    code = ("import sys; from pathlib import Path; from dflash_callbacks.demos.demo import demo_output, training_data; "
+            "from dflash_callbacks.demos.settings import TrainConfig\n"
+            "with demo_output(): training_data(Path(sys.argv[1]), TrainConfig(sequences=2, seq_len=80))")
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "world")], cwd=REPO, capture_output=True,
+                         text=True, timeout=DEADLINE)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.splitlines() == [f"demo: writing the training text (2 answers of the toy target) to "
+                                       f"{tmp_path / 'world' / 'train-2x80'} (once)"]
+    assert run.stderr == "", run.stderr
+    assert (tmp_path / "world" / "train-2x80" / "manifest.json").is_file()
+
+
 def test_the_picture_reads_at_a_glance(demo_run):
-    cfg, summary, _ = demo_run
+    cfg, summary, _, _ = demo_run
     reports = read_results(Path(summary["results"])).reports
     (base_file,) = Path(cfg.out).glob("baseline-reports/baseline-*.json")
     baseline = EvalReport.load(base_file)

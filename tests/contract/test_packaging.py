@@ -58,7 +58,7 @@ def test_the_engine_and_the_plain_loop_import_no_training_framework():
     assert done.stdout.strip() == "[]"
 
 
-HELPS = [["--help"]] + [[command, "--help"] for command in ("demo", "extract", "score", "compare", "watch")]
+HELPS = [["--help"]] + [[command, "--help"] for command in ("demo", "extract", "score", "compare", "watch", "plot")]
 
 
 @pytest.mark.parametrize("argv", HELPS, ids=lambda argv: " ".join(argv))

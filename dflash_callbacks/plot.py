@@ -1,4 +1,5 @@
-"""The demo's picture, `live_tau.png`: live tau of ours against the baseline, one panel per method.
+"""The picture of a run, `live_tau.png` (the demo's, and `dflash-callbacks plot RUN`'s for any run
+folder): live tau of ours against the baseline, one panel per method.
 
 The panel of the method the stop monitors is marked, with what the stop judged: its threshold,
 the grace period (shaded: reports there are never judged), the projection it fitted
@@ -18,9 +19,9 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from ..engine.stop import MIN_PROJECTION_POINTS, PROJECTION_CURVE, StopPolicy, fit_projection, projected_value
-from ..scoring.methods import Monitor
-from ..scoring.report import EvalReport
+from .engine.stop import MIN_PROJECTION_POINTS, PROJECTION_CURVE, StopPolicy, fit_projection, projected_value
+from .scoring.methods import Monitor
+from .scoring.report import EvalReport
 
 OURS, BASELINE, STOP = "tab:blue", "black", "tab:red"
 
@@ -128,6 +129,22 @@ def draw_stop_rule(ax, reports: Sequence[EvalReport], baseline: EvalReport | Non
             label=f"projection {PROJECTION_CURVE} of the stop ({ys[-1]:.2f} at step {last})")
     ax.plot([last], [ys[-1]], marker="x", color=STOP, markersize=8)
     return last
+
+
+def replay_stop(reports: Sequence[EvalReport], baseline: EvalReport, stop: StopPolicy,
+                max_steps: int | None) -> tuple[int | None, str | None]:
+    """(the step of the first report `stop` would have stopped at, its reason), deciding after each report
+    in step order as it did while training (its ratio's interval from the report's `versus_baseline`);
+    (None, None) when it would not have stopped."""
+    base = baseline.value(stop.monitor)
+    history = []
+    for report in sorted(reports, key=lambda r: r.step):
+        history.append({"step": report.step, "mean": report.mean, "versus": report.extra.get("versus_baseline")})
+        stop.load_history(history)
+        decision = stop.decide(stop.history, base, max_steps, stop.bounds)
+        if decision.stop:
+            return report.step, decision.reason
+    return None, None
 
 
 def plot_live_tau(reports: Sequence[EvalReport], baseline: EvalReport | None, path: Path, **kwargs) -> Path:
