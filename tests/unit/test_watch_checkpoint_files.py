@@ -25,7 +25,7 @@ from dflash_callbacks.cli.watch import checkpoint_settings
 from dflash_callbacks.watch.checkpoints import CheckpointWatcher, Checkpoints
 
 from synthetic import build_world
-from test_watch_checkpoints import assert_same, results, scored, trained, watch_args
+from checkpoint_watch import assert_same, results, scored, trained, watch_args
 
 
 @pytest.fixture(scope="module")
