@@ -109,12 +109,12 @@ def test_a_resume_with_the_cache_path_spelled_otherwise_reopens_its_run_and_the_
     """The callback's checkpoint key held the cache path as written: a resume that spelled it otherwise
     (relative instead of absolute, or the cache moved) got no state back, opened a new run folder, and the
     stop's patience started over without a word."""
-    stop = TrailingBaselineStop(monitor="ddtree@4/live", min_ratio=10, patience=5, verbose=False)
+    stop = TrailingBaselineStop(monitor="ddtree@4/live", min_ratio=5, patience=5, verbose=False)
     first = eval_cb(world, tmp_path, cache=Path(world.cache).resolve())
     ckpt_fit(world, tmp_path, [first, stop], max_steps=4)
     assert stop.wait_count == 2
     monkeypatch.chdir(Path(world.cache).parent)  # the same cache, now as a relative path
-    again = TrailingBaselineStop(monitor="ddtree@4/live", min_ratio=10, patience=5, verbose=False)
+    again = TrailingBaselineStop(monitor="ddtree@4/live", min_ratio=5, patience=5, verbose=False)
     second = eval_cb(world, tmp_path, cache=Path(Path(world.cache).name))
     ckpt_fit(world, tmp_path, [second, again], max_steps=6, ckpt_path=tmp_path / "ckpt" / "step=4.ckpt")
     assert second.run.path == first.run.path and len(list((tmp_path / "d").iterdir())) == 1
@@ -124,7 +124,7 @@ def test_a_resume_with_the_cache_path_spelled_otherwise_reopens_its_run_and_the_
 
 def test_a_checkpoint_of_the_earlier_key_still_resumes(world, tmp_path):
     """A checkpoint written before the keys changed ({name, cache as written}; {monitor})."""
-    stop = TrailingBaselineStop(monitor="ddtree@4/live", min_ratio=10, patience=5, verbose=False)
+    stop = TrailingBaselineStop(monitor="ddtree@4/live", min_ratio=5, patience=5, verbose=False)
     first = eval_cb(world, tmp_path)
     ckpt_fit(world, tmp_path, [first, stop], max_steps=4)
     path = tmp_path / "ckpt" / "step=4.ckpt"
@@ -133,7 +133,7 @@ def test_a_checkpoint_of_the_earlier_key_still_resumes(world, tmp_path):
     states[f"DrafterEvalCallback{{'name': 'dflash', 'cache': '{world.cache}'}}"] = states.pop(first.state_key)
     states["TrailingBaselineStop{'monitor': 'ddtree@4/live'}"] = states.pop(stop.state_key)
     torch.save(saved, path)
-    again = TrailingBaselineStop(monitor="ddtree@4/live", min_ratio=10, patience=5, verbose=False)
+    again = TrailingBaselineStop(monitor="ddtree@4/live", min_ratio=5, patience=5, verbose=False)
     second = eval_cb(world, tmp_path)
     ckpt_fit(world, tmp_path, [second, again], max_steps=6, ckpt_path=path)
     assert second.run.path == first.run.path and again.wait_count == 3
@@ -144,8 +144,8 @@ def test_two_stops_following_two_eval_callbacks_have_two_keys(world, tmp_path):
     """Two eval callbacks, each followed by its own stop on the same monitor, were refused by Lightning:
     the stops shared one state key."""
     a, b = eval_cb(world, tmp_path / "a", name="a"), eval_cb(world, tmp_path / "b", name="b")
-    stop_a = TrailingBaselineStop(monitor="ddtree@4/live", min_ratio=10, patience=9, verbose=False, eval_callback="a")
-    stop_b = TrailingBaselineStop(monitor="ddtree@4/live", min_ratio=10, patience=9, verbose=False, eval_callback="b")
+    stop_a = TrailingBaselineStop(monitor="ddtree@4/live", min_ratio=5, patience=9, verbose=False, eval_callback="a")
+    stop_b = TrailingBaselineStop(monitor="ddtree@4/live", min_ratio=5, patience=9, verbose=False, eval_callback="b")
     trainer = lightning_fit(world, tmp_path, [a, b, stop_a, stop_b], max_steps=4)
     trainer.save_checkpoint(tmp_path / "last.ckpt")
     states = torch.load(tmp_path / "last.ckpt", weights_only=False)["callbacks"]

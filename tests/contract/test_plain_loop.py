@@ -124,7 +124,7 @@ def test_two_ranks_score_on_rank0_alone_and_stop_together(world, tmp_path, paral
     root = tmp_path / "run"
     r0, r1 = two_ranks(SCRIPTS / "train_loop.py",
                        ["--world", str(world.path), "--max-steps", "200", "--every", "2", "--stop-min-ratio",
-                        "10", "--stop-patience", "2", "--parallel", parallel],
+                        "5", "--stop-patience", "2", "--parallel", parallel],
                        root, port=29400 + os.getpid() % 500 + (7 if parallel == "fsdp2" else 0))
     assert r0["should_stop"] and r1["should_stop"] and r0["step"] == r1["step"] == r0["stopped_step"] == r1["stopped_step"] < 200
     assert r0["stop_reason"] == r1["stop_reason"] and r0["stop_reason"].startswith("dflash: stopping at step ")

@@ -46,8 +46,8 @@ def eval_cb(world, tmp_path: Path, **kwargs) -> DrafterEvalTrainerCallback:
 
 
 def unreachable_stop(patience: int) -> TrailingBaselineStop:
-    with pytest.warns(UserWarning, match="must reach 10x the baseline"):
-        return TrailingBaselineStop(monitor="ddtree@4/live", min_ratio=10, patience=patience, verbose=False)
+    with pytest.warns(UserWarning, match="must reach 5x the baseline"):
+        return TrailingBaselineStop(monitor="ddtree@4/live", min_ratio=5, patience=patience, verbose=False)
 
 
 class Weights(TrainerCallback):
@@ -180,14 +180,14 @@ def test_wandb_rows_land_in_the_trainers_run_beside_its_own(world, tmp_path, mon
 
 
 def test_trailing_baseline_stop_stops_the_trainer_at_the_expected_step_with_its_reason(world, tmp_path):
-    """min_ratio=10 can not be reached, patience 2: the reports of steps 2 and 4 trail; the second is
+    """min_ratio=5 can not be reached, patience 2: the reports of steps 2 and 4 trail; the second is
     published at step 5 (Settle), which sets control.should_training_stop; the last step's snapshot is
     still scored, and its report does not change the reason."""
     stop = unreachable_stop(patience=2)
     cb = eval_cb(world, tmp_path, baseline=world.baseline, stop=stop)
     trainer, _ = hf_fit(world, tmp_path / "out", 40, [cb, Settle(cb)])
     assert trainer.state.global_step == 5 and stop.stopped_step == 5 and cb.should_stop
-    assert re.fullmatch(r"dflash: stopping at step 4: ddtree@4/live \d\.\d\d < 10 x baseline \d\.\d\d = \d+\.\d\d "
+    assert re.fullmatch(r"dflash: stopping at step 4: ddtree@4/live \d\.\d\d < 5 x baseline \d\.\d\d = \d+\.\d\d "
                         r"\(the ratio's 95% interval reaches \d\.\d\d\) for 2 reports in a row \(steps 2-4\)",
                         stop.stop_reason), stop.stop_reason
     assert cb.stop_reason == stop.stop_reason
@@ -276,7 +276,7 @@ def test_two_ranks_under_ddp_score_on_rank0_alone_and_stop_together(world, tmp_p
     history and run id."""
     root = tmp_path / "run"
     r0, r1 = two_ranks(SCRIPTS / "train_hf.py",
-                       ["--world", str(world.path), "--max-steps", "200", "--every", "2", "--stop-min-ratio", "10",
+                       ["--world", str(world.path), "--max-steps", "200", "--every", "2", "--stop-min-ratio", "5",
                         "--stop-patience", "2"],
                        root, port=29900 + os.getpid() % 90)
     assert r0["world_size"] == r1["world_size"] == 2

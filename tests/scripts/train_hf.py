@@ -2,7 +2,7 @@
 user runs a training script; the HF fault tests (tests/contract/test_transformers_trainer.py) start it as a subprocess and SIGKILL it:
 
     python tests/scripts/train_hf.py --world W --root R --max-steps 100000 --every 2 --save-steps 3 \
-        [--step-sleep 0.02] [--no-baseline] [--stop-min-ratio 10 --stop-patience 2] [--record]
+        [--step-sleep 0.02] [--no-baseline] [--stop-min-ratio 5 --stop-patience 2] [--record]
 
 `--world` is a folder made by `tests/support/synthetic.py:build_world` (tests/scripts/train_run.py `shared_world`).
 The Trainer writes its checkpoints to R/checkpoint-N/, the callback its run folder under R/dflash/. Under

@@ -2,7 +2,7 @@
 subprocess the way a user runs a training script:
 
     python tests/scripts/train_loop.py --world W --root R --max-steps 40 --every 2 \
-        [--ckpt-every 3] [--resume CKPT] [--stop-min-ratio 10] [--record]
+        [--ckpt-every 3] [--resume CKPT] [--stop-min-ratio 5] [--record]
     python -m torch.distributed.run --nproc-per-node 2 tests/scripts/train_loop.py ... --parallel ddp|fsdp2
 
 With `--parallel`, the script initialises torch.distributed (gloo) from torchrun's environment and

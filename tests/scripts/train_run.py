@@ -4,7 +4,7 @@ The reliability and distributed tests run this file as a subprocess, the way a u
 runs a training script:
 
     python tests/scripts/train_run.py --world W --root R --max-steps 40 --every 2 \
-        [--devices 2 --strategy ddp|fsdp2] [--eval-cache C ...] [--stop-min-ratio 10] \
+        [--devices 2 --strategy ddp|fsdp2] [--eval-cache C ...] [--stop-min-ratio 5] \
         [--ckpt-every 3] [--resume CKPT] [--record] [--corrupt-at-start FILE]
 
 - `--world` is a folder made by `tests/support/synthetic.py:build_world` (built here if missing).
