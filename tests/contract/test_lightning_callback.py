@@ -14,7 +14,7 @@ from dflash_callbacks.cli import main as cli_main
 from dflash_callbacks.scoring.service import ScoringService, ServiceSpec
 from dflash_callbacks.demos.training import CacheSequences, DFlashTrainingModule, collate_sequences
 
-from runs import assert_clean, records, run_dir
+from runs import assert_clean, records, run_dir, wait_until
 from synthetic import build_world
 
 SCORING = {"ddtree_budgets": [4, 8], "topk": [3], "device": "cpu"}
@@ -183,6 +183,8 @@ def test_snapshot_buffers_are_allocated_once_reused_and_hold_their_steps_weights
                 self.buffers[trainer.global_step] = tuple(t.data_ptr() for t in cb.engine.schedule.staging.state.values())
                 self.weights[trainer.global_step] = {k: v.detach().clone()
                                                      for k, v in pl_module.drafter.state_dict().items()}
+                # scored before the next snapshot is due, under any load: busy="skip" skips none
+                wait_until(lambda: not cb.engine.runner._outbox.empty(), what=f"the report of step {trainer.global_step}")
 
     seen = AtCapture()
     trainer(tmp_path, [cb, seen], max_steps=12).fit(module, loader(world))
