@@ -31,8 +31,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from dflash_callbacks.kernels.head_stats import (
     AUTO_TABLE,
@@ -44,6 +42,7 @@ from dflash_callbacks.kernels.head_stats import (
     head_stats_torch,
 )
 from dflash_callbacks.kernels.split_merge import SplitPartials, merge_splits
+from largest_tensor import LargestTensor
 from suite_paths import REPO
 
 hs = importlib.import_module("dflash_callbacks.kernels.head_stats")  # the module (the package exports the function)
@@ -286,29 +285,14 @@ def test_empty_rows():
     assert_contract(out, 0, 3)
 
 
-class _LargestTensor(TorchDispatchMode):
-    """Records the element count of the largest tensor any torch op returns."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 def test_torch_path_never_materialises_the_logits():
     m, h, v = 300, 8, 2000
     hidden, weight = torch.randn(m, h), torch.randn(v, h)
     labels = torch.randint(0, v, (m,))
-    with _LargestTensor() as ref_probe:
+    with LargestTensor() as ref_probe:
         head_stats(hidden, weight, labels, 4, backend="reference")
     assert ref_probe.largest >= m * v  # the probe sees the reference's logits
-    with _LargestTensor() as probe:
+    with LargestTensor() as probe:
         out = head_stats_torch(hidden, weight, labels, 4, chunk_size=128, row_chunk_size=50)
     assert probe.largest <= max(50 * (128 + 4), m * h, v * h), probe.largest
     assert_matches(out, hidden, weight, labels, 4, exact=False)

@@ -7,10 +7,9 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from dflash_callbacks.kernels.head_stats import head_topk, head_topk_reference, head_topk_torch
+from largest_tensor import LargestTensor
 
 # name: (M, H, V, k, dtype, kind, chunk_size); "int": logits are small exact integers (ties everywhere),
 # "rand": Gaussian logits of order 3
@@ -83,21 +82,10 @@ def test_negative_zero_ties_positive_zero_and_nan_surfaces():
     assert out.ids.tolist() == [[2], [2]] and out.values.isnan().all()
 
 
-class _LargestTensor(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.largest = max([self.largest] + [t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)])
-        return out
-
-
 def test_torch_path_never_materialises_the_logits():
     m, h, v = 300, 8, 2000
     hidden, weight = torch.randn(m, h), torch.randn(v, h)
-    with _LargestTensor() as probe:
+    with LargestTensor() as probe:
         out = head_topk_torch(hidden, weight, 4, chunk_size=128, row_chunk_size=50)
     assert probe.largest <= max(50 * (128 + 4), m * h, v * h), probe.largest
     torch.testing.assert_close(out.values, head_topk_reference(hidden, weight, 4).values)
