@@ -75,6 +75,23 @@ def test_offline_wandb_run_holds_keys_deltas_table_and_summary(tmp_path, monkeyp
     assert run["summary"]["dflash/ddtree@4/live/mean"] == {"max": pytest.approx(best)}
 
 
+def published_to_offline_wandb(tmp_path, prefix: str, reports_and_baselines) -> tuple[dict, list, list[bool]]:
+    """Each (report, baseline) published under `prefix` to the offline W&B run of a Lightning WandbLogger, as
+    the callback's publisher does: the run read back, the publisher's failures, what each publish returned."""
+    import wandb
+
+    logger = WandbLogger(project="dflash-test", save_dir=str(tmp_path), offline=True)
+    trainer = pl.Trainer(logger=logger, accelerator="cpu", enable_progress_bar=False, enable_model_summary=False)
+    failures = []
+    host = LightningHost(trainer)
+    publisher = Publisher(prefix, RunFolder.create(tmp_path / "d", "r"), failures.append, host.loggers,
+                          host.wandb_runs)
+    published = [publisher.publish(report, base, 1.0, 0) for report, base in reports_and_baselines]
+    wandb.finish()
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    return read_run(run_dir), failures, published
+
+
 def test_keys_first_seen_after_the_first_report_are_defined_with_their_summary(tmp_path, monkeypatch):
     """The baseline may come after the first report (a watcher that writes it late, a retried
     baseline): its baseline/delta/ratio keys first appear with the second report, and get the
@@ -89,19 +106,7 @@ def test_keys_first_seen_after_the_first_report_are_defined_with_their_summary(t
                service.score(world.config, other.state_dict())]
     for step, report in zip((4, 8, 12), reports):
         report.step, report.snapshot_id = step, f"{step:016d}"
-    logger = WandbLogger(project="dflash-test", save_dir=str(tmp_path), offline=True)
-    trainer = pl.Trainer(logger=logger, accelerator="cpu", enable_progress_bar=False, enable_model_summary=False)
-    failures = []
-    host = LightningHost(trainer)
-    publisher = Publisher("dflash", RunFolder.create(tmp_path / "d", "r"), failures.append, host.loggers,
-                          host.wandb_runs)
-    for report, base in zip(reports, [None, baseline, baseline]):
-        publisher.publish(report, base, 1.0, 0)
-    import wandb
-    wandb.finish()
-
-    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
-    run = read_run(run_dir)
+    run, failures, _ = published_to_offline_wandb(tmp_path, "dflash", zip(reports, [None, baseline, baseline]))
     ratios = [report.value("ddtree@4/live") / baseline.value("ddtree@4/live") for report in reports[1:]]
     assert failures == [] and ratios[0] == 1.0 > ratios[1]  # the max is not the last value
     for key, best in [("dflash/ratio/ddtree@4/live/mean", 1.0), ("dflash/baseline/ddtree@4/live/long", None),
@@ -127,20 +132,8 @@ def test_keys_with_a_dot_keep_their_axis_and_best_value(tmp_path, monkeypatch):
         for numbers in (n for per_method in report.tasks.values() for n in per_method.values()):
             numbers.pop("streaks")
     reports[1].tasks["py3.11"]["vanilla"]["live"] += 0.5  # the best value is not the last one
-    logger = WandbLogger(project="dflash-test", save_dir=str(tmp_path), offline=True)
-    trainer = pl.Trainer(logger=logger, accelerator="cpu", enable_progress_bar=False, enable_model_summary=False)
-    failures = []
-    host = LightningHost(trainer)
-    publisher = Publisher("eval.v2", RunFolder.create(tmp_path / "d", "r"), failures.append, host.loggers,
-                          host.wandb_runs)
-    for report in reports:
-        assert publisher.publish(report, None, 1.0, 0)
-    import wandb
-    wandb.finish()
-
-    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
-    run = read_run(run_dir)
-    assert failures == []
+    run, failures, published = published_to_offline_wandb(tmp_path, "eval.v2", ((r, None) for r in reports))
+    assert failures == [] and all(published)
     best = reports[1].value("vanilla/live", "py3.11")
     assert best > reports[2].value("vanilla/live", "py3.11")
     assert run["summary"]["eval.v2/vanilla/live/py3.11"] == {"max": pytest.approx(best)}
