@@ -114,7 +114,7 @@ def run_score(args: argparse.Namespace) -> int:
         scoring=scoring_config(args).to_dict(),
         baseline_cache_dir=None if args.baseline_cache_dir is None else str(args.baseline_cache_dir),
     )
-    preflight(spec, config, shapes)
+    preflight(spec, config, shapes, warn=lambda line: print(f"warning: {line}", file=sys.stderr))
     service = ScoringService(spec, owns_process=True)
     if state is None:
         ours = service.score_folder(args.drafter, progress=True)

@@ -6,7 +6,9 @@ LightningModule.
 Per sequence (target tokens and hidden states from a cache-format folder), draw
 `blocks_per_sequence` random anchors inside the completion. Each block is the anchor token
 followed by B-1 mask tokens; it sees the target context before its anchor and itself, never
-another block (the scorer's block mask). The loss is the teacher-forced cross-entropy of each
+another block (the scorer's block mask); inside the block each layer attends as
+`model.attention.training_attention` says (the family's own trained pattern where it names one,
+JetSpec's block-causal one; else `auto`). The loss is the teacher-forced cross-entropy of each
 draft slot's distribution over the family's own layout (`Drafter.draft_rows`: DFlash's rows
 1 .. B-1, the token at a + d at depth d; DSpark's anchor-first rows, B of them), the token before
 each slot the true one (the anchor, then the labels), slot j of P weighted exp(-j/gamma) (gamma 7
@@ -32,6 +34,7 @@ from torch.utils.data import Dataset
 
 from ..cache.format import HiddenStateCache
 from ..model import DFlashDrafter, TargetHead
+from ..model.attention import training_attention
 from ..model.geometry import block_attention_mask, block_inputs, block_positions
 from ..scoring.scorer import draft_labels
 
@@ -103,10 +106,11 @@ def block_loss(drafter: DFlashDrafter, head: TargetHead, input_ids: torch.Tensor
     previous = torch.cat([tokens[:, :1], labels[:, :-1]], dim=1)  # the true token before each slot
     C = int(anchors.max())
     out = drafter(
-        hidden[:C][None].to(drafter.fc.weight.dtype),
-        head.embed_tokens(tokens).flatten(0, 1)[None].to(drafter.fc.weight.dtype),
+        hidden[:C][None].to(drafter.input_weight.dtype),
+        head.embed_tokens(tokens).flatten(0, 1)[None].to(drafter.input_weight.dtype),
         block_positions(anchors, B, C)[None],
         block_attention_mask(anchors, B, C),
+        attention=training_attention(drafter.config),
     ).view(anchors.numel(), B, -1)
     if drafter.vocab_ids is not None:
         labels, valid = draft_labels(labels, valid, drafter.vocab_ids)

@@ -158,7 +158,7 @@ class EvalEngine:
         self._most_tau = most_tau(drafter, self.scoring.block_size or config.block_size)
         unreachable = [line for p in self.stops.policies if (line := p.unreachable(*self._most_tau))]
         try:
-            self.basis = preflight(self._spec, config, shapes)
+            self.basis = preflight(self._spec, config, shapes, warn=host.warn)
         except PreflightError as e:  # every problem at once
             raise PreflightError("\n  ".join([str(e), *unreachable])) from None
         if unreachable:

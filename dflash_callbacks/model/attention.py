@@ -27,8 +27,9 @@ stack runs it; three name a stack and read the config as it does:
 - "sglang": as SGLang resolves it: an explicit `is_causal` for every layer (SGLang reads no
   `dflash_config.causal` and no `sliding_window_non_causal`), else sliding layers causal
   and full ones bidirectional; the window counted back from each query.
-- "trained": the pattern the checkpoint's trainer trained it under: a speculators folder
-  under speculators' mask (the window anchored at the block's anchor; sliding layers causal
+- "trained": the pattern the checkpoint's trainer trained it under: the family's own where it
+  names one (JetSpec: every layer causal in the block, `families.jetspec.trained_attention`); else a
+  speculators folder under speculators' mask (the window anchored at the block's anchor; sliding layers causal
   unless `sliding_window_non_causal`; full layers bidirectional), any other under
   SpecForge's training mask (sliding layers causal with the window counted back from each
   query over the context only, the block whole; full layers bidirectional).
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import families
 from .config import DrafterConfig
 
 RULES = {
@@ -59,7 +61,8 @@ RULES = {
             "layers causal, full layers bidirectional; the window counted back from each query",
     "sglang": "as SGLang resolves the config: is_causal every layer; else sliding layers causal, full layers "
               "bidirectional; the window counted back from each query",
-    "trained": "as the checkpoint's trainer trained it: speculators' mask for a speculators folder (anchored-causal, "
+    "trained": "as the checkpoint's trainer trained it: the family's own pattern where it names one (JetSpec: every "
+               "layer causal in the block); else speculators' mask for a speculators folder (anchored-causal, "
                "or anchored-bidirectional with sliding_window_non_causal), else SpecForge's training mask (sliding "
                "layers causal, the window over the context only, the block whole)",
 }
@@ -122,8 +125,32 @@ def vllm_causal(config: DrafterConfig) -> bool | None:
     return config.causal
 
 
+def _family_hook(config: DrafterConfig, name: str):
+    """The family module's `name` (`model.families`: trained_attention, attention_note), None without one."""
+    return getattr(families.family_named(config.family).load(), name, None)
+
+
+def training_attention(config: DrafterConfig) -> list[LayerAttention] | None:
+    """The pattern a drafter of `config` trains under in this library's objective: its family's own trained
+    pattern where the family names one (JetSpec: block-causal), else None (the drafter's default, `auto`)."""
+    own = _family_hook(config, "trained_attention")
+    return None if own is None else own(config)
+
+
+def attention_note(config: DrafterConfig, rules: list[str]) -> str | None:
+    """The family's one line, before scoring, when the checkpoint will be served otherwise than its trainer
+    meant (JetSpec's three spellings of causality), naming the rule that scores each; `rules` the rules the run
+    scores. None when the family has nothing to say."""
+    note = _family_hook(config, "attention_note")
+    return None if note is None else note(config, rules)
+
+
 def _trained(config: DrafterConfig) -> list[LayerAttention]:
-    """The trainer's own pattern (module doc): speculators' anchored mask for its folders, else SpecForge's."""
+    """The trainer's own pattern (module doc): the family's where it names one (`trained_attention`), else
+    speculators' anchored mask for its folders, else SpecForge's."""
+    own = training_attention(config)
+    if own is not None:
+        return own
     out = []
     for kind in config.layer_types:
         sliding = kind == "sliding_attention"

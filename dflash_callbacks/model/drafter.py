@@ -173,7 +173,8 @@ class DFlashDrafter(nn.Module):
 
     It is the backbone of every family (`model.families`); a family's drafter subclasses it and
     overrides the family contract below (`draft_rows`, `slot_features`, `head_weight`, `slot_stats`,
-    `ddtree_streaks`, `ddtree_refusal`, `confidence_refusal`), which the scorer calls."""
+    `ddtree_streaks`, `ddtree_refusal`, `confidence_refusal`), which the scorer calls, and where its
+    layers read the target otherwise, `layer_contexts` and `input_weight`."""
 
     family = "dflash"  # the family this class implements (model.families)
     decoder_layer: type[nn.Module] = DFlashDecoderLayer  # the class of each layer
@@ -284,31 +285,44 @@ class DFlashDrafter(nn.Module):
             )
         # each layer projects the context inside its own forward (so per-layer FSDP
         # sharding, which gathers a layer's weights around its forward, works)
-        context = self.context(target_hidden, position_ids[..., :C])
+        contexts = self.layer_contexts(target_hidden, position_ids[..., :C])
         b, Q = noise_embedding.shape[:2]
         position_ids = position_ids.expand(b, C + Q)
         rope_block = self.rotary_emb(position_ids[:, C:], noise_embedding.dtype)
         masks = self._layer_masks(attention_mask, position_ids, C, Q, noise_embedding.dtype, attention or self.attention)
-        return self._layers(noise_embedding, [context] * len(self.layers), rope_block, masks,
-                            block_size or self.config.block_size)
+        return self._layers(noise_embedding, contexts, rope_block, masks, block_size or self.config.block_size)
 
-    def context(self, target_hidden: torch.Tensor, position_ids: torch.Tensor) -> Context:
-        """hidden_norm(fc(target_hidden)) and its RoPE at `position_ids` [b|1, C]."""
+    @property
+    def input_weight(self) -> torch.Tensor:
+        """The weight the target's hidden states meet first (`fc`'s; a family without `fc` names its
+        own): the drafter's inputs take its dtype and device."""
+        return self.fc.weight
+
+    def check_target_hidden(self, target_hidden: torch.Tensor) -> None:
         if target_hidden.shape[-1] != self.config.num_target_features:
             raise ValueError(
                 f"target_hidden has {target_hidden.shape[-1]} features; this drafter expects "
                 f"{len(self.config.target_layer_ids)} layers x {self.config.hidden_size} = "
                 f"{self.config.num_target_features}"
             )
+
+    def context(self, target_hidden: torch.Tensor, position_ids: torch.Tensor) -> Context:
+        """hidden_norm(fc(target_hidden)) and its RoPE at `position_ids` [b|1, C]."""
+        self.check_target_hidden(target_hidden)
         ctx = self.hidden_norm(self.fc(target_hidden))
         return Context(ctx, *self.rotary_emb(position_ids.expand(ctx.shape[0], -1), ctx.dtype))
+
+    def layer_contexts(self, target_hidden: torch.Tensor, position_ids: torch.Tensor) -> list[Context]:
+        """The context each layer attends to, one `Context` per layer. DFlash: one `context` for all; a
+        family that mixes the target's layers per draft layer (DFlare) gives each its own."""
+        return [self.context(target_hidden, position_ids)] * len(self.layers)
 
     def encode_context(self, target_hidden: torch.Tensor, position_ids: torch.Tensor) -> list:
         """Per layer, the keys and values of the context (projected, k-normed, rotated).
         Blocks decoded against it share it, so the scorer computes it once per task and
         layer (inference only: it calls the layers' projections outside their forward)."""
-        context = self.context(target_hidden, position_ids)
-        return [layer.self_attn.context_kv(context) for layer in self.layers]
+        contexts = self.layer_contexts(target_hidden, position_ids)
+        return [layer.self_attn.context_kv(context) for layer, context in zip(self.layers, contexts, strict=True)]
 
     @torch.no_grad()
     def decode_blocks(self, context: list, noise_embedding: torch.Tensor, anchors: torch.Tensor,

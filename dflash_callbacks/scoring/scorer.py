@@ -182,7 +182,7 @@ def score_task(
     sampled = served is not None and served.sampled
     if sampled and task.target_logprob is None:
         raise ValueError(f"task {task.name!r} has no target_logprob: a sampled draft is scored on a sampled cache")
-    device, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
+    device, dtype = drafter.input_weight.device, drafter.input_weight.dtype
     anchors = anchor_range(task.prompt_len, task.num_tokens, config.window)
     if len(anchors) == 0:
         raise ValueError(f"task {task.name!r} has no valid anchor (prompt {task.prompt_len}, {task.num_tokens} tokens)")

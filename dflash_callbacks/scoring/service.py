@@ -29,7 +29,7 @@ import json
 import os
 import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -38,6 +38,7 @@ import torch
 from ..cache.format import CacheError, HiddenStateCache
 from ..checks import check_device
 from ..model import DFlashDrafter, DrafterConfig, TargetHead, build_drafter, drafter_class, load_drafter
+from ..model.attention import attention_note
 from ..model.drafter import check_state_dict
 from ..model.geometry import anchor_range
 from ..model.io import read_config, read_snapshot_meta, read_state_shapes, safetensors_files
@@ -134,13 +135,16 @@ def check_finite_weights(state: Mapping[str, torch.Tensor], what: str) -> None:
 # ---------------------------------------------------------------- preflight
 
 
-def preflight(spec: ServiceSpec, drafter: DrafterConfig | None, drafter_shapes: Mapping[str, tuple] | None = None) -> Basis:
+def preflight(spec: ServiceSpec, drafter: DrafterConfig | None, drafter_shapes: Mapping[str, tuple] | None = None,
+              warn: Callable[[str], None] | None = None) -> Basis:
     """Check, before any work, that the drafter (its config, and its tensor shapes when
     given), the cache, the target, the scoring config, the device and the baseline fit
     together. Without a drafter (`watch`, before it has seen a snapshot), the checks that
     need one are left out and the target is held against the cache. Raises PreflightError
-    with one line per problem; else returns the run's basis (`scoring.basis`), from the cache
-    and the head fingerprint it has just read."""
+    with one line per problem; else tells `warn` (default `warnings.warn`) what the drafter's and a
+    baseline folder's family say of how their checkpoints will be served (`model.attention.attention_note`,
+    one line each; with a drafter only) and returns the run's basis (`scoring.basis`), from the cache and the head
+    fingerprint it has just read."""
     config = spec.scoring
     problems: list[str] = []
     problems += _device_problems(config)
@@ -178,7 +182,22 @@ def preflight(spec: ServiceSpec, drafter: DrafterConfig | None, drafter_shapes: 
         problems.append(f"baseline {spec.baseline} does not exist (give a drafter folder or a saved report JSON)")
     if problems:
         raise PreflightError("the scoring inputs do not fit together:\n  " + "\n  ".join(problems))
+    for line in _attention_notes(config, drafter, spec.baseline):
+        (warn or (lambda text: warnings.warn(text, UserWarning, stacklevel=3)))(line)
     return Basis.of_run(config, cache, block, head)
+
+
+def _attention_notes(config: ScoringConfig, drafter: DrafterConfig | None, baseline: str | None) -> list[str]:
+    """The drafter's and a baseline folder's `attention_note`, the baseline's naming it; none without a drafter
+    (a watcher's check before its first checkpoint: the preflight with the drafter says them)."""
+    if drafter is None:
+        return []
+    rules = [config.attention, *config.attentions]
+    notes = [attention_note(drafter, rules)]
+    if baseline is not None and Path(baseline).is_dir():  # read without error: preflight has checked it
+        note = attention_note(read_config(Path(baseline)), rules)
+        notes.append(note and f"baseline {baseline}: {note}")
+    return [note for note in notes if note]
 
 
 def _device_problems(config: ScoringConfig) -> list[str]:

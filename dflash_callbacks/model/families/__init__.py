@@ -1,4 +1,4 @@
-"""Drafter families: what a drafter checkpoint is. DFlash (v1), DFlash 2, DSpark, Domino.
+"""Drafter families: what a drafter checkpoint is. DFlash (v1), DFlash 2, DSpark, Domino, JetSpec, DFlare.
 
 A family says three things, and every method of `scoring/` follows from them:
 - which configs and checkpoint layouts it reads (`identify` picks the family of a config.json; the
@@ -14,6 +14,12 @@ A family says three things, and every method of `scoring/` follows from them:
 This module is the registry: static facts per family, and its implementing module, imported when a
 config of that family is read. A config no family reads is refused in one line naming the field and
 the families known.
+
+A family's module holds `read_config`, `write_config`, `Settings` (None: no fields of its own) and
+`Drafter`; and, where the family says more than the backbone does, `trained_attention(config)` (the
+pattern its trainer trains every layer under: `model.attention`'s "trained") and `attention_note(config,
+rules)` (one line a run is told before scoring when the checkpoint will be served otherwise than it was
+trained). The generic code asks the family for these; a family without them is the backbone's.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ class Family:
     speculators_type: str | None  # speculators' `speculators_model_type`
     projector_type: str | None  # SpecForge's `dflash_config.projector_type`
     module: str  # the module that implements it (read_config, write_config, Settings, Drafter)
+    marks: tuple[tuple[str, Any], ...] = ()  # (config field, value) pairs that name it whatever the architecture
 
     def load(self) -> ModuleType:
         return importlib.import_module(f"{__name__}.{self.module}")
@@ -46,6 +53,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("dflash2", "DFlash 2", ("DFlash2DraftModel",), "dflash2", None, "dflash2"),
     Family("dspark", "DSpark", ("DSparkDraftModel", "Qwen3DSparkModel"), "dspark", None, "dspark"),
     Family("domino", "Domino", ("DominoDraftModel",), None, "domino", "domino"),
+    Family("jetspec", "JetSpec", ("Qwen3DFlashDraftModel",), None, None, "jetspec",
+           marks=(("dflash_config.causal_head", True),)),
+    Family("dflare", "DFlare", ("QwenDFlareDraftModel",), None, None, "dflare"),
 )}
 """Every family this library scores, by name."""
 
@@ -65,11 +75,20 @@ def _implemented(family: Family) -> bool:
     return importlib.util.find_spec(f"{__name__}.{family.module}") is not None
 
 
+def _field(raw: dict[str, Any], path: str) -> Any:
+    """The value at a dotted path of a raw config ("dflash_config.causal_head"), None where absent."""
+    value: Any = raw
+    for part in path.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
 def identify(raw: dict[str, Any]) -> Family:
     """The family of a raw config.json, from each field that names one: speculators'
-    `speculators_model_type`, SpecForge's `projector_type` ('dflash' names none), `architectures`
-    (none of them: DFlash, the published layout before families). ValueError in one line naming the
-    field, when it names no family or another than a field before it, and the families known."""
+    `speculators_model_type`, SpecForge's `projector_type` ('dflash' names none), a family's `marks`
+    (JetSpec's reference: `dflash_config.causal_head: true`), `architectures` (none of them: DFlash, the
+    published layout before families). ValueError in one line naming the field, when it names no
+    family or another than a field before it, and the families known."""
     named: list[tuple[str, Any, Family]] = []
     kind = raw.get("speculators_model_type")
     if kind is not None:
@@ -86,6 +105,9 @@ def identify(raw: dict[str, Any]) -> Family:
             raise ValueError(f"field 'projector_type' is {projector!r}: no drafter family this library scores has "
                              f"that head; the projector types it reads are {sorted(by_projector)} ({known()})")
         named.append(("projector_type", projector, by_projector[projector]))
+    for family in FAMILIES.values():
+        named += [(path, value, family) for path, value in family.marks
+                  if _field(raw, path) == value and isinstance(_field(raw, path), type(value))]
     architectures = raw.get("architectures")
     if architectures:
         if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
