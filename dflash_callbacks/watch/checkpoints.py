@@ -6,7 +6,8 @@ step (the last integer in the name, or the first group of --step-pattern), and s
 checkpoint once, in step order, as soon as it is complete:
 - an HF-format drafter folder: `config.json` and safetensors (one file, or shards and their
   index), as `save_pretrained` and `dflash_callbacks.save_drafter` write it (`checkpoint-500/`,
-  `step_500/`);
+  `step_500/`), or at `model/consolidated/` inside the step's folder, as NeMo Automodel writes it
+  (`epoch_0_step_500/model/consolidated/`);
 - with --state-key KEY, a torch checkpoint file (`*.pt`, `*.pth`, `*.bin`, `*.ckpt`), or the
   --state-file in a checkpoint folder (SpecForge: `run-step500/training_state.pt`), holding the
   drafter's state dict under KEY; read with `weights_only=True` (no code is unpickled), wrapper
@@ -93,6 +94,14 @@ SAFETENSORS_HEADER_LIMIT = 100_000_000
 """The longest header the safetensors format reads (its own limit): a longer length is no header."""
 LAST_INTEGER = re.compile(r"(\d+)(?!.*\d)")
 SHARD_NAME = re.compile(r"-(\d+)-of-(\d+)\.safetensors\Z")
+NESTED_HF_FOLDERS = (Path("model") / "consolidated",)
+"""Where inside a step's folder a trainer writes the HF-format drafter folder: NeMo Automodel's Checkpointer
+(`epoch_E_step_S/model/consolidated/`)."""
+
+
+def hf_folder(entry: Path) -> Path:
+    """The HF-format folder of a step's folder: a nested one where a trainer writes it there, else itself."""
+    return next((entry / nested for nested in NESTED_HF_FOLDERS if (entry / nested).is_dir()), entry)
 
 # ---------------------------------------------------------------- reading a checkpoint
 
@@ -220,7 +229,7 @@ class Checkpoints:
             if loop:
                 source, name = entry, entry.stem if entry.suffix in TORCH_SUFFIXES else entry.name
             elif self.state_key is None:
-                source = entry if entry.is_dir() else None
+                source = hf_folder(entry) if entry.is_dir() else None
                 name = entry.name
                 if source is None and entry.suffix in TORCH_SUFFIXES and self.step_of(entry.stem) is not None:
                     self.unread.append(entry.name)

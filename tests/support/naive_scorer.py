@@ -21,7 +21,7 @@ from dflash_callbacks.scoring.scorer import TaskStreaks
 
 @torch.no_grad()
 def score_task_naive(drafter, head, task, config: ScoringConfig, block_size: int) -> TaskStreaks:
-    device, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
+    device, dtype = drafter.input_weight.device, drafter.input_weight.dtype
     anchors = anchor_range(task.prompt_len, task.num_tokens, config.window)
     input_ids = task.input_ids.to(device)
     attention = resolve_attention(drafter.config, config.attention)
