@@ -86,8 +86,9 @@ def check_config(config) -> None:
     read_back = config.is_causal if config.is_causal is not None else settings.causal
     if config.causal != read_back:
         problems.append(f"the config's causal is {config.causal!r} but its is_causal ({config.is_causal!r}) and "
-                        f"dflash_config.causal ({settings.causal!r}) read back as {read_back!r}: set causal to what "
-                        "its config.json says (vLLM reads is_causal first)")
+                        f"dflash_config.causal ({settings.causal!r}) read back as {read_back!r}: set causal to is_causal, "
+                        "or without is_causal to dflash_config.causal (vLLM reads them in that order), so that a copy "
+                        "written to config.json is read as this drafter")
     if problems:
         raise ValueError("\n".join(problems))
 
