@@ -10,7 +10,7 @@ from typing import Any
 
 from ..checks import (
     DTYPE_NAMES, check_bool, check_choice, check_device, check_int, check_int_list, check_number, check_str_list,
-    problems_of,
+    did_you_mean, problems_of,
 )
 from ..kernels.types import BACKENDS
 from ..model.attention import RULES as ATTENTION_RULES
@@ -29,6 +29,15 @@ def check_tasks(tasks: object) -> None:
 
 def _bad(message: str):
     raise ValueError(message)
+
+
+def run_block_problems(block_sizes: list[int], block: int | None, whose: str = "scoring.block_size") -> list[str]:
+    """`block_sizes` holding `block`, the block every method is scored at already (`whose`: where that block
+    comes from, scoring.block_size or the drafter's block size): one line, the same from every entry point."""
+    if block is None or not isinstance(block_sizes, (list, tuple)) or block not in block_sizes:
+        return []
+    return [f"block_sizes holds {block}, but {block} is already the run's block ({whose}): every method is scored at "
+            f"it already; leave {block} out of block_sizes (its methods are the ones without :b{block})"]
 
 
 def check_probability(name: str, value: object) -> None:
@@ -108,8 +117,7 @@ class ScoringConfig:
             lambda: check_int("window", self.window, 1, optional=True),
             lambda: check_int("block_size", self.block_size, 2, optional=True),
             lambda: check_int_list("block_sizes", self.block_sizes, 2),
-            lambda: self.block_size not in self.block_sizes or _bad(
-                f"block_sizes holds block_size {self.block_size}, which every method is scored at already"),
+            lambda: [_bad(line) for line in run_block_problems(self.block_sizes, self.block_size)],
             lambda: check_int("max_rounds", self.max_rounds, 1),
             lambda: check_tasks(self.tasks),
             lambda: check_int("anchors_per_forward", self.anchors_per_forward, 1),
@@ -172,7 +180,9 @@ class ScoringConfig:
         legal = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(raw) - set(legal))
         if unknown:
-            raise ValueError(f"scoring has unknown field(s) {unknown}; the fields are {legal}")
+            raise ValueError("\n".join(f"scoring has no field {name!r}" + (did_you_mean(name, legal)
+                                                                             or f"; the fields are {legal}")
+                                       for name in unknown))
         return cls(**raw)
 
     def fingerprint_fields(self) -> dict:

@@ -51,7 +51,7 @@ from ..model.families.dspark import confidence_cut
 from ..model.geometry import anchor_range, block_inputs
 from .aggregates import AGGREGATES, Streaks, acceptance_curve, encode_expected, encode_streaks, live_rounds, \
     quantize_expected
-from .config import ScoringConfig
+from .config import ScoringConfig, run_block_problems
 from .intervals import report_intervals
 from .methods import Method, scored_methods
 from .report import SCORER_VERSION, EvalReport
@@ -284,11 +284,14 @@ def family_of(drafter: DFlashDrafter, blocks: list[int]) -> dict:
             "settings": None if settings is None else dataclasses.asdict(settings)}
 
 
-def block_problems(drafter_config, config: ScoringConfig, trained: int | None = None) -> list[str]:
+def block_problems(drafter_config, config: ScoringConfig, trained: int | None = None, *,
+                   run_block: bool = True) -> list[str]:
     """What stops `config` from scoring a drafter of `drafter_config` (trained at block `trained`, default its
-    own): a block size above the trained one (its slots past the trained block never learnt to draft), DDTree
-    for a family whose slots read the token before them (`Drafter.ddtree_refusal`), and a confidence threshold
-    for a drafter without a confidence head (`Drafter.confidence_refusal`)."""
+    own): a block size above the trained one (its slots past the trained block never learnt to draft), with
+    `run_block` block_sizes holding the block it is scored at (the drafter's, scoring.block_size unset: that
+    config refuses an explicit one itself), DDTree for a family whose slots read the token before them
+    (`Drafter.ddtree_refusal`), and a confidence threshold for a drafter without a confidence head
+    (`Drafter.confidence_refusal`)."""
     from ..model import build_drafter
     from ..model.families import family_named
 
@@ -296,6 +299,9 @@ def block_problems(drafter_config, config: ScoringConfig, trained: int | None = 
     problems = [f"block size {b} is above the drafter's trained block size {trained}: the slots past it never "
                 f"learnt to draft; score at most block size {trained} (scoring.block_size / block_sizes)"
                 for b in [config.block_size, *config.block_sizes] if b is not None and b > trained]
+    if run_block and config.block_size is None:
+        problems += run_block_problems(config.block_sizes, drafter_config.block_size,
+                                       "the drafter's block size, as scoring.block_size is unset")
     with torch.device("meta"):  # the refusals may depend on the family's settings: nothing is allocated
         drafter = build_drafter(drafter_config)
     title = family_named(drafter_config.family).title
