@@ -205,7 +205,8 @@ class EvalEngine:
             policy.load_history(self.history)
 
     def _open(self, drafter: nn.Module | None, fresh_id: str | None) -> None:
-        opened = open_run(self.settings, self.basis, self.host, self._restored, fresh_id)
+        opened = open_run(self.settings, self.basis, self.host, self._restored, fresh_id,
+                          [policy.settings.to_dict() for policy in self.stops.policies])
         if self._restored and self._restored.get("run_id") and not opened.resumed:  # another basis: a new run
             self._fresh({k: v for k, v in self._restored.items() if k in ("errors", "skipped")})
             self.schedule = Schedule(self.settings, self._config, self._shapes)

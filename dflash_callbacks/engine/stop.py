@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..checks import did_you_mean
 from ..scoring.intervals import MIN_TASKS
 from ..scoring.methods import Monitor
 from ..settings import StopSettings, built, describe, fields_of, signature
@@ -384,7 +385,9 @@ class Stops:
         if method not in methods:
             raise ValueError(f"{type(policy).__name__} monitors {policy.monitor!r}, but {source!r} scores only "
                              f"{methods}; monitor one of those, or add it to that callback's scoring "
-                             "(ddtree_budgets / topk)")
+                             "(ddtree_budgets / topk / block_sizes / attentions)"
+                             + did_you_mean(policy.monitor, [f"{m}/{Monitor.parse(policy.monitor).aggregate}"
+                                                             for m in methods]))
         if policy not in self.policies:
             self.policies.append(policy)
 

@@ -42,9 +42,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
-from tqdm.auto import tqdm
 
 from ..kernels.ddtree import ddtree_streaks_from_stats
+from ..progress import progress as shown
 from ..model import DFlashDrafter, TargetHead
 from ..model.attention import describe, resolve_attention
 from ..model.families.dspark import confidence_cut
@@ -216,7 +216,7 @@ def score_task(
             accepts.append(served.acceptance(stats, logp, inside).cpu())
 
     chunks = range(0, len(anchors), plan.anchors_per_forward)
-    for start in tqdm(chunks, desc=task.name, disable=not progress, leave=False, unit="chunk"):
+    for start in shown(chunks, desc=task.name, enabled=progress, nested=True, unit="chunk"):
         span = anchors[start : start + plan.anchors_per_forward]  # a range: no host-device sync per chunk
         C, chunk = span[-1], torch.arange(span.start, span.stop, device=device)
         tokens, labels, valid = block_inputs(input_ids, chunk, block_size, drafter.mask_token_id, proposals)
@@ -398,7 +398,7 @@ def score_drafter(
     family = family_of(drafter, blocks)
     max_taus = {m: family["proposals"][str(Method.parse(m).block or block_size)] + 1 for m in config.methods}
     tasks = {}
-    for task_name in tqdm(names, desc=f"scoring {name or 'drafter'}", disable=not progress, unit="task"):
+    for task_name in shown(names, desc=f"scoring {name or 'drafter'}", enabled=progress, unit="task"):
         if cancel is not None and cancel.is_set():
             raise Cancelled(f"scoring was cancelled before task {task_name!r}")
         task, streaks, accept, cuts = cache.task(task_name), {}, {}, {}
