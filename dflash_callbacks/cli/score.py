@@ -140,7 +140,8 @@ def run_score(args: argparse.Namespace) -> int:
         scoring = scoring_config(args)
     except ValueError as e:
         problems += str(e).splitlines()
-    if problems:  # every one of them before torch loads
+    if problems:  # every one of them before torch loads (the drafter's config is read with its family, which
+        # needs torch: what its block size refuses, preflight says)
         raise UsageError("\n".join(problems))
 
     from ..scoring.basis import drafter_difference

@@ -31,6 +31,20 @@ def _bad(message: str):
     raise ValueError(message)
 
 
+def block_size_problems(config: ScoringConfig, trained: int, *, run_block: bool = True) -> list[str]:
+    """What stops `config` from scoring a drafter trained at block `trained` at its block sizes, told without
+    torch: a block size above it (its slots past the trained block never learnt to draft), and, with
+    `run_block`, block_sizes holding `trained` where it is the run's block (block_size unset; an explicit one
+    the config refuses itself)."""
+    problems = [f"block size {b} is above the drafter's trained block size {trained}: the slots past it never "
+                f"learnt to draft; score at most block size {trained} (scoring.block_size / block_sizes)"
+                for b in [config.block_size, *config.block_sizes] if b is not None and b > trained]
+    if run_block and config.block_size is None:
+        problems += run_block_problems(config.block_sizes, trained,
+                                       "the drafter's block size, as scoring.block_size is unset")
+    return problems
+
+
 def run_block_problems(block_sizes: list[int], block: int | None, whose: str = "scoring.block_size") -> list[str]:
     """`block_sizes` holding `block`, the block every method is scored at already (`whose`: where that block
     comes from, scoring.block_size or the drafter's block size): one line, the same from every entry point."""

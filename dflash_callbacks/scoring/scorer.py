@@ -51,7 +51,7 @@ from ..model.families.dspark import confidence_cut
 from ..model.geometry import anchor_range, block_inputs
 from .aggregates import AGGREGATES, Streaks, acceptance_curve, encode_expected, encode_streaks, live_rounds, \
     quantize_expected
-from .config import ScoringConfig, run_block_problems
+from .config import ScoringConfig, block_size_problems
 from .intervals import report_intervals
 from .methods import Method, scored_methods
 from .report import SCORER_VERSION, EvalReport
@@ -295,13 +295,7 @@ def block_problems(drafter_config, config: ScoringConfig, trained: int | None = 
     from ..model import build_drafter
     from ..model.families import family_named
 
-    trained = trained or drafter_config.block_size
-    problems = [f"block size {b} is above the drafter's trained block size {trained}: the slots past it never "
-                f"learnt to draft; score at most block size {trained} (scoring.block_size / block_sizes)"
-                for b in [config.block_size, *config.block_sizes] if b is not None and b > trained]
-    if run_block and config.block_size is None:
-        problems += run_block_problems(config.block_sizes, drafter_config.block_size,
-                                       "the drafter's block size, as scoring.block_size is unset")
+    problems = block_size_problems(config, trained or drafter_config.block_size, run_block=run_block)
     with torch.device("meta"):  # the refusals may depend on the family's settings: nothing is allocated
         drafter = build_drafter(drafter_config)
     title = family_named(drafter_config.family).title
