@@ -11,6 +11,7 @@ No torch at import (the CLI's help and its refusals answer before torch loads): 
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 from collections.abc import Callable, Iterable, Sequence
@@ -106,10 +107,20 @@ def check_number(name: str, value: Any, *, above: float | None = None, optional:
     return float(value)
 
 
+def did_you_mean(value: Any, legal: Iterable[Any], show=repr) -> str:
+    """`; did you mean X?` naming the one of `legal` closest to `value` (shown by `show`), or "" when none is
+    close: the hint every refusal of a name from a closed set ends with."""
+    if not isinstance(value, str):
+        return ""
+    names = {str(x): x for x in legal}
+    close = difflib.get_close_matches(value, list(names), n=1)
+    return f"; did you mean {show(names[close[0]])}?" if close else ""
+
+
 def check_choice(name: str, value: Any, legal: Iterable[Any]) -> Any:
     legal = list(legal)
     if value not in legal:
-        raise ValueError(f"{name} must be one of {legal}; got {value!r}")
+        raise ValueError(f"{name} must be one of {legal}; got {value!r}{did_you_mean(value, legal)}")
     return value
 
 

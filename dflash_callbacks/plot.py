@@ -59,7 +59,7 @@ def live_tau_figure(reports: Sequence[EvalReport], baseline: EvalReport | None, 
     fig = Figure(figsize=(11, 1.8 + 3.0 * rows), layout="constrained")
     axes = fig.subplots(rows, cols, sharex=True, sharey=True, squeeze=False).ravel()
     steps = [r.step for r in reports]
-    right = max(steps)  # the last step drawn
+    right = max(max(steps), horizon or 0)  # the last step drawn: the run's last step, when known
     for ax, method in zip(axes, methods):
         monitored = monitor is not None and str(monitor.method) == method
         key = f"{method}/live"

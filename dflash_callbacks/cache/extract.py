@@ -32,6 +32,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Dynami
 from transformers.generation.streamers import BaseStreamer
 
 from ..checks import check_int, dtype_name
+from ..progress import progress as shown
 from ..model.target_head import head_fingerprint
 from .format import (
     CacheError,
@@ -294,11 +295,11 @@ def extract_cache(
         return HiddenStateCache(out)
     model, tokenizer = load_target(target, device=device, dtype=dtype)
     eos, pad = stop_token_ids(model, tokenizer)
-    for task in tqdm([t for t in tasks if t.name in todo], desc="tasks", unit="task", disable=not progress):
+    for task in shown([t for t in tasks if t.name in todo], desc="tasks", unit="task", enabled=progress):
         prompt_ids = torch.tensor([prompt_token_ids(tokenizer, task.prompt, chat_template)], device=model.device)
         prompt_len = prompt_ids.shape[1]
         if sampling.greedy:
-            with tqdm(total=max_new_tokens, desc=task.name, unit="tok", leave=False, disable=not progress) as bar:
+            with shown(total=max_new_tokens, desc=task.name, unit="tok", nested=True, enabled=progress) as bar:
                 ids = greedy_generate(model, prompt_ids, max_new_tokens, eos, pad, streamer=TokenProgress(bar))
             hidden = target_hidden_states(model, ids, layer_ids)
             write_task(out, task.name, ids[0].cpu(), hidden[0].cpu(), prompt_len, prompt=task.prompt)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import yaml
 
+from ..checks import did_you_mean
 from ..config_files import TASKS_DIR
 
 BUILTIN_DIR = TASKS_DIR
@@ -63,7 +64,7 @@ def resolve_task_file(spec: str | Path) -> Path:
         return path
     raise FileNotFoundError(
         f"unknown task set {str(spec)!r}: give a built-in name ({', '.join(builtin_task_sets())}) "
-        f"or the path of a YAML file with a 'tasks' list"
+        f"or the path of a YAML file with a 'tasks' list{did_you_mean(str(spec), builtin_task_sets())}"
     )
 
 

@@ -9,11 +9,11 @@ status 1, and `--debug` shows where.
 from __future__ import annotations
 
 import argparse
-import difflib
 import itertools
 import os
 import sys
 
+from ..checks import did_you_mean
 from . import demo, extract, plot, score, watch
 from .usage import USER_ERRORS, UsageError  # noqa: F401  (the CLI's error, importable from here)
 
@@ -51,6 +51,15 @@ class Parser(argparse.ArgumentParser):
             self.error(f"\n{self.prog}: error: ".join(unknown))
         return super().parse_known_args(args, namespace)
 
+    def _check_value(self, action, value):
+        """A value outside a flag's choices (or a command name) is named with the one meant: `--aggregate densee`
+        (did you mean 'dense'?)."""
+        if action.choices is not None and value not in action.choices:
+            choices = ", ".join(map(repr, action.choices))
+            raise argparse.ArgumentError(action, f"invalid choice: {value!r} (choose from {choices})"
+                                                 f"{did_you_mean(value, action.choices)}")
+        super()._check_value(action, value)
+
     def unknown_options(self, args: list[str]) -> list[str]:
         """A line for each `--option` in `args` that this parser does not take (a prefix of one
         that it takes is argparse's to judge)."""
@@ -60,8 +69,7 @@ class Parser(argparse.ArgumentParser):
             name = arg.split("=", 1)[0]
             if not name.startswith("--") or any(option.startswith(name) for option in known):
                 continue
-            close = difflib.get_close_matches(name, known, n=1)
-            lines.append(f"unrecognized argument {name}" + (f"; did you mean {close[0]}?" if close else ""))
+            lines.append(f"unrecognized argument {name}{did_you_mean(name, known, show=str)}")
         return lines
 
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
+from pathlib import Path
 
 from ..checks import DTYPE_NAMES
+from .usage import UsageError
 
 
 def parse_layer_ids(text: str) -> list[int]:
@@ -43,20 +46,54 @@ def add_extract_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled answers")
 
 
+def extract_problems(args: argparse.Namespace):
+    """(the drafter's config or None, one line per problem of the arguments): everything told without torch,
+    the task set read (a name close to a built-in one is named), the sampling settings checked together."""
+    from ..cache.sampling import sampling_problems
+    from ..cache.tasks import load_tasks
+    from ..checks import check_int, problems_of
+    from ..model.config import DrafterConfig
+    from .score import folder_problems
+
+    target = Path(args.target)
+    problems = folder_problems("target", target)
+    if not problems and not (target / "config.json").is_file():
+        problems.append(f"--target {target} has no config.json: it is not a transformers model folder")
+    if Path(args.out).is_file():
+        problems.append(f"--out {args.out} is a file: give a folder to create, or an unfinished cache")
+    try:
+        load_tasks(args.tasks)
+    except (OSError, ValueError) as e:
+        problems.append(f"--tasks: {e}")
+    problems += problems_of(lambda: check_int("--max-new-tokens", args.max_new_tokens, 1),
+                            lambda: check_int("--block-size", args.block_size, 2, optional=True))
+    if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", args.device):
+        problems.append(f"--device must be cpu, cuda, cuda:N or auto; got {args.device!r}")
+    problems += sampling_problems(args.temperature, args.top_p, args.top_k, args.samples, args.seed)
+    drafter = None
+    if args.drafter is not None:
+        try:
+            drafter = DrafterConfig.from_file(args.drafter)
+        except (OSError, ValueError) as e:
+            problems.append(f"--drafter: {e}")
+    return drafter, problems
+
+
 def run_extract(args: argparse.Namespace) -> int:
-    """Run `extract` from parsed arguments (errors raise; `dflash-callbacks` prints them as one line)."""
+    """Run `extract` from parsed arguments (errors raise; `dflash-callbacks` prints them as one line): every
+    argument checked, all at once, before torch loads."""
+    drafter, problems = extract_problems(args)
+    if problems:
+        raise UsageError("\n".join(problems))
     from transformers import AutoConfig
 
-    from ..cache.extract import check_target_folder, extract_cache
+    from ..cache.extract import extract_cache
     from ..checks import DTYPES, check_device
-    from ..model.config import DrafterConfig
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # progress lines; a no-op if logging is set up
-    check_target_folder(args.target)
     check_device("--device", args.device)
     layer_ids, block_size = args.layer_ids, args.block_size
-    if args.drafter is not None:
-        drafter = DrafterConfig.from_file(args.drafter)
+    if drafter is not None:
         layer_ids = drafter.target_layer_ids
         block_size = block_size if block_size is not None else drafter.block_size
         target = AutoConfig.from_pretrained(args.target, local_files_only=True).get_text_config()

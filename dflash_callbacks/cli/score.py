@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..scoring.config import ScoringConfig
 from ..settings import add_arguments, given_arguments
-from .usage import UsageError
+from .usage import USER_ERRORS, UsageError
 
 
 def add_scoring_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,11 +44,54 @@ BASELINE_CACHE_HELP = ("where baseline reports are cached (default $XDG_CACHE_HO
                        "~/.cache/dflash_callbacks/baselines when XDG_CACHE_HOME is unset)")
 
 
-def check_output(option: str, path: Path | None) -> None:
+def output_problems(option: str, path: Path | None) -> list[str]:
     if path is not None and path.is_dir():
-        raise UsageError(f"{option} {path} is a folder: give the path of the JSON file to write")
+        return [f"{option} {path} is a folder: give the path of the JSON file to write"]
     if path is not None and not path.parent.is_dir():
-        raise UsageError(f"{option} {path}: the folder {path.parent} does not exist")
+        return [f"{option} {path}: the folder {path.parent} does not exist"]
+    return []
+
+
+FOLDERS = {"cache": ("the cache's", "`dflash-callbacks extract --out` makes one"),
+           "target": ("the target model's", "a local transformers folder: nothing is downloaded")}
+
+
+def folder_problems(flag: str, path: Path) -> list[str]:
+    """--cache or --target (`flag`) `path`, missing or a file: one line (what is in it, preflight reads)."""
+    what, made = FOLDERS[flag]
+    if path.is_file():
+        return [f"--{flag} {path} is a file: give {what} folder (e.g. {path.parent})"]
+    if not path.is_dir():
+        return [f"--{flag} {path} does not exist: give {what} folder ({made})"]
+    return []
+
+
+def path_problems(args: argparse.Namespace) -> list[str]:
+    """What the folders given to `score` and `watch` are, told without torch: each one missing or of the wrong
+    kind is one line."""
+    problems = folder_problems("cache", args.cache) + folder_problems("target", args.target)
+    if args.baseline is not None and not args.baseline.exists():
+        problems.append(f"--baseline {args.baseline} does not exist: give a drafter folder or a saved report JSON")
+    return problems
+
+
+def drafter_problems(args: argparse.Namespace) -> list[str]:
+    """What --drafter, --state-key and --drafter-config can be told to be without reading them."""
+    if args.drafter.is_dir():
+        return [f"--{flag.replace('_', '-')} goes with a torch checkpoint file; --drafter {args.drafter} is a folder, "
+                "which holds its own config.json and tensors"
+                for flag in ("state_key", "drafter_config") if getattr(args, flag) is not None]
+    if not args.drafter.is_file() or args.drafter.suffix in (".json", ".safetensors"):
+        return [f"--drafter {args.drafter} is not a folder: give a drafter folder (config.json and *.safetensors), a "
+                "snapshot folder, or a trainer's torch checkpoint file with --drafter-config"]
+    if args.drafter_config is None:
+        return [f"--drafter {args.drafter} is a checkpoint file, which holds no drafter config: give the config.json "
+                "it was trained with as --drafter-config (and --state-key draft_state_dict for a SpecForge "
+                "training_state.pt)"]
+    if not args.drafter_config.exists():
+        return [f"--drafter-config {args.drafter_config} does not exist: give the config.json the checkpoint was "
+                "trained with"]
+    return []
 
 
 def add_score_arguments(p: argparse.ArgumentParser) -> None:
@@ -73,47 +116,52 @@ def add_score_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def drafter_source(args: argparse.Namespace):
-    """(config, tensor shapes, the state of a checkpoint file or None) of --drafter."""
+    """(config, tensor shapes, the state of a checkpoint file or None) of --drafter (`drafter_problems` found
+    none)."""
     from ..model import DrafterConfig
     from ..model.drafter import split_stored_head
     from ..model.io import read_checkpoint, read_config, read_state_shapes
 
     if args.drafter.is_dir():
-        for flag in ("state_key", "drafter_config"):
-            if getattr(args, flag) is not None:
-                raise UsageError(f"--{flag.replace('_', '-')} goes with a torch checkpoint file; --drafter {args.drafter} "
-                                 "is a folder, which holds its own config.json and tensors")
         return read_config(args.drafter), read_state_shapes(args.drafter), None
-    if not args.drafter.is_file() or args.drafter.suffix in (".json", ".safetensors"):
-        raise UsageError(f"--drafter {args.drafter} is not a folder: give a drafter folder (config.json and "
-                         "*.safetensors), a snapshot folder, or a trainer's torch checkpoint file with --drafter-config")
-    if args.drafter_config is None:
-        raise UsageError(f"--drafter {args.drafter} is a checkpoint file, which holds no drafter config: give the "
-                         "config.json it was trained with as --drafter-config (and --state-key draft_state_dict for a "
-                         "SpecForge training_state.pt)")
     config = DrafterConfig.from_file(args.drafter_config)
     state = read_checkpoint(args.drafter, args.state_key)
     return config, {k: tuple(v.shape) for k, v in split_stored_head(state)[0].items()}, state
 
 
 def run_score(args: argparse.Namespace) -> int:
+    problems = output_problems("--json", args.json) + output_problems("--baseline-json", args.baseline_json)
+    if args.baseline_json is not None and args.baseline is None:
+        problems.append("--baseline-json writes the baseline's report: give the baseline with --baseline")
+    if args.json is not None and args.baseline_json is not None and args.json.resolve() == args.baseline_json.resolve():
+        problems.append(f"--json and --baseline-json are both {args.json}: give each report its own file")
+    problems += drafter_problems(args) + path_problems(args)
+    try:
+        scoring = scoring_config(args)
+    except ValueError as e:
+        problems += str(e).splitlines()
+    if problems:  # every one of them before torch loads (the drafter's config is read with its family, which
+        # needs torch: what its block size refuses, preflight says)
+        raise UsageError("\n".join(problems))
+
     from ..scoring.basis import drafter_difference
     from ..scoring.table import comparison_table
-    from ..scoring.service import ScoringService, ServiceSpec, preflight
+    from ..scoring.service import PreflightError, ScoringService, ServiceSpec, preflight
 
-    check_output("--json", args.json)
-    check_output("--baseline-json", args.baseline_json)
-    if args.baseline_json is not None and args.baseline is None:
-        raise UsageError("--baseline-json writes the baseline's report: give the baseline with --baseline")
-    if args.json is not None and args.baseline_json is not None and args.json.resolve() == args.baseline_json.resolve():
-        raise UsageError(f"--json and --baseline-json are both {args.json}: give each report its own file")
-    config, shapes, state = drafter_source(args)
     spec = ServiceSpec(
         cache=str(args.cache), target=str(args.target),
         baseline=None if args.baseline is None else str(args.baseline),
-        scoring=scoring_config(args).to_dict(),
+        scoring=scoring,
         baseline_cache_dir=None if args.baseline_cache_dir is None else str(args.baseline_cache_dir),
     )
+    try:
+        config, shapes, state = drafter_source(args)
+    except USER_ERRORS as e:  # what needs no drafter is checked too: every problem at once
+        try:
+            preflight(spec, None)
+        except PreflightError as more:
+            raise UsageError(f"{e}\n{more}") from None
+        raise
     preflight(spec, config, shapes, warn=lambda line: print(f"warning: {line}", file=sys.stderr))
     service = ScoringService(spec, owns_process=True)
     if state is None:

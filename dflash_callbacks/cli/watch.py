@@ -16,7 +16,9 @@ from typing import Any
 from ..scoring.config import ScoringConfig
 from ..settings import StopSettings, add_arguments, given_arguments
 from .usage import UsageError
-from .score import BASELINE_CACHE_HELP, add_scoring_arguments, scoring_config, scoring_flag
+from ..scoring.methods import unscored_monitor
+from ..watch.nearby import RUN_FILE, runs_hint
+from .score import BASELINE_CACHE_HELP, add_scoring_arguments, path_problems, scoring_config, scoring_flag
 
 CHECKPOINT_FLAGS: dict[str, Any] = {  # dest -> default: the flags only `watch --checkpoints` takes
     "out": None, "state_key": None, "state_file": "training_state.pt", "drafter_config": None, "step_pattern": None,
@@ -74,25 +76,45 @@ def add_watch_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_watch(args: argparse.Namespace) -> int:
+    """Every flag checked, all at once, before torch loads; then the watcher `--dir` or `--checkpoints` asks for."""
     if (args.dir is None) == (args.checkpoints is None):
         raise UsageError("give exactly one of --dir (the run folders of DrafterEvalCallback(runner='external')) or "
                          "--checkpoints (the folder a trainer saves its checkpoints into)")
+    problems = path_problems(args)
+    try:
+        scoring = scoring_config(args)
+    except ValueError as e:
+        scoring, problems = None, problems + str(e).splitlines()
     if args.checkpoints is not None:
-        settings = checkpoint_settings(args)
+        try:
+            settings = checkpoint_settings(args, scoring)
+        except UsageError as e:
+            problems += str(e).splitlines()
+        if problems:
+            raise UsageError("\n".join(problems))
         from ..watch.checkpoints import run_watch_checkpoints
 
-        return run_watch_checkpoints(args, settings, scoring_config(args))
+        return run_watch_checkpoints(args, settings, scoring)
     misplaced = [flag(dest) for dest in [*CHECKPOINT_FLAGS, *given_arguments(args, StopSettings)] if hasattr(args, dest)]
     if misplaced:
-        raise UsageError(f"{', '.join(misplaced)} go with --checkpoints, not --dir")
+        problems.append(f"{', '.join(misplaced)} go with --checkpoints, not --dir")
     if not all(math.isfinite(x) and x >= 0 for x in (args.poll_seconds, args.idle_exit) if x is not None):
-        raise UsageError(f"--poll-seconds and --idle-exit must be finite numbers >= 0; got {args.poll_seconds:g} "
-                         f"and {'none' if args.idle_exit is None else format(args.idle_exit, 'g')}")
+        problems.append(f"--poll-seconds and --idle-exit must be finite numbers >= 0; got {args.poll_seconds:g} "
+                        f"and {'none' if args.idle_exit is None else format(args.idle_exit, 'g')}")
     if args.dir.exists() and not args.dir.is_dir() or args.once and not args.dir.is_dir():
-        raise UsageError(f"--dir {args.dir} is not a folder: give the callback's dirpath (or a run folder in it)")
+        problems.append(f"--dir {args.dir} is not a folder: give the callback's dirpath (or a run folder in it)")
+    elif args.once and not holds_runs(args.dir):
+        problems.append(f"--dir {args.dir} holds no run folder{runs_hint(args.dir)}")
+    if problems:
+        raise UsageError("\n".join(problems))
     from ..watch.runs import run_watch as watch_runs
 
-    return watch_runs(args, scoring_config(args), given_settings(args))
+    return watch_runs(args, scoring, given_settings(args))
+
+
+def holds_runs(folder: Path) -> bool:
+    """Whether `folder` is a run folder or holds one (as `watch.runs.run_folders` finds them)."""
+    return (folder / RUN_FILE).is_file() or any((p / RUN_FILE).is_file() for p in folder.iterdir() if p.is_dir())
 
 
 def given_settings(args: argparse.Namespace) -> dict[str, str]:
@@ -102,18 +124,19 @@ def given_settings(args: argparse.Namespace) -> dict[str, str]:
     return {name: scoring_flag(name) for name in given_arguments(args, ScoringConfig) if name in numbers}
 
 
-def checkpoint_settings(args: argparse.Namespace) -> dict[str, Any]:
+def checkpoint_settings(args: argparse.Namespace, scoring: ScoringConfig | None = None) -> dict[str, Any]:
     """The flags of `watch --checkpoints`, defaults filled in and checked, with the stop's settings ("stop": a
-    StopSettings, or None without --baseline); UsageError listing every problem."""
+    StopSettings, or None without --baseline; its monitor one of the methods `scoring` scores); UsageError
+    listing every problem."""
     from ..model.config import DrafterConfig
 
     given = {dest for dest in CHECKPOINT_FLAGS if hasattr(args, dest)}
     s = {**CHECKPOINT_FLAGS, **{dest: getattr(args, dest) for dest in given}}
     root = args.checkpoints
-    if not root.is_dir():
-        raise UsageError(f"--checkpoints {root} is not a folder" + (" (it does not exist)" if not root.exists() else "")
-                         + ": give the folder your trainer saves its checkpoints into")
     problems = []
+    if not root.is_dir():
+        problems.append(f"--checkpoints {root} is not a folder" + (" (it does not exist)" if not root.exists() else "")
+                        + ": give the folder your trainer saves its checkpoints into")
     seconds = (args.poll_seconds, args.idle_exit, s["settle_seconds"])
     if not all(x is None or (math.isfinite(x) and x >= 0) for x in seconds):
         problems.append("--poll-seconds, --idle-exit and --settle-seconds must be finite numbers >= 0")
@@ -146,6 +169,11 @@ def checkpoint_settings(args: argparse.Namespace) -> dict[str, Any]:
             s["stop"] = StopSettings(**stop)
         except ValueError as e:
             problems += [line.replace("`", "") for line in str(e).splitlines()]
+    if s["stop"] is not None and scoring is not None:
+        unscored = unscored_monitor(s["stop"].monitor, scoring.methods, "--monitor", "scoring")
+        problems += [unscored] if unscored else []
+    if s["max_steps"] is not None and s["max_steps"] < 1:
+        problems.append(f"--max-steps must be an integer >= 1; got {s['max_steps']}")
     if s["wandb_project"] is None and given & {"wandb_name", "wandb_group"}:
         problems.append("--wandb-name and --wandb-group name a run of --wandb-project: give the project")
     s["out"] = s["out"] if s["out"] is not None else root / "dflash-eval"

@@ -155,20 +155,22 @@ def report_line(report: EvalReport, baseline: EvalReport | None, stop: TrailingB
 
 def run_demo(cfg: DemoConfig) -> dict:
     check_demo(cfg)
-    with torch_threads(1), demo_output():  # toy models: one intra-op thread for training, one core left for scoring
+    with torch_threads(1), demo_output(said=(f"{cfg.eval.name}: stopping at step ",)):  # toy models: one intra-op
+        # thread for training, one core left for scoring
         return _run_demo(cfg)
 
 
 @contextmanager
-def demo_output() -> Iterator[None]:
+def demo_output(said: tuple[str, ...] = ()) -> Iterator[None]:
     """Around the demo only, its output is its own: the third-party lines a user can not act on are not
-    printed (Lightning's device lines and tips, deprecation warnings), a warning is one line, and without
-    a terminal, no progress bar (transformers' weight loading; the demo's own bars are off there too)."""
+    printed (Lightning's device lines and tips, deprecation warnings), nor the library's lines the demo says
+    itself on stdout (`said`: their beginnings; the stop's decision), a warning is one line, and without a
+    terminal, no progress bar (transformers' weight loading; the demo's own bars are off there too)."""
     import lightning
     import transformers.utils.logging as transformers_logging
 
     lightning_info = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # this library's lines go there too
-    own = LightningsOwnLines(lightning.__path__[0])
+    own = LightningsOwnLines(lightning.__path__[0], said)
     bars = transformers_logging.is_progress_bar_enabled()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -186,14 +188,17 @@ def demo_output() -> Iterator[None]:
 
 
 class LightningsOwnLines(logging.Filter):
-    """Drops the info lines Lightning itself says (a record names where `rank_zero_info` was called)."""
+    """Drops the info lines Lightning itself says (a record names where `rank_zero_info` was called), and those
+    beginning with one of `said` (what the demo prints itself)."""
 
-    def __init__(self, folder: str):
+    def __init__(self, folder: str, said: tuple[str, ...] = ()):
         super().__init__()
-        self.folder = os.path.join(folder, "")
+        self.folder, self.said = os.path.join(folder, ""), said
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno > logging.INFO or not record.pathname.startswith(self.folder)
+        if record.levelno > logging.INFO:
+            return True
+        return not record.pathname.startswith(self.folder) and not record.getMessage().startswith(self.said)
 
 
 def _run_demo(cfg: DemoConfig) -> dict:

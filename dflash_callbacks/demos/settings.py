@@ -11,7 +11,7 @@ from pathlib import Path
 from ..callbacks.schema import EvalConfig, StopConfig
 from ..checks import check_choice, check_int, check_number, problems_of
 from ..config_files import CONF_DIR, load_config
-from ..scoring.methods import Monitor
+from ..scoring.methods import unscored_monitor
 from ..settings import EvalSettings, StopSettings, settings_from
 
 DEMO_YAML = CONF_DIR / "demo.yaml"
@@ -99,10 +99,7 @@ def check_demo(cfg: DemoConfig) -> None:
     except (ValueError, TypeError) as e:
         problems += [f"stop: {line}" for line in str(e).splitlines()]
     if evaluation is not None and stop is not None and cfg.stop.enabled:
-        method = Monitor.parse(stop.monitor).method
-        if str(method) not in evaluation.scoring.methods:
-            where = {"ddtree": "eval.scoring.ddtree_budgets", "top": "eval.scoring.topk"}.get(method.kind)
-            problems.append(f"stop.monitor={cfg.stop.monitor!r}, but eval.scoring scores only "
-                            f"{evaluation.scoring.methods}: monitor one of those, or add {method.n} to {where}")
+        line = unscored_monitor(stop.monitor, evaluation.scoring.methods, "stop.monitor", "eval.scoring")
+        problems += [line] if line else []
     if problems:
         raise ValueError("\n".join(problems))

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -68,7 +69,7 @@ class EvalEngine:
         self.host = Host()
         self.basis: Basis | None = None  # what every report of this run stands on (after `check`)
         self._restored: dict | None = None
-        self._most_tau: tuple[int, int] | None = None  # (the most tau can be, at the block size): after `check`
+        self._most_tau: tuple[Callable[[int], int], int] | None = None  # (block -> the most tau there, the run's block): after `check`
         self._started = False
         self._fresh({})
 
@@ -155,7 +156,7 @@ class EvalEngine:
                                  self.scoring, None if self.settings.baseline_cache_dir is None
                                  else str(self.settings.baseline_cache_dir))
         shapes = {k: tuple(v) for k, v in (shapes or {k: v.shape for k, v in drafter.state_dict().items()}).items()}
-        self._most_tau = most_tau(drafter, self.scoring.block_size or config.block_size)
+        self._most_tau = (functools.partial(most_tau, drafter), self.scoring.block_size or config.block_size)
         unreachable = [line for p in self.stops.policies if (line := p.unreachable(*self._most_tau))]
         try:
             self.basis = preflight(self._spec, config, shapes, warn=host.warn)
@@ -204,7 +205,8 @@ class EvalEngine:
             policy.load_history(self.history)
 
     def _open(self, drafter: nn.Module | None, fresh_id: str | None) -> None:
-        opened = open_run(self.settings, self.basis, self.host, self._restored, fresh_id)
+        opened = open_run(self.settings, self.basis, self.host, self._restored, fresh_id,
+                          [policy.settings.to_dict() for policy in self.stops.policies])
         if self._restored and self._restored.get("run_id") and not opened.resumed:  # another basis: a new run
             self._fresh({k: v for k, v in self._restored.items() if k in ("errors", "skipped")})
             self.schedule = Schedule(self.settings, self._config, self._shapes)
@@ -352,12 +354,12 @@ class EvalEngine:
             pass
 
 
-def most_tau(drafter: nn.Module | None, block_size: int) -> tuple[int, int]:
-    """(the most tau any report can hold, the block size): the drafter's proposals per block + 1
+def most_tau(drafter: nn.Module | None, block_size: int) -> int:
+    """The most tau any report can hold at `block_size`: the drafter's proposals per block + 1
     (`draft_rows`; without a live drafter, at most the block size's)."""
     draft_rows = getattr(drafter, "draft_rows", None)
     proposals = len(draft_rows(block_size)) if callable(draft_rows) else block_size
-    return proposals + 1, block_size
+    return proposals + 1
 
 
 def _pin_device(settings: EvalSettings, drafter: nn.Module | None) -> EvalSettings:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..scoring.basis import Basis
 from ..scoring.report import EvalReport
+from ..scoring.service import default_baseline_cache_dir
 from ..settings import EvalSettings
 from .host import Host
 from .metrics import history_entry
@@ -49,14 +50,18 @@ class Opened:
 
 
 def open_run(settings: EvalSettings, basis: Basis, host: Host, restored: dict | None,
-             fresh_id: str | None) -> Opened:
+             fresh_id: str | None, stops: list[dict] | None = None) -> Opened:
     """Rank 0: the run folder of this run, locked. A resume (`restored` names its run) reopens its folder,
-    unless its basis changed; else a fresh folder named `fresh_id` (or a new sortable id)."""
+    unless its basis changed; else a fresh folder named `fresh_id` (or a new sortable id). `stops`: the
+    settings of the stops following it (`StopSettings.to_dict`), recorded for `plot` to replay."""
     root = settings.dirpath or host.default_dirpath(settings.name)
     baseline = settings.baseline
     about = {"runner": settings.runner, "basis": basis.to_dict(),
              "baseline": str(baseline.resolve()) if baseline is not None and baseline.is_dir() else None,
-             "scoring": settings.scoring.to_dict()}  # what a watcher started elsewhere reads
+             "scoring": settings.scoring.to_dict(),  # what a watcher started elsewhere reads
+             # what `plot` reads: where the baseline's report is cached, the stops and their horizon
+             "baseline_cache_dir": str(Path(settings.baseline_cache_dir or default_baseline_cache_dir()).resolve()),
+             "stops": list(stops or []), "max_steps": host.horizon()}
     if restored is not None and restored.get("run_id"):
         run = RunFolder.reopen(root, restored["run_id"], about)
         changed = basis_changes(basis, run, restored.get("basis"))

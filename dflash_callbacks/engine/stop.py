@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..checks import did_you_mean
 from ..scoring.intervals import MIN_TASKS
 from ..scoring.methods import Monitor
 from ..settings import StopSettings, built, describe, fields_of, signature
@@ -83,6 +84,11 @@ def fit_projection(steps: Sequence[float], values: Sequence[float]) -> tuple[flo
 def projected_value(a: float, b: float, step: float) -> float:
     """The fitted curve ``a + b * log(step)`` at ``step`` (> 0)."""
     return a + b * math.log(step)
+
+
+def monitor_block(monitor: str, run_block: int) -> int:
+    """The block size `monitor` is scored at: its method's `:bB` (`vanilla:b2/live`: 2), else the run's."""
+    return Monitor.parse(monitor).method.block or run_block
 
 
 class StopPolicy:
@@ -249,17 +255,20 @@ class StopPolicy:
         text = f"; projection {PROJECTION_CURVE} reaches {projected:.2f} by max_steps={max_steps} {verdict}"
         return not reaches, text, projected
 
-    def unreachable(self, most_tau: int, block_size: int) -> str | None:
-        """One line when this stop's threshold is above `most_tau`, the most tau can be (the drafter's
-        proposals per block + 1, at `block_size`), for any baseline (a baseline's tau is at least 1):
-        ours could never reach it. None when it can be reached."""
+    def unreachable(self, most_tau: Callable[[int], int], run_block: int) -> str | None:
+        """One line when this stop's threshold is above the most tau can be at the block its monitor is scored
+        at (`monitor_block`: its `:bB`, else the run's `run_block`), `most_tau(block)` (the drafter's proposals
+        per block + 1), for any baseline (a baseline's tau is at least 1): ours could never reach it. None when
+        it can be reached."""
         name = type(self).__name__
-        most = f"{most_tau}, the most tau can be at block size {block_size} ({most_tau - 1} proposals + 1)"
-        if self.min_delta is not None and 1 + self.min_delta > most_tau:
+        block_size = monitor_block(self.monitor, run_block)
+        top = most_tau(block_size)
+        most = f"{top}, the most tau can be at block size {block_size} ({top - 1} proposals + 1)"
+        if self.min_delta is not None and 1 + self.min_delta > top:
             return (f"{name}(min_delta={self.min_delta:g}): its threshold, the baseline's tau + {self.min_delta:g}, "
                     f"is above {most}, for any baseline, so it can never be reached; give a min_delta below "
-                    f"{most_tau - 1}, e.g. -0.5")
-        if self.min_delta is None and self.min_ratio > most_tau:
+                    f"{top - 1}, e.g. -0.5")
+        if self.min_delta is None and self.min_ratio > top:
             return (f"{name}(min_ratio={self.min_ratio:g}): its threshold, {self.min_ratio:g} x the baseline's tau, "
                     f"is above {most}, for any baseline, so it can never be reached; min_ratio is a share of the "
                     "baseline's tau: e.g. min_ratio=0.9 for 90%")
@@ -376,7 +385,9 @@ class Stops:
         if method not in methods:
             raise ValueError(f"{type(policy).__name__} monitors {policy.monitor!r}, but {source!r} scores only "
                              f"{methods}; monitor one of those, or add it to that callback's scoring "
-                             "(ddtree_budgets / topk)")
+                             "(ddtree_budgets / topk / block_sizes / attentions)"
+                             + did_you_mean(policy.monitor, [f"{m}/{Monitor.parse(policy.monitor).aggregate}"
+                                                             for m in methods]))
         if policy not in self.policies:
             self.policies.append(policy)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..checks import (
     DTYPE_NAMES, check_bool, check_choice, check_device, check_int, check_int_list, check_number, check_str_list,
-    problems_of,
+    did_you_mean, problems_of,
 )
 from ..kernels.types import BACKENDS
 from ..model.attention import RULES as ATTENTION_RULES
@@ -29,6 +29,29 @@ def check_tasks(tasks: object) -> None:
 
 def _bad(message: str):
     raise ValueError(message)
+
+
+def block_size_problems(config: ScoringConfig, trained: int, *, run_block: bool = True) -> list[str]:
+    """What stops `config` from scoring a drafter trained at block `trained` at its block sizes, told without
+    torch: a block size above it (its slots past the trained block never learnt to draft), and, with
+    `run_block`, block_sizes holding `trained` where it is the run's block (block_size unset; an explicit one
+    the config refuses itself)."""
+    problems = [f"block size {b} is above the drafter's trained block size {trained}: the slots past it never "
+                f"learnt to draft; score at most block size {trained} (scoring.block_size / block_sizes)"
+                for b in [config.block_size, *config.block_sizes] if b is not None and b > trained]
+    if run_block and config.block_size is None:
+        problems += run_block_problems(config.block_sizes, trained,
+                                       "the drafter's block size, as scoring.block_size is unset")
+    return problems
+
+
+def run_block_problems(block_sizes: list[int], block: int | None, whose: str = "scoring.block_size") -> list[str]:
+    """`block_sizes` holding `block`, the block every method is scored at already (`whose`: where that block
+    comes from, scoring.block_size or the drafter's block size): one line, the same from every entry point."""
+    if block is None or not isinstance(block_sizes, (list, tuple)) or block not in block_sizes:
+        return []
+    return [f"block_sizes holds {block}, but {block} is already the run's block ({whose}): every method is scored at "
+            f"it already; leave {block} out of block_sizes (its methods are the ones without :b{block})"]
 
 
 def check_probability(name: str, value: object) -> None:
@@ -108,8 +131,7 @@ class ScoringConfig:
             lambda: check_int("window", self.window, 1, optional=True),
             lambda: check_int("block_size", self.block_size, 2, optional=True),
             lambda: check_int_list("block_sizes", self.block_sizes, 2),
-            lambda: self.block_size not in self.block_sizes or _bad(
-                f"block_sizes holds block_size {self.block_size}, which every method is scored at already"),
+            lambda: [_bad(line) for line in run_block_problems(self.block_sizes, self.block_size)],
             lambda: check_int("max_rounds", self.max_rounds, 1),
             lambda: check_tasks(self.tasks),
             lambda: check_int("anchors_per_forward", self.anchors_per_forward, 1),
@@ -172,7 +194,9 @@ class ScoringConfig:
         legal = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(raw) - set(legal))
         if unknown:
-            raise ValueError(f"scoring has unknown field(s) {unknown}; the fields are {legal}")
+            raise ValueError("\n".join(f"scoring has no field {name!r}" + (did_you_mean(name, legal)
+                                                                             or f"; the fields are {legal}")
+                                       for name in unknown))
         return cls(**raw)
 
     def fingerprint_fields(self) -> dict:

@@ -107,3 +107,27 @@ def scored_methods(ddtree_budgets: Iterable[int], topk: Iterable[int], block_siz
     base = [Method("vanilla")] + [Method("ddtree", n) for n in ddtree_budgets] + [Method("top", k) for k in topk]
     blocks = base + [m.at(block) for block in block_sizes for m in base]
     return blocks + [m.under(rule) for rule in attentions for m in blocks]
+
+
+def unscored_monitor(monitor: str | Monitor, methods: list[str], given: str, scoring: str | None = "scoring") -> str | None:
+    """One line when `monitor`'s method is not one of `methods` (what the config named `scoring` scores; None: a
+    run's reports, scored already), else None: the monitor as `given` names it, the methods scored, the setting
+    that would score it, and the closest scored monitor."""
+    from ..checks import did_you_mean
+
+    monitor = Monitor.parse(monitor)
+    method = monitor.method
+    if str(method) in methods:
+        return None
+    base = Method(method.kind, method.n)
+    if scoring is None:
+        add = ""
+    elif str(base) not in methods and method.kind != "vanilla":
+        add = f", or add {method.n} to {scoring}.{'ddtree_budgets' if method.kind == 'ddtree' else 'topk'}"
+    elif method.block is not None and str(base.at(method.block)) not in methods:
+        add = f", or add {method.block} to {scoring}.block_sizes"
+    else:
+        add = f", or add {method.attention} to {scoring}.attentions"
+    scored = [f"{m}/{monitor.aggregate}" for m in methods]
+    return (f"{given}={str(monitor)!r}, but {scoring or 'the run'} scores only {methods}: monitor one of those{add}"
+            f"{did_you_mean(str(monitor), scored)}")

@@ -42,16 +42,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
-from tqdm.auto import tqdm
 
 from ..kernels.ddtree import ddtree_streaks_from_stats
+from ..progress import progress as shown
 from ..model import DFlashDrafter, TargetHead
 from ..model.attention import describe, resolve_attention
 from ..model.families.dspark import confidence_cut
 from ..model.geometry import anchor_range, block_inputs
 from .aggregates import AGGREGATES, Streaks, acceptance_curve, encode_expected, encode_streaks, live_rounds, \
     quantize_expected
-from .config import ScoringConfig
+from .config import ScoringConfig, block_size_problems
 from .intervals import report_intervals
 from .methods import Method, scored_methods
 from .report import SCORER_VERSION, EvalReport
@@ -216,7 +216,7 @@ def score_task(
             accepts.append(served.acceptance(stats, logp, inside).cpu())
 
     chunks = range(0, len(anchors), plan.anchors_per_forward)
-    for start in tqdm(chunks, desc=task.name, disable=not progress, leave=False, unit="chunk"):
+    for start in shown(chunks, desc=task.name, enabled=progress, nested=True, unit="chunk"):
         span = anchors[start : start + plan.anchors_per_forward]  # a range: no host-device sync per chunk
         C, chunk = span[-1], torch.arange(span.start, span.stop, device=device)
         tokens, labels, valid = block_inputs(input_ids, chunk, block_size, drafter.mask_token_id, proposals)
@@ -284,18 +284,18 @@ def family_of(drafter: DFlashDrafter, blocks: list[int]) -> dict:
             "settings": None if settings is None else dataclasses.asdict(settings)}
 
 
-def block_problems(drafter_config, config: ScoringConfig, trained: int | None = None) -> list[str]:
+def block_problems(drafter_config, config: ScoringConfig, trained: int | None = None, *,
+                   run_block: bool = True) -> list[str]:
     """What stops `config` from scoring a drafter of `drafter_config` (trained at block `trained`, default its
-    own): a block size above the trained one (its slots past the trained block never learnt to draft), DDTree
-    for a family whose slots read the token before them (`Drafter.ddtree_refusal`), and a confidence threshold
-    for a drafter without a confidence head (`Drafter.confidence_refusal`)."""
+    own): a block size above the trained one (its slots past the trained block never learnt to draft), with
+    `run_block` block_sizes holding the block it is scored at (the drafter's, scoring.block_size unset: that
+    config refuses an explicit one itself), DDTree for a family whose slots read the token before them
+    (`Drafter.ddtree_refusal`), and a confidence threshold for a drafter without a confidence head
+    (`Drafter.confidence_refusal`)."""
     from ..model import build_drafter
     from ..model.families import family_named
 
-    trained = trained or drafter_config.block_size
-    problems = [f"block size {b} is above the drafter's trained block size {trained}: the slots past it never "
-                f"learnt to draft; score at most block size {trained} (scoring.block_size / block_sizes)"
-                for b in [config.block_size, *config.block_sizes] if b is not None and b > trained]
+    problems = block_size_problems(config, trained or drafter_config.block_size, run_block=run_block)
     with torch.device("meta"):  # the refusals may depend on the family's settings: nothing is allocated
         drafter = build_drafter(drafter_config)
     title = family_named(drafter_config.family).title
@@ -392,7 +392,7 @@ def score_drafter(
     family = family_of(drafter, blocks)
     max_taus = {m: family["proposals"][str(Method.parse(m).block or block_size)] + 1 for m in config.methods}
     tasks = {}
-    for task_name in tqdm(names, desc=f"scoring {name or 'drafter'}", disable=not progress, unit="task"):
+    for task_name in shown(names, desc=f"scoring {name or 'drafter'}", enabled=progress, unit="task"):
         if cancel is not None and cancel.is_set():
             raise Cancelled(f"scoring was cancelled before task {task_name!r}")
         task, streaks, accept, cuts = cache.task(task_name), {}, {}, {}

@@ -298,7 +298,7 @@ def _baseline_problems(source: Path, cache: HiddenStateCache, config: ScoringCon
         cache.check_compatible(drafter, block_size=block, warn=False)
     except (OSError, ValueError) as e:
         return [f"baseline {source}: {e}"]
-    problems += [f"baseline {source}: {p}" for p in block_problems(drafter, config)]
+    problems += [f"baseline {source}: {p}" for p in block_problems(drafter, config, run_block=block is None)]
     problems += [f"baseline {source}: {p}" for p in draft_rule_problems(config, cache.sampling, drafter.family)]
     scored_at = config.block_size or drafter.block_size  # the block size the baseline's report will have
     if block is not None and scored_at != block:

@@ -45,8 +45,9 @@ from ..scoring.basis import Basis
 from ..scoring.config import ScoringConfig
 from ..scoring.report import EvalReport
 from ..scoring.service import ScoringService, ServiceSpec, preflight, recorded_weights, weights_fingerprint
-from ..engine.run_folder import HEARTBEAT_FILE, RUN_FILE, RunFolder, is_run_folder, write_heartbeat
+from ..engine.run_folder import HEARTBEAT_FILE, RunFolder, is_run_folder, write_heartbeat
 from ..engine.runners import describe
+from .nearby import runs_hint
 
 
 def run_folders(root: Path) -> list[RunFolder]:
@@ -54,17 +55,6 @@ def run_folders(root: Path) -> list[RunFolder]:
     if is_run_folder(root):
         return [RunFolder(root)]
     return [RunFolder(p) for p in sorted(root.iterdir()) if p.is_dir() and is_run_folder(p)]
-
-
-def runs_hint(root: Path) -> str:
-    """For a --dir that holds no run folder: the folder nearby that does, if there is one
-    (the run folder above a run's snapshots/, or a subfolder holding run folders)."""
-    if is_run_folder(root.parent):
-        return f"; did you mean --dir {root.parent}?"
-    holders = sorted({f.parent.parent for depth in (2, 3) for f in root.glob("*/" * depth + RUN_FILE)})
-    if holders:
-        return f"; did you mean --dir {holders[0]}?"
-    return f" (a run folder holds {RUN_FILE}); give the callback's dirpath, e.g. runs/demo/dflash"
 
 
 NUMBERS = tuple(ScoringConfig().fingerprint_fields())
@@ -341,10 +331,9 @@ def open_watcher(args: argparse.Namespace, config: ScoringConfig, given: dict[st
 
 
 def run_watch(args: argparse.Namespace, config: ScoringConfig, given: dict[str, str]) -> int:
-    """`watch --dir` with its flags (`cli.watch`), scoring config and number-changing flags given."""
+    """`watch --dir` with its flags (`cli.watch`: checked there, a --dir holding no run with --once included),
+    scoring config and number-changing flags given."""
     no_runs = not args.dir.is_dir() or not run_folders(args.dir)
-    if no_runs and args.once:
-        raise ValueError(f"--dir {args.dir} holds no run folder{runs_hint(args.dir)}")
     watcher = open_watcher(args, config, given, log=lambda line: print(line, flush=True))
     every = "once" if args.once else f"every {args.poll_seconds:g} s; Ctrl-C stops"
     print(f"watch: scoring the snapshots of the runs in {args.dir} ({every})", flush=True)

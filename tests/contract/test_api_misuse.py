@@ -31,8 +31,8 @@ def world(world_root) -> SimpleNamespace:
 
 
 def settings(world, tmp_path: Path, **kwargs) -> dict:
-    return dict(cache=world.cache, target=world.target, baseline=world.baseline, every_n_steps=2, scoring=SCORING,
-                dirpath=tmp_path / "d", baseline_cache_dir=tmp_path / "bc", verbose=False, **kwargs)
+    return {**dict(cache=world.cache, target=world.target, baseline=world.baseline, every_n_steps=2, scoring=SCORING,
+                   dirpath=tmp_path / "d", baseline_cache_dir=tmp_path / "bc", verbose=False), **kwargs}
 
 
 # ---------------------------------------------------------------- NumPy integers
@@ -85,6 +85,24 @@ def test_a_threshold_above_the_most_tau_can_be_is_refused_by_lightning_whichever
         with pytest.raises(PreflightError, match=r"min_ratio=7\): its threshold, 7 x the baseline's tau, is above 6"):
             fit(world_root, tmp_path, [stop, cb] if order == "stop first" else [cb, stop], max_steps=2)
         assert not (tmp_path / "d").exists()
+
+
+def test_a_threshold_above_the_most_tau_at_the_monitors_own_block_is_refused(world, tmp_path):
+    """A stop on a `:bB` monitor is held to the most tau at block B, not at the run's: `vanilla:b2/live` with
+    min_delta=1.5 needs 2.5 where block 2 reaches at most 2 (1 proposal + 1), refused like the same stop at
+    the run's block (6); min_delta=0.5 there (1.5 <= 2) is within reach and taken."""
+    stop = TrailingBaselineStop(monitor="vanilla:b2/live", min_delta=1.5)
+    model = DrafterModel(world.config, world.target)
+    evaluator = DrafterEvaluator(**settings(world, tmp_path, scoring={**SCORING, "block_sizes": [2]}), stop=stop)
+    with pytest.raises(PreflightError, match=r"TrailingBaselineStop\(min_delta=1.5\): its threshold, the baseline's tau "
+                                             r"\+ 1.5, is above 2, the most tau can be at block size 2 \(1 proposals "
+                                             r"\+ 1\), .* give a min_delta below 1, e.g. -0.5") as refused:
+        evaluator.attach(model.drafter, torch.optim.AdamW(model.drafter.parameters()))
+    assert len(str(refused.value).splitlines()) == 2 and not (tmp_path / "d").exists()
+    within = DrafterEvaluator(**settings(world, tmp_path, scoring={**SCORING, "block_sizes": [2]}),
+                              stop=TrailingBaselineStop(monitor="vanilla:b2/live", min_delta=0.5, action="warn"))
+    within.attach(model.drafter, torch.optim.AdamW(model.drafter.parameters()))
+    within.close()
 
 
 def test_a_threshold_within_reach_is_taken(world, tmp_path):

@@ -16,9 +16,12 @@ from dflash_callbacks.callbacks import DrafterEvalCallback, TrailingBaselineStop
 from dflash_callbacks.cli import main as cli_main
 from dflash_callbacks.demos.training import CacheSequences, DFlashTrainingModule, collate_sequences
 from dflash_callbacks.scoring.report import EvalReport
+from dflash_callbacks.scoring.service import PreflightError
 
+from adapters import ADAPTERS
 from runs import records, run_dir
 from synthetic import build_world
+from train_run import shared_world
 from wandb_records import read_run
 
 SCORING = {"ddtree_budgets": [4], "block_sizes": [3], "device": "cpu"}
@@ -86,3 +89,41 @@ def test_a_second_block_size_runs_through_reports_loggers_wandb_the_stop_and_com
     out = capsys.readouterr().out
     assert "ddtree@4 ours" in out and "ddtree@4:b3 ours" in out
     assert "ddtree@4 live:" in out and "ddtree@4:b3 live:" in out
+
+
+RUN_BLOCK = ("block_sizes holds 6, but 6 is already the run's block (the drafter's block size, as scoring.block_size "
+             "is unset): every method is scored at it already; leave 6 out of block_sizes")
+
+
+@pytest.mark.parametrize("entry", list(ADAPTERS))
+def test_block_sizes_holding_the_drafters_own_block_is_refused_by_every_adapter_before_training(entry, tmp_path,
+                                                                                              tmp_path_factory):
+    """A user listing the blocks vLLM serves at includes the trained one (6, the synthetic drafter's), with
+    block_size unset: refused in one line before the first step, as an explicit block_size is, never a run of
+    error lines (each report then lacked the `:b6` methods the basis promised)."""
+    adapter = ADAPTERS[entry](shared_world(tmp_path_factory.getbasetemp() / "reliability-world"))
+    evaluation = adapter.evaluation(tmp_path, baseline=adapter.paths.baseline,
+                                    scoring={"ddtree_budgets": [4], "block_sizes": [6, 3], "device": "cpu"})
+    with pytest.raises(PreflightError) as refused:
+        adapter.train(evaluation, tmp_path / "out", 4)
+    lines = [line.strip() for line in str(refused.value).splitlines()[1:]]
+    assert lines == [RUN_BLOCK + " (its methods are the ones without :b6)"]
+    assert not (tmp_path / "d").exists()
+
+
+def test_score_refuses_block_sizes_holding_the_drafters_own_block_before_scoring_anything(tmp_path, capsys):
+    """`score --block-sizes 6` exited 0 and dropped the `:b6` methods; `--block-sizes 6,3` scored the baseline for
+    a minute first. Both: one line, exit status 2, nothing scored (the baseline cache stays empty); an explicit
+    --block-size 6 beside them is the same line, naming scoring.block_size."""
+    world = build_world(tmp_path / "world")
+    base = ["score", "--drafter", str(world.baseline), "--cache", str(world.cache), "--target", str(world.target),
+            "--baseline", str(world.baseline), "--baseline-cache-dir", str(tmp_path / "bc"), "--budgets", "4",
+            "--device", "cpu"]
+    for sizes in ("6", "6,3"):
+        assert cli_main([*base, "--block-sizes", sizes]) == 2
+        assert capsys.readouterr().err.splitlines() == [f"error: {RUN_BLOCK} (its methods are the ones without :b6)"]
+    assert not (tmp_path / "bc").exists()
+    assert cli_main([*base, "--block-sizes", "6,3", "--block-size", "6"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: block_sizes holds 6, but 6 is already the run's block (scoring.block_size): every method is scored at "
+        "it already; leave 6 out of block_sizes (its methods are the ones without :b6)"]

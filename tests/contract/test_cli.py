@@ -51,7 +51,8 @@ def test_score_mistakes_are_one_line_each(world, tmp_path, capsys):
           "drafter config", "no field 'num_hidden_layers'", "is this a DFlash drafter config?")
     fails(score_args(world, **{"--tasks": "long,fizzbuzz"}), capsys,
           "scoring.tasks ['fizzbuzz'] are not in the cache")
-    fails(score_args(world, **{"--cache": tmp_path / "no-cache"}), capsys, "cache: no cache folder at")
+    fails(score_args(world, **{"--cache": tmp_path / "no-cache"}), capsys, f"--cache {tmp_path / 'no-cache'} does not exist")
+    fails(score_args(world, **{"--cache": world.target}), capsys, "cache: ", "has no manifest.json")
     fails(score_args(world, **{"--target": world.cache}), capsys, "target: ")
     if not torch.cuda.is_available():
         fails(score_args(world, **{"--device": "cuda"}), capsys, "scoring.device='cuda', but CUDA is not available")
@@ -72,6 +73,29 @@ def test_every_bad_scoring_value_is_one_error_line(world, tmp_path, capsys):
                                 f"error: config key 'windw' in {config}: Key 'windw' not in 'ScoringConfig'. Did you mean: 'window'?",
                                 "error: window must be None or an integer >= 1; got 0",
                                 "error: max_rounds must be an integer >= 1; got 0"]
+
+
+def test_every_problem_of_one_invocation_is_listed_together(world, tmp_path, capsys):
+    """`score --drafter x --cache y --target z`, none of them there, named only the drafter; the cache and the
+    target came on later tries. Every problem of the paths and the flags is one line, all at once, and so are
+    those found once the drafter has been read (a drafter whose config does not read, beside a cache folder
+    that holds no cache); `watch` and `extract` alike."""
+    x, y, z = (tmp_path / name for name in "xyz")
+    err = fails(["score", "--drafter", str(x), "--cache", str(y), "--target", str(z), "--window", "0",
+                 "--attention", "vlm", "--json", str(tmp_path / "no" / "r.json")], capsys)
+    assert [line.split(" ", 2)[1] for line in err.splitlines()] == ["--json", "--drafter", "--cache", "--target",
+                                                                    "window", "attention"], err
+    broken = shutil.copytree(world.baseline, tmp_path / "broken")
+    (broken / "config.json").write_text("{")
+    err = fails(score_args(world, **{"--drafter": broken, "--cache": world.target}), capsys)
+    assert len(err.splitlines()) == 2 and "not valid JSON" in err and f"{world.target} has no manifest.json" in err
+    err = fails(["watch", "--dir", str(x), "--once", "--cache", str(y), "--target", str(z), "--topk", "0"], capsys)
+    assert [line.split(" ", 2)[1] for line in err.splitlines()] == ["--cache", "--target", "topk", "--dir"], err
+    err = fails(["extract", "--target", str(z), "--out", str(y), "--layer-ids", "1", "--tasks", "coding11",
+                 "--max-new-tokens", "0", "--temperature", "-1"], capsys)
+    assert [line.split(" ", 2)[1] for line in err.splitlines()] == ["--target", "--tasks:", "--max-new-tokens",
+                                                                    "temperature"], err
+    assert "did you mean 'coding10'?" in err
 
 
 def test_a_file_given_for_a_folder_is_named_a_file(world, capsys):
@@ -126,6 +150,20 @@ def test_score_uses_the_baseline_cache_and_writes_both_reports(world, tmp_path, 
         json.loads((tmp_path / "base.json").read_text())["tasks"]
 
 
+def test_score_says_its_table_on_stdout_and_its_progress_as_plain_lines_on_stderr(world, tmp_path, capsys):
+    """stdout holds what `score` reports (the table, the verdicts, each side's served settings); stderr its
+    progress, which without a terminal is one plain line per task scored, no bar per chunk nested in it, no
+    carriage return or cursor move (a redirected log filled with tqdm's escape codes)."""
+    args = score_args(world, **{"--baseline": world.baseline, "--baseline-cache-dir": tmp_path / "bc"})
+    assert cli_main(args) == 0
+    said = capsys.readouterr()
+    assert "| **mean** |" in said.out and "scoring" not in said.out
+    assert "\r" not in said.err and "\x1b" not in said.err
+    done = [line.split(",")[0] for line in said.err.splitlines()]
+    assert done.count(f"scoring {world.baseline}: 3/3 tasks") == 2  # ours, then the baseline (one folder here)
+    assert [line for line in said.err.splitlines() if not re.fullmatch(r"scoring \S+: \d/3 tasks, \d+ s", line)] == []
+
+
 @pytest.mark.parametrize("edit,field", [
     (lambda c: c.pop("hidden_size"), "no field 'hidden_size'"),
     (lambda c: c.__setitem__("hidden_size", "32"), "field 'hidden_size' must be a positive integer; got '32'"),
@@ -144,9 +182,9 @@ def test_a_broken_drafter_config_names_the_file_and_the_field(world, tmp_path, c
 
 
 def test_debug_shows_the_traceback(world, tmp_path):
-    from dflash_callbacks.scoring.service import PreflightError
+    from dflash_callbacks.cli import UsageError
 
-    with pytest.raises(PreflightError, match="cache: no cache folder at"):
+    with pytest.raises(UsageError, match=r"--cache \S+no-cache does not exist"):
         cli_main(["--debug"] + score_args(world, **{"--cache": tmp_path / "no-cache"}))
     run = subprocess.run([sys.executable, "-m", "dflash_callbacks.cli", *score_args(world, **{"--cache": tmp_path})],
                          capture_output=True, text=True, env={**os.environ, "DFLASH_DEBUG": "1"})
@@ -190,7 +228,7 @@ def test_compare_takes_reports_and_results_jsonl(world, tmp_path, capsys):
 
 def test_extract_refuses_a_missing_target_without_asking_the_hub(tmp_path, capsys):
     fails(["extract", "--target", str(tmp_path / "Qwen3-8B"), "--out", str(tmp_path / "c"), "--layer-ids", "1"],
-          capsys, "target folder", "does not exist", "nothing is downloaded")
+          capsys, f"--target {tmp_path / 'Qwen3-8B'} does not exist", "nothing is downloaded")
     if not torch.cuda.is_available():
         (tmp_path / "t").mkdir()
         (tmp_path / "t" / "config.json").write_text("{}")
@@ -268,7 +306,8 @@ def test_the_demo_checks_its_whole_config_before_building_anything(tmp_path, cap
     started = time.time()
     err = fails(["demo", f"out={out}", "stop.monitor=ddtree@16/live"], capsys)
     assert err.splitlines() == ["error: stop.monitor='ddtree@16/live', but eval.scoring scores only ['vanilla', "
-                                "'ddtree@4', 'ddtree@8', 'top@4']: monitor one of those, or add 16 to eval.scoring.ddtree_budgets"]
+                                "'ddtree@4', 'ddtree@8', 'top@4']: monitor one of those, or add 16 to eval.scoring.ddtree_budgets; "
+                                "did you mean 'ddtree@8/live'?"]
     err = fails(["demo", f"out={out}", "stop.monitor=top@8/dense", "train.max_steps=0", "train.seq_len=64", "wandb=x",
                  "eval.every_n_train_steps=0", f"eval.cache={tmp_path / 'nope'}", "eval.scoring.window=0"], capsys)
     assert err.splitlines() == ["error: window must be None or an integer >= 1; got 0"]  # the config's values first

@@ -96,11 +96,15 @@ def test_the_demo_prints_a_line_per_report_and_the_table_once(demo_run):
 def test_the_demo_says_only_its_own_lines(demo_run):
     """No progress bar left behind without a terminal, no third-party warning or tip a user can not act on
     (Lightning's devices and logging interval, W&B's setup, deprecations): every line, on stdout and on
-    stderr, is the demo's own or the library's."""
-    _, _, printed, errors = demo_run
+    stderr, is the demo's own or the library's; what it reports (a line per report, the table, the stop) on
+    stdout, once."""
+    _, summary, printed, errors = demo_run
     theirs = [line for line in printed + errors if line.strip() and not OWN_LINES.fullmatch(line)]
     assert not theirs, theirs
     assert all(line.startswith(("dflash: ", "demo: ")) for line in errors), errors
+    # its report on stdout, once: the stop's line beside its table (it came on stderr too)
+    assert [line for line in printed + errors if "stopping at step" in line] == [summary["stop_reason"]]
+    assert any(line.startswith("| task |") for line in printed) and not any("| task |" in line for line in errors)
 
 
 def test_the_toy_world_builds_without_a_progress_bar_when_there_is_no_terminal(tmp_path):

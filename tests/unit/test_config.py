@@ -212,13 +212,13 @@ def test_a_users_config_object_is_copied_never_changed():
     b = DrafterEvalCallback(cache="c", target="t", scoring=shared)
     assert (shared.device, a.scoring.device, b.scoring.device) == ("auto", "cpu", "auto")
     assert a.scoring is not shared and b.scoring is not shared
-    with pytest.raises(ValueError, match=r"scoring has unknown field\(s\) \['budgets'\]"):
+    with pytest.raises(ValueError, match=r"scoring has no field 'budgets'; did you mean 'ddtree_budgets'\?"):
         DrafterEvalCallback(cache="c", target="t", scoring={"budgets": [4]})
     # Hydra's instantiate passes a nested section as a DictConfig
     from_yaml = OmegaConf.create("ddtree_budgets: [4]\ndevice: cpu\nwindow: ${max_rounds}\nmax_rounds: 7")
     c = DrafterEvalCallback(cache="c", target="t", scoring=from_yaml)
     assert (c.scoring.ddtree_budgets, c.scoring.device, c.scoring.window) == ([4], "cpu", 7)
-    with pytest.raises(ValueError, match=r"scoring has unknown field\(s\) \['budgets'\]"):
+    with pytest.raises(ValueError, match=r"scoring has no field 'budgets'; did you mean 'ddtree_budgets'\?"):
         DrafterEvalCallback(cache="c", target="t", scoring=OmegaConf.create({"budgets": [4]}))
     with pytest.raises(ValueError, match=r"scoring leaves required keys unset \(\?\?\?\): \['device', 'topk'\]"):
         DrafterEvalCallback(cache="c", target="t", scoring=OmegaConf.create("device: ???\ntopk: ???"))
@@ -238,3 +238,18 @@ def test_scoring_config_refuses_values_of_the_wrong_kind(kwargs, message):
     """Python gets the checks YAML already had: no string read as a list of digits, no float cut to an int."""
     with pytest.raises(ValueError, match=message):
         ScoringConfig(**kwargs)
+
+
+def test_a_misspelt_scoring_field_or_choice_names_the_one_meant():
+    """`scoring={"ddtree_budget": [8]}` listed all 22 fields; a slip of a name from a closed set (a field, an
+    attention rule, a backend) names the one meant, one line each; a name close to none lists them all."""
+    with pytest.raises(ValueError) as refused:
+        DrafterEvalCallback(cache="c", target="t", scoring={"ddtree_budget": [8], "windw": 3})
+    assert str(refused.value).splitlines() == ["scoring has no field 'ddtree_budget'; did you mean 'ddtree_budgets'?",
+                                               "scoring has no field 'windw'; did you mean 'window'?"]
+    with pytest.raises(ValueError, match=r"scoring has no field 'zzz'; the fields are \['ddtree_budgets', 'topk', "):
+        ScoringConfig.from_dict({"zzz": 1})
+    with pytest.raises(ValueError) as refused:
+        ScoringConfig(attention="vlm", attentions=["traned"], backend="trito")
+    assert [line.rsplit("; ", 1)[1] for line in str(refused.value).splitlines()] == [
+        "did you mean 'triton'?", "did you mean 'vllm'?", "did you mean 'trained'?"]
