@@ -61,7 +61,7 @@ def open_run(settings: EvalSettings, basis: Basis, host: Host, restored: dict | 
              "scoring": settings.scoring.to_dict(),  # what a watcher started elsewhere reads
              # what `plot` reads: where the baseline's report is cached, the stops and their horizon
              "baseline_cache_dir": str(Path(settings.baseline_cache_dir or default_baseline_cache_dir()).resolve()),
-             "stops": list(stops or []), "max_steps": host.horizon()}
+             "stops": list(stops or []), "max_steps": _as_int(host.horizon())}
     if restored is not None and restored.get("run_id"):
         run = RunFolder.reopen(root, restored["run_id"], about)
         changed = basis_changes(basis, run, restored.get("basis"))
@@ -115,3 +115,8 @@ def taken_steps(history: list[dict], opened: Opened | None = None) -> set[int]:
 
 
 __all__ = ["Opened", "basis_changes", "open_run", "recover", "taken_steps", "Path"]
+
+
+def _as_int(value) -> int | None:
+    """A horizon as JSON takes it: a numpy integer (a Trainer's max_steps may be one) as a plain int."""
+    return None if value is None else int(value)

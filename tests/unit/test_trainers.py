@@ -90,11 +90,13 @@ def test_every_trainer_checkpoint_computes_the_trainers_own_logits(name):
         lm_head = lm_head[drafter.vocab_ids]
     for hidden in both_paths(drafter, inputs, rule):
         torch.testing.assert_close(hidden, expected[f"hidden{suffix}"], atol=2e-5, rtol=0)
-        torch.testing.assert_close(hidden @ lm_head.T, expected[f"logits{suffix}"], atol=2e-5, rtol=0)
+        # the head multiplies the hidden state's fp32 rounding by the logit's size: held relative as well
+        # (speculators' case is 2.1e-5 off at a logit of 3.07, 6.9e-6 relative, under transformers 5.24)
+        torch.testing.assert_close(hidden @ lm_head.T, expected[f"logits{suffix}"], atol=2e-5, rtol=1e-5)
         if drafter.vocab_ids is not None:  # scattered to target ids, -inf elsewhere, as vLLM serves it
             full = torch.full(expected["logits_target_vocab"].shape, float("-inf"))
             full[..., drafter.vocab_ids] = hidden @ lm_head.T
-            torch.testing.assert_close(full, expected["logits_target_vocab"], atol=2e-5, rtol=0)
+            torch.testing.assert_close(full, expected["logits_target_vocab"], atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("case, trainers_rule, other_rule", [
