@@ -90,7 +90,8 @@ class ScoringConfig:
     block_sizes: list[int] = _field(factory=list, numbers=True,
                                     help="other block sizes to score every method at, each a method of its own "
                                          "(METHOD:bB), e.g. served at num_speculative_tokens + 1")
-    max_rounds: int = _field(30, numbers=True, help="rounds of the live schedule")
+    max_rounds: int | None = _field(None, numbers=True, help="rounds of the live schedule (None: to the end of each "
+                                    "answer, as a served request runs)")
     tasks: list[str] | None = _field(None, numbers=True, help="the tasks scored (None: every task of the cache)")
     anchors_per_forward: int = _field(64, help="blocks decoded side by side in one drafter forward")
     vocab_chunk: int | None = _field(None, help="vocabulary tile of the LM-head statistics' torch path (None: 8192)")
@@ -132,7 +133,7 @@ class ScoringConfig:
             lambda: check_int("block_size", self.block_size, 2, optional=True),
             lambda: check_int_list("block_sizes", self.block_sizes, 2),
             lambda: [_bad(line) for line in run_block_problems(self.block_sizes, self.block_size)],
-            lambda: check_int("max_rounds", self.max_rounds, 1),
+            lambda: check_int("max_rounds", self.max_rounds, 1, optional=True),
             lambda: check_tasks(self.tasks),
             lambda: check_int("anchors_per_forward", self.anchors_per_forward, 1),
             lambda: check_int("vocab_chunk", self.vocab_chunk, 1, optional=True),

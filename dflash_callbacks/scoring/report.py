@@ -25,13 +25,14 @@ from ..cache.tasks import task_name_problem
 from ..checks import is_int
 from ..files import atomic_write
 from ..cache.sampling import SAMPLING_KEYS, sampling_problems
-from .aggregates import AGGREGATES, task_streaks
+from .aggregates import AGGREGATES, pooled_numbers, task_streaks
 from .methods import Method, Monitor
 
-TASK_FIELDS = ("dense", "live", "curve", "live_rounds", "anchors", "streaks", "expected", "confidence_reach")
+TASK_FIELDS = ("dense", "live", "pooled", "curve", "live_rounds", "rounds", "anchors", "streaks", "expected",
+               "confidence_reach")
 
 
-SCORER_VERSION = 5
+SCORER_VERSION = 6
 """The version of the numbers' definitions as this library computes them, bumped when a fix
 changes a report's numbers for the same inputs (2: a DDTree prefix whose score ties the
 budget's threshold is resolved as Algorithm 1 does; before, a confident drafter's
@@ -42,7 +43,11 @@ for every mean, so a baseline cached without them is scored again. 5: the interv
 interval whose between-task shrinkage is 0 is widened by t(T - 1) as every other, where it was
 widened by t over the blocks (narrower); a task's live rounds are resampled in at least 3 blocks,
 where one block could span them all (a live interval of zero width); a cache of fewer than 3
-tasks carries the within-task interval as its mean's). A report of another version stands on
+tasks carries the within-task interval as its mean's). 6: the live schedule runs to the end of each answer
+(`max_rounds` None, where it stopped after 30 rounds); the aggregate `pooled` (vLLM's mean acceptance length);
+each method's interval is resampled on its own numbers alone, where every method of a report was resampled
+alike (one method's interval moved with what else was scored), and a paired one on the pair alone; a report of
+before is read with `pooled` made from the streaks it keeps (`upgrade_tasks`). A report of another version stands on
 another basis, and a cached baseline report of another version is scored again."""
 
 
@@ -100,13 +105,9 @@ class EvalReport:
 
     @property
     def mean(self) -> dict[str, dict[str, float]]:
-        """Run-level numbers: each task weighs the same."""
-        out = {}
-        for method in self.methods:
-            out[method] = {
-                agg: sum(t[method][agg] for t in self.tasks.values()) / len(self.tasks) for agg in AGGREGATES
-            }
-        return out
+        """Run-level numbers: each task weighs the same, or as its aggregate weighs it (`pooled`: by its rounds)."""
+        return {method: {name: aggregate.run_level([t[method] for t in self.tasks.values()])
+                         for name, aggregate in AGGREGATES.items()} for method in self.methods}
 
     def block(self, method: str | Method) -> int:
         """The block size `method` was scored at (its `:bB`, else the report's)."""
@@ -182,10 +183,19 @@ class EvalReport:
         missing = [k for k in ("drafter", "cache", "block_size", "tasks") if k not in raw]
         if missing:
             raise ValueError(f"not a report: it has no {', '.join(repr(k) for k in missing)}")
-        _check_shape(raw)
+        added = _upgrade(raw)
+        _check_shape(raw, added)
         extra = {k: raw.pop(k) for k in list(raw) if k not in cls.__dataclass_fields__}
         report = cls(**raw)
         report.extra = {**report.extra, **extra}  # a new dict: the caller's `extra` is left as it was
+        if added and report.intervals is not None:
+            from .intervals import report_intervals
+
+            found = report_intervals(report, report.intervals["resamples"], report.intervals["seed"], added)
+            report.intervals = {**report.intervals, **{where: {
+                task: {m: {**per[m], **found[where][task][m]} for m in per} for task, per in report.intervals[where].items()}
+                if where == "tasks" else {m: {**per, **found[where][m]} for m, per in report.intervals[where].items()}
+                for where in ("mean", "tasks")}}
         return report
 
     @classmethod
@@ -199,6 +209,32 @@ class EvalReport:
             raise ValueError(f"{path} is not a JSON report: {e}") from None
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
+
+
+def _upgrade(raw: dict) -> list[str]:
+    """A report written before an aggregate was added (scorer version 5 and before: no `pooled`) gets it, in
+    place in `raw` (its `tasks` copied, the caller's left as they were): from the streaks it keeps, as the
+    scorer makes it, else from the live rounds it keeps (a report of before version 4 keeps no streaks).
+    Returns the aggregates added, whose intervals `from_dict` then computes."""
+    tasks = raw.get("tasks")
+    numbers = [n for per in tasks.values() if isinstance(per, dict) for n in per.values() if isinstance(n, dict)] \
+        if isinstance(tasks, dict) else []
+    if not numbers or all("pooled" in n for n in numbers):
+        return []
+    raw["tasks"] = {task: {m: dict(n) for m, n in per.items()} for task, per in tasks.items()}
+    for task, per in raw["tasks"].items():
+        for method, n in per.items():
+            if "pooled" in n:
+                continue
+            try:
+                streaks = task_streaks(n, _max_tau(raw, method)) if "streaks" in n else None
+            except (ValueError, KeyError, TypeError):
+                return []  # the strict reader then says what is wrong with it
+            if streaks is not None:
+                n["pooled"], n["rounds"] = pooled_numbers(streaks)
+            elif isinstance(n.get("live_rounds"), list) and n["live_rounds"]:
+                n["pooled"], n["rounds"] = sum(n["live_rounds"]) / len(n["live_rounds"]), len(n["live_rounds"])
+    return ["pooled"] if "streaks" in numbers[0] else []
 
 
 def _layers(patterns: list[str]) -> str:
@@ -245,7 +281,7 @@ def _strict_json_problem(value: Any, where: str) -> str | None:
     return None
 
 
-def _check_shape(raw: dict) -> None:
+def _check_shape(raw: dict, added: list[str] = ()) -> None:
     if (problem := _strict_json_problem(raw, "")) is not None:
         raise _bad(problem)
     if not isinstance(raw["drafter"], str):
@@ -297,14 +333,16 @@ def _check_shape(raw: dict) -> None:
         for method, numbers in per_method.items():
             if not isinstance(numbers, dict):
                 raise _bad(f"task {task!r}, {method}: not an object of {list(TASK_FIELDS)}")
+            scoring = raw.get("scoring", {})  # max_rounds None: to the answer's end, no limit (absent: not known)
             _check_numbers(numbers, f"task {task!r}, {method}: ", _max_tau(raw, method),
-                           raw.get("scoring", {}).get("max_rounds"))
+                           math.inf if "max_rounds" in scoring and scoring["max_rounds"] is None else
+                           scoring.get("max_rounds"))
     if raw.get("intervals") is not None:
         bare = [f"{task}/{m}" for task, per_method in tasks.items() for m, numbers in per_method.items()
                 if "streaks" not in numbers]
         if bare:
             raise _bad(f"'intervals' without the streaks they come from ({', '.join(bare[:3])} keep none)")
-        _check_intervals(raw["intervals"], tasks, {m: _max_tau(raw, m) for m in methods})
+        _check_intervals(raw["intervals"], tasks, {m: _max_tau(raw, m) for m in methods}, added)
 
 
 def _check_sampling(sampling: Any) -> None:
@@ -363,6 +401,7 @@ def _check_numbers(numbers: dict, where: str, max_tau: int, max_rounds: Any = No
         raise _bad(f"{where}'live_rounds' must be a non-empty list of taus")
     for i, tau in enumerate(rounds):
         _check_number(tau, f"{where}'live_rounds'[{i}]", 1, max_tau, integer=True)
+    _check_number(numbers.get("rounds"), f"{where}'rounds'", 1)
     _check_number(numbers.get("anchors"), f"{where}'anchors'", 1, integer=True, optional=True)
     if "confidence_reach" in numbers:
         _check_reach(numbers["confidence_reach"], curve, where, max_tau)
@@ -377,7 +416,7 @@ def _check_numbers(numbers: dict, where: str, max_tau: int, max_rounds: Any = No
     if numbers.get("anchors") != len(streaks.drawn):
         raise _bad(f"{where}'streaks' holds {len(streaks.drawn)} anchors; 'anchors' says {numbers.get('anchors')}")
     for aggregate in AGGREGATES.values():
-        problem = aggregate.check(numbers, streaks, max_rounds if is_int(max_rounds) else None)
+        problem = aggregate.check(numbers, streaks, max_rounds if is_int(max_rounds) or max_rounds == math.inf else None)
         if problem is not None:
             raise _bad(f"{where}{problem}")
 
@@ -397,9 +436,10 @@ def _check_reach(reach: Any, curve: list, where: str, max_tau: int) -> None:
                        f"({share!r}): a streak never passes its anchor's confidence cut")
 
 
-def _check_intervals(intervals: Any, tasks: dict, max_taus: dict[str, int]) -> None:
+def _check_intervals(intervals: Any, tasks: dict, max_taus: dict[str, int], added: list[str] = ()) -> None:
     """`intervals` is {"confidence", "resamples", "seed", "mean", "tasks"} over the report's own tasks and
-    methods (`max_taus`: method -> its largest tau), each interval [lo, hi] with 1 <= lo <= hi <= max_tau."""
+    methods (`max_taus`: method -> its largest tau), each interval [lo, hi] with 1 <= lo <= hi <= max_tau; the
+    aggregates `added` to a report of before (`_upgrade`) have none yet."""
     methods = list(max_taus)
     if not isinstance(intervals, dict) or set(intervals) != {"confidence", "resamples", "seed", "mean", "tasks"}:
         raise _bad("'intervals' is not an object of 'confidence', 'resamples', 'seed', 'mean' and 'tasks'")
@@ -414,7 +454,7 @@ def _check_intervals(intervals: Any, tasks: dict, max_taus: dict[str, int]) -> N
         if not isinstance(per_method, dict) or sorted(per_method) != sorted(methods):
             raise _bad(f"'intervals.{where}' does not hold the report's methods {methods}")
         for method, per_agg in per_method.items():
-            if not isinstance(per_agg, dict) or sorted(per_agg) != sorted(AGGREGATES):
+            if not isinstance(per_agg, dict) or sorted(per_agg) != sorted(set(AGGREGATES) - set(added)):
                 raise _bad(f"'intervals.{where}.{method}' is not an object of {list(AGGREGATES)}")
             for agg, pair in per_agg.items():
                 name = f"'intervals.{where}.{method}.{agg}'"

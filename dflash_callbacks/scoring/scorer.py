@@ -49,8 +49,7 @@ from ..model import DFlashDrafter, TargetHead
 from ..model.attention import describe, resolve_attention
 from ..model.families.dspark import confidence_cut
 from ..model.geometry import anchor_range, block_inputs
-from .aggregates import AGGREGATES, Streaks, acceptance_curve, encode_expected, encode_streaks, live_rounds, \
-    quantize_expected
+from .aggregates import Streaks, acceptance_curve, encode_expected, encode_streaks, quantize_expected, task_numbers
 from .config import ScoringConfig, block_size_problems
 from .intervals import report_intervals
 from .methods import Method, scored_methods
@@ -267,10 +266,9 @@ def summarize(task: TaskStreaks, config: ScoringConfig, max_taus: dict[str, int]
             found = expected_streaks(accept.numpy(), coins(config.coin_seed, task.name, *accept.shape))
             streaks = Streaks(found.drawn, quantize_expected(found.expected))
             curve, kept = found.reach.mean(axis=0).tolist(), {"expected": encode_expected(found.expected, top)}
-        out[method] = {name: aggregate.value(streaks, task.first_anchor, config.max_rounds)
-                       for name, aggregate in AGGREGATES.items()}
-        out[method].update(curve=curve, live_rounds=live_rounds(streaks.drawn, task.first_anchor, config.max_rounds),
-                           anchors=int(streaks.drawn.size), streaks=encode_streaks(streaks.drawn, top), **kept)
+        out[method] = task_numbers(streaks, task.first_anchor, config.max_rounds)
+        out[method].update(curve=curve, anchors=int(streaks.drawn.size), streaks=encode_streaks(streaks.drawn, top),
+                           **kept)
         if task.cuts is not None:
             out[method]["confidence_reach"] = acceptance_curve(task.cuts[method].numpy(), top - 1)
     return out
