@@ -190,7 +190,7 @@ def score_task(
     target_hidden = task.hidden[:context_len].to(device=device, dtype=dtype)[None]
     context = drafter.encode_context(target_hidden, torch.arange(context_len, device=device)[None])
     top_n = max(config.ddtree_budgets, default=0)
-    attention = resolve_attention(drafter.config, attention_rule or config.attention)
+    attention = resolve_attention(drafter.config, attention_rule or config.attention, head.model_window)
     vocab_ids = drafter.vocab_ids
     proposals = len(drafter.draft_rows(block_size))
     weight = drafter.head_weight(head.lm_head.weight)
@@ -318,19 +318,22 @@ def _report_cache(cache, head: TargetHead) -> dict:
     return out
 
 
-def attention_patterns(drafter_config, rule: str, block_size: int) -> dict[str, list[str]] | None:
+def attention_patterns(drafter_config, rule: str, block_size: int,
+                       target_window: int | None = None) -> dict[str, list[str]] | None:
     """Each layer's pattern as its trainer trained it (`model.attention`'s "trained") and as vLLM serves it
-    ("vllm"), where the two, or either and the scored `rule`'s, differ for blocks of up to `block_size`; None
-    where all three agree (what `EvalReport.attention_patterns` records: the report says so once, and
-    `scoring.attentions` scores the others as methods of their own)."""
+    ("vllm", its layers without a window given the engine's `target_window`), where the two, or either and the
+    scored `rule`'s, differ for blocks of up to `block_size`; None where all three agree (what
+    `EvalReport.attention_patterns` records: the report says so once, and `scoring.attentions` scores the
+    others as methods of their own, e.g. `attention: vllm` beside `attentions: [auto]` what the target's
+    window costs)."""
     def seen(name: str) -> list[str]:  # a window over the context only hides nothing more when the block fits in it
         return [str(replace(a, context_only=False) if a.context_only and block_size <= a.window else a)
-                for a in resolve_attention(drafter_config, name)]
+                for a in resolve_attention(drafter_config, name, target_window)]
 
     found = {name: seen(name) for name in ("trained", "vllm")}
     if found["trained"] == found["vllm"] == seen(rule):
         return None
-    return {name: describe(resolve_attention(drafter_config, name)) for name in found}
+    return {name: describe(resolve_attention(drafter_config, name, target_window)) for name in found}
 
 
 class Cancelled(RuntimeError):
@@ -419,9 +422,9 @@ def score_drafter(
         peak_memory=torch.cuda.max_memory_allocated(device) if measure_peak else None,
         created=started,
         scorer_version=SCORER_VERSION,
-        attention=describe(resolve_attention(drafter.config, config.attention)),
+        attention=describe(resolve_attention(drafter.config, config.attention, head.model_window)),
         family=family,
-        attention_patterns=attention_patterns(drafter.config, config.attention, max(blocks)),
+        attention_patterns=attention_patterns(drafter.config, config.attention, max(blocks), head.model_window),
     )
     report.intervals = report_intervals(report)
     report.seconds = time.perf_counter() - clock
