@@ -72,6 +72,9 @@ class Streaks:
 
     drawn: np.ndarray
     expected: np.ndarray | None = None
+    visits: np.ndarray | None = None
+    """float64 [n] how often the live schedule takes each anchor in expectation over the acceptance coins, on a
+    cache that keeps the served support (`served.expected_visits`; None: the schedule runs along `drawn`)."""
 
     @classmethod
     def of(cls, streaks) -> Streaks:
@@ -126,7 +129,10 @@ LIVE_BLOCKS = 3
 def schedule(streaks: Streaks) -> tuple[np.ndarray, np.ndarray]:
     """The whole live schedule of a task, anchor by anchor: (visits [n], taus [n]) float64, visits[i] how often
     the schedule takes anchor first_anchor + i as a round's anchor (1 or 0 along the drawn streaks) and taus[i]
-    the tau it counts there. `pooled` is sum(visits * taus) / sum(visits)."""
+    the tau it counts there. `pooled` is sum(visits * taus) / sum(visits). Where the streaks carry expected
+    visits (the conditional estimators), those and the expected taus."""
+    if streaks.visits is not None:
+        return streaks.visits, streaks.mean_streaks + 1.0
     drawn = streaks.drawn
     visits = np.zeros(drawn.size)
     anchor = 0
@@ -178,6 +184,8 @@ def _round_series(taus: np.ndarray, rounds: list[np.ndarray], length: int) -> tu
 
 
 def _live_series(taus: np.ndarray, arms: list[tuple[dict, Streaks]], length: int) -> tuple[int, np.ndarray, np.ndarray]:
+    if any(streaks.visits is not None for _, streaks in arms):  # the expected schedule: pooled's series
+        return _pooled_series(taus, arms, length)
     return _round_series(taus, [np.asarray(n["live_rounds"], dtype=np.float64) for n, _ in arms], length)
 
 
@@ -195,6 +203,8 @@ def _dense_value(streaks: Streaks, first_anchor: int, max_rounds: int | None) ->
 
 
 def _live_value(streaks: Streaks, first_anchor: int, max_rounds: int | None) -> float:
+    if streaks.visits is not None:  # the expected schedule to the answer's end (the scorer keeps none with max_rounds)
+        return pooled_numbers(streaks)[0]
     return live_tau(streaks.drawn, first_anchor, max_rounds)
 
 
@@ -218,6 +228,7 @@ def _check_dense(numbers: dict, streaks: Streaks, max_rounds: int | None) -> str
 
 
 def _check_live(numbers: dict, streaks: Streaks, max_rounds: int | None) -> str | None:
+    kept, streaks_visits = streaks, streaks.visits
     rounds, anchor, streaks = numbers.get("live_rounds", []), 0, streaks.drawn
     for i, tau in enumerate(rounds):
         if anchor >= len(streaks) or tau != streaks[anchor] + 1:
@@ -228,7 +239,11 @@ def _check_live(numbers: dict, streaks: Streaks, max_rounds: int | None) -> str 
         limit = "to the answer's end" if max_rounds == math.inf else f"at most max_rounds={max_rounds}"
         return (f"'live_rounds' holds {len(rounds)} rounds; the live schedule over the streaks, {limit}, "
                 f"has {'fewer' if len(rounds) > max_rounds else 'more'}")
-    if rounds and not math.isclose(numbers["live"], sum(rounds) / len(rounds), rel_tol=1e-9):
+    if streaks_visits is not None:
+        expected = pooled_numbers(kept)[0]
+        if not math.isclose(numbers["live"], expected, rel_tol=1e-9):
+            return f"'live' is {numbers['live']!r}; the expected live schedule's mean tau is {expected!r}"
+    elif rounds and not math.isclose(numbers["live"], sum(rounds) / len(rounds), rel_tol=1e-9):
         return f"'live' is {numbers['live']!r}; the mean of 'live_rounds' is {sum(rounds) / len(rounds)!r}"
     return None
 
@@ -325,7 +340,8 @@ def decode_expected(text: str, max_tau: int) -> np.ndarray:
 
 
 def task_streaks(numbers: dict, max_tau: int) -> Streaks:
-    """The Streaks a report keeps for one task and method (`streaks`, and `expected` where the draft is sampled);
+    """The Streaks a report keeps for one task and method (`streaks`, `expected` where the draft is sampled or the
+    cache keeps the served support, and `visits` there, in thousandths as `encode_expected` keeps them);
     ValueError naming the field that is not what it must be."""
     try:
         drawn = decode_streaks(numbers["streaks"], max_tau)
@@ -339,4 +355,13 @@ def task_streaks(numbers: dict, max_tau: int) -> Streaks:
         raise ValueError(f"'expected' {e}") from None
     if len(expected) != len(drawn):
         raise ValueError(f"'expected' holds {len(expected)} anchors; 'streaks' holds {len(drawn)}")
-    return Streaks(drawn, expected)
+    if "visits" not in numbers:
+        return Streaks(drawn, expected)
+    try:
+        visits = decode_expected(numbers["visits"], 2)
+    except ValueError as e:
+        raise ValueError(f"'visits' {e}") from None
+    if len(visits) != len(drawn) or visits[0] != 1:
+        raise ValueError(f"'visits' holds {len(visits)} anchors from {visits[0]!r}; the live schedule starts at the "
+                         f"first of the {len(drawn)} anchors")
+    return Streaks(drawn, expected, visits)

@@ -19,6 +19,10 @@ from .methods import scored_methods
 MAX_DDTREE_BUDGET = 1024
 DRAFT_RULES = ("greedy", "probabilistic")
 """vLLM's `speculative_config.draft_sample_method` values (docs/numbers.md, "tau at temperature T")."""
+ESTIMATORS = ("conditional", "coins")
+"""How vanilla is estimated on a sampled cache: `conditional` where the cache keeps the served support (each
+streak term's last factor its expectation given the text before it, live the expected rounds), else as
+`coins` (the integer streaks of an argmax draft, one seeded draw of a sampled draft's coins)."""
 
 
 def check_tasks(tasks: object) -> None:
@@ -117,6 +121,10 @@ class ScoringConfig:
                              help="the draft rule at T > 0, as vLLM's draft_sample_method: greedy (the argmax; "
                                   "DFlash 2 samples its selector walk whatever this says) or probabilistic (DFlash "
                                   "samples softmax(logits / T))")
+    estimators: str = _field("conditional", numbers=True,
+                             help="on a sampled cache: conditional (where the cache keeps the served support and "
+                                  "max_rounds is unset: expectations given the text, no coin) or coins (the estimators "
+                                  "of before: integer streaks, a seeded draw of the coins)")
     coin_seed: int = _field(0, numbers=True, help="the seed of the acceptance coins the live schedule draws where the "
                                                   "draft is sampled at T > 0 (the report records it)")
     confidence_threshold: float | None = _field(None, numbers=True,
@@ -158,6 +166,7 @@ class ScoringConfig:
                     "are served at"),
             lambda: check_int("served_top_k", self.served_top_k, 0, optional=True),
             lambda: check_choice("draft_rule", self.draft_rule, DRAFT_RULES),
+            lambda: check_choice("estimators", self.estimators, ESTIMATORS),
             lambda: check_int("coin_seed", self.coin_seed, 0),
             lambda: check_probability("confidence_threshold", self.confidence_threshold),
         )

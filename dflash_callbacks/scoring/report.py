@@ -29,7 +29,7 @@ from .aggregates import AGGREGATES, pooled_numbers, task_streaks
 from .methods import Method, Monitor
 
 TASK_FIELDS = ("dense", "live", "pooled", "curve", "live_rounds", "rounds", "anchors", "streaks", "expected",
-               "confidence_reach")
+               "visits", "confidence_reach")
 
 
 SCORER_VERSION = 6
@@ -151,6 +151,18 @@ class EvalReport:
         """The settings the cache's answers were sampled at (`cache.sampling`), None for a greedy cache."""
         return self.cache.get("sampling")
 
+    @property
+    def estimators(self) -> str | None:
+        """On a sampled cache, how vanilla's numbers were estimated: "conditional" (the cache keeps the served
+        support: each streak term's last factor is its expectation given the text before it, live the expected
+        rounds over the acceptance coins) or "coin draws" (a cache of before, or max_rounds set: today's
+        estimators, the integer streaks of an argmax draft, one seeded draw of a sampled draft's coins); None
+        on a greedy cache."""
+        if self.sampling is None:
+            return None
+        first = next(iter(self.tasks.values()), {})
+        return "conditional" if any("visits" in n for n in first.values()) else "coin draws"
+
     def served(self) -> str:
         """One line saying what this report's numbers stand for: the attention rule, and the cache's settings."""
         rule = self.scoring.get("attention", "auto")
@@ -159,6 +171,7 @@ class EvalReport:
         line = f"attention {rule}, cache {text}"
         if sampling is not None:
             line += f", draft rule {self.scoring.get('draft_rule', 'greedy')}, coin seed {self.scoring.get('coin_seed', 0)}"
+            line += f", estimators: {self.estimators}"
         if self.attention_patterns is not None:
             shown = {**self.attention_patterns, f"scored ({rule})": self.attention or []}
             line += ("; the drafter's patterns differ: " + "; ".join(
@@ -406,9 +419,11 @@ def _check_numbers(numbers: dict, where: str, max_tau: int, max_rounds: Any = No
     if "confidence_reach" in numbers:
         _check_reach(numbers["confidence_reach"], curve, where, max_tau)
     if "streaks" not in numbers:
-        if "expected" in numbers:
-            raise _bad(f"{where}'expected' without the 'streaks' of the coins drawn")
+        if "expected" in numbers or "visits" in numbers:
+            raise _bad(f"{where}'expected' or 'visits' without the 'streaks' of the coins drawn")
         return
+    if "visits" in numbers and "expected" not in numbers:
+        raise _bad(f"{where}'visits' without the 'expected' streaks")
     try:
         streaks = task_streaks(numbers, max_tau)
     except ValueError as e:

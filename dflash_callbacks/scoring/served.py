@@ -147,3 +147,76 @@ def expected_streaks(accept: np.ndarray, uniforms: np.ndarray) -> Expected:
     drawn = np.cumprod(uniforms < accept, axis=1).sum(axis=1).astype(np.int64)
     return Expected(drawn, reach.sum(axis=1), reach)
 
+
+
+def slot_chances(served: ServedDraft, stats, features: torch.Tensor, weight: torch.Tensor, vocab_ids: torch.Tensor | None,
+                 target_logprob: torch.Tensor, support: tuple[torch.Tensor, torch.Tensor],
+                 inside: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 (c [n, P], alpha [n, P]) of each slot of n blocks on a cache that keeps the served support
+    (`support`: ids and probs [n, P, S] of each label's position, target ids): c the chance the slot is accepted
+    given its emitted token, the cached label (an argmax draft: 1 where the label is the draft, else 0; a
+    sampled one min(1, q / p)), and alpha its chance given only the text before it, sum_x min(p(x), q(x)) over
+    the served support (an argmax draft d: p(d)). 0 outside `inside` (past the text, past a confidence cut).
+    `features` [n, P, H'] and `weight` the draft head's rows (`vocab_ids`: their target ids, None: all)."""
+    import torch
+
+    ids, probs = (t.to(inside.device) for t in support)
+    n, depth, size = ids.shape
+    rows = features.flatten(0, 1)
+    if not served.sampled:
+        from ..kernels.head_stats import head_topk
+
+        draft = head_topk(rows, weight, 1).ids[:, 0]
+        draft = (draft if vocab_ids is None else vocab_ids.to(draft.device)[draft]).view(n, depth, 1)
+        alpha = (probs.double() * (ids.long() == draft)).sum(-1)
+        accept = (stats.label_order.view(n, depth) == 0).double()
+    else:
+        accept = served.acceptance(stats, target_logprob, inside)
+        if served.family == "dflash2":
+            candidates = stats.candidate_ids if vocab_ids is None else vocab_ids.to(ids.device)[stats.candidate_ids]
+            q = (stats.candidate_scores / served.temperature).softmax(-1).double().view(n, depth, -1)
+            p = ((candidates.view(n, depth, -1, 1) == ids.long()[:, :, None, :]) * probs.double()[:, :, None, :]).sum(-1)
+        else:  # softmax(z / T) at each support token the draft vocabulary holds
+            index = ids.long().clamp(min=0) if vocab_ids is None else \
+                torch.searchsorted(vocab_ids.to(ids.device), ids.long().clamp(min=0)).clamp(max=weight.shape[0] - 1)
+            held = (ids >= 0) & (True if vocab_ids is None else vocab_ids.to(ids.device)[index] == ids.long())
+            logits = torch.einsum("mh,msh->ms", rows.float(), weight[index.view(n * depth, size)].float())
+            logq = logits.double() / served.temperature - stats.tempered_lse.double()[:, None]
+            q = torch.where(held.view(n * depth, size), logq.exp(), 0.0).view(n, depth, size)
+            p = probs.double()
+        alpha = torch.minimum(p, q).sum(-1)
+    return torch.where(inside, accept, 0.0), torch.where(inside, alpha, 0.0)
+
+
+@dataclass(frozen=True)
+class Conditional:
+    """One task's method on a cache that keeps the served support: `expected` float64 [n] the expected streak
+    at each anchor with each streak term's last factor replaced by its expectation given the text before it,
+    sum_k prod_{j<k} c_j alpha_k; `reach` [n, P] the same per depth (the curve); `visits` [n] how often the live
+    schedule takes each anchor in expectation over the acceptance coins (`expected_visits`)."""
+
+    expected: np.ndarray
+    reach: np.ndarray
+    visits: np.ndarray
+
+
+def conditional_streaks(accept: np.ndarray, alpha: np.ndarray) -> Conditional:
+    """From c and alpha [n, P] (`slot_chances`)."""
+    before = np.concatenate([np.ones((len(accept), 1)), np.cumprod(accept, axis=1)[:, :-1]], axis=1)
+    reach = before * alpha
+    return Conditional(reach.sum(axis=1), reach, expected_visits(accept))
+
+
+def expected_visits(accept: np.ndarray) -> np.ndarray:
+    """float64 [n]: the chance the live schedule, from the first anchor, takes each anchor as a round's anchor,
+    its coins drawn with the chances c [n, P] (a dynamic programme over the anchors, O(n P)): anchor a moves the
+    schedule to a + k + 1 with the chance that its streak is k, prod_{j<=k} c_j (1 - c_{k+1})."""
+    n, depth = accept.shape
+    survive = np.concatenate([np.ones((n, 1)), np.cumprod(accept, axis=1)], axis=1)  # P(streak >= k), k = 0..P
+    streak = survive - np.concatenate([survive[:, 1:], np.zeros((n, 1))], axis=1)  # P(streak == k)
+    visits = np.zeros(n + depth + 1)
+    visits[0] = 1.0
+    for a in range(n):
+        if visits[a]:
+            visits[a + 1 : a + depth + 2] += visits[a] * streak[a]
+    return visits[:n]
