@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import math
 
-from ..scoring.methods import AGGREGATES
 from ..scoring.report import EvalReport
 from .host import Host
-from .publish import metric_keys
-
-MEAN_KEYS = ("/mean", "/mean_lo", "/mean_hi")  # the run-level keys the host's metrics hold
+from .metric_keys import is_mean_key, mean_keys, restored_means, step_key
 
 
 def history_entry(report: EvalReport, versus: dict | None) -> dict:
@@ -42,23 +39,10 @@ class RunState:
         if outgoing:
             self.outgoing.append(entry)
 
-    def mean_keys(self) -> list[str]:
-        """Every run-level mean key a report publishes (with a baseline: its value, the delta and the ratio
-        too), with its interval's `_lo` and `_hi`."""
-        keys = []
-        for method in self.methods:
-            for agg in AGGREGATES:
-                keys += list(metric_keys(self.name, method, agg, "mean", 0.0, 1.0 if self.has_baseline else None))
-        return [key + end for key in keys for end in ("", "_lo", "_hi")]
-
-    def is_mean(self, key: str) -> bool:
-        """A run-level mean of ours (or its delta or ratio, or their intervals); not the baseline's."""
-        return key.startswith(f"{self.name}/") and key.endswith(MEAN_KEYS) and not key.startswith(f"{self.name}/baseline/")
-
     def start(self, host: Host, baseline: EvalReport | None) -> None:
         """Every mean key, before any report: NaN, a placeholder (a monitor of ours is never missing, and
         ModelCheckpoint ranks NaN below any number); on a resume, the last report's means."""
-        self.metrics = {key: math.nan for key in self.mean_keys()}
+        self.metrics = {key: math.nan for key in mean_keys(self.name, self.methods, self.has_baseline)}
         if self.history:
             self.restore(baseline, host, closing=False)
         self.show(host)
@@ -66,27 +50,15 @@ class RunState:
     def restore(self, baseline: EvalReport | None, host: Host, closing: bool) -> None:
         """A resume: the last report's means back (a loop starts them empty), with the baseline's, the deltas
         and the ratios once the baseline is known, and the intervals the history keeps of its comparison."""
-        last, means, p = self.history[-1], {}, self.name
-        base = baseline.mean if baseline is not None else {}
-        for method, aggs in last["mean"].items():
-            for agg, ours in aggs.items():
-                means.update(metric_keys(p, method, agg, "mean", ours, base.get(method, {}).get(agg)))
-                bounds = {"": (last.get("intervals") or {}).get(method, {}).get(agg)}
-                if baseline is not None and baseline.intervals is not None and method in baseline.methods:
-                    bounds["baseline/"] = baseline.interval(f"{method}/{agg}")
-                for kind in ("delta", "ratio"):
-                    compared = (last.get("versus") or {}).get(f"{method}/{agg}")
-                    bounds[f"{kind}/"] = compared[kind][1:] if compared else None
-                for kind, pair in bounds.items():
-                    if pair is not None:
-                        means.update({f"{p}/{kind}{method}/{agg}/mean_lo": pair[0], f"{p}/{kind}{method}/{agg}/mean_hi": pair[1]})
+        last = self.history[-1]
+        means = restored_means(self.name, last, baseline)
         self.set(last["step"], means, host, closing)
         self.restored = True
 
     def set(self, step: int, means: dict[str, float], host: Host, closing: bool) -> None:
         """Rank 0: the means of `step`. With several ranks the host gets them at the next exchange, on every
         rank at once (a monitor read on one rank only would leave the others out of a collective)."""
-        self.metrics.update({**means, f"{self.name}/step": float(step)})
+        self.metrics.update({**means, step_key(self.name): float(step)})
         self.changed = True
         if host.world_size == 1 or closing:
             self.show(host)
@@ -98,5 +70,5 @@ class RunState:
 
     def nan_means(self, step: int, host: Host, closing: bool) -> None:
         """The drafter's numbers are NaN (a non-finite report): so are its means."""
-        self.set(step, {key: math.nan for key in self.metrics if self.is_mean(key)}, host, closing)
+        self.set(step, {key: math.nan for key in self.metrics if is_mean_key(self.name, key)}, host, closing)
         self.restored = False

@@ -12,17 +12,7 @@ kept and appended again before the next one. A report the strict reader refuses
 error line takes its place in results.jsonl and none of its numbers is logged. A line that
 can not be JSON at all is dropped and counted, never retried.
 
-Metric keys (PREFIX is the callback's `name`, "dflash" by default; AGG live or dense;
-TASK a task name or `mean`):
-    PREFIX/{method}/{AGG}/{TASK}          ours
-    PREFIX/delta/{method}/{AGG}/{TASK}    ours - baseline
-    PREFIX/ratio/{method}/{AGG}/{TASK}    ours / baseline
-    PREFIX/baseline/{method}/{AGG}/{TASK} the baseline (logged with every report)
-    .../mean_lo, .../mean_hi              the 95% interval of each run-level mean, delta and ratio
-                                          (deltas and ratios paired with the baseline: scoring/intervals.py)
-    PREFIX/step                           the snapshot's step (the x axis in W&B)
-    PREFIX/score_seconds                  time from the snapshot to its report
-    PREFIX/errors                         failed evaluations so far
+The metric keys are `metric_keys.py`'s.
 W&B also gets, per report, a table of the live aggregate per task (PREFIX/live_table),
 one acceptance-curve plot per method (ours and the baseline: the share of anchors whose
 streak reaches each depth, mean over tasks), one band plot per method (PREFIX/band/METHOD:
@@ -38,35 +28,13 @@ import os
 from collections.abc import Callable
 from contextlib import contextmanager
 
-from ..scoring.intervals import interval_metrics
-from ..scoring.methods import AGGREGATES
 from ..scoring.report import EvalReport
-from ..scoring.table import comparison, ratio
+from ..scoring.table import comparison
 from .host import Logger
+from .metric_keys import band_key, curve_key, errors_key, report_metrics, run_counts, seconds_key, step_key, table_key
 from .run_folder import ResultsRecordError, ResultsWriteError, RunFolder
 
 Subscriber = Callable[[EvalReport, "EvalReport | None"], object]
-
-
-def metric_keys(prefix: str, method: str, agg: str, task: str, ours: float, base: float | None) -> dict[str, float]:
-    """The logged keys of one number of ours and, with the baseline's, its comparison."""
-    out = {f"{prefix}/{method}/{agg}/{task}": ours}
-    if base is not None:
-        out.update({f"{prefix}/baseline/{method}/{agg}/{task}": base, f"{prefix}/delta/{method}/{agg}/{task}": ours - base,
-                    f"{prefix}/ratio/{method}/{agg}/{task}": ratio(ours, base)})
-    return out
-
-
-def report_metrics(prefix: str, report: EvalReport, baseline: EvalReport | None) -> dict[str, float]:
-    """Every number of a report (and its comparison with the baseline), flat."""
-    out: dict[str, float] = {}
-    for task in list(report.tasks) + ["mean"]:
-        for method in report.methods:
-            compared = baseline is not None and method in baseline.methods and (task == "mean" or task in baseline.tasks)
-            for agg in AGGREGATES:
-                base = baseline.value(f"{method}/{agg}", task) if compared else None
-                out.update(metric_keys(prefix, method, agg, task, report.value(f"{method}/{agg}", task), base))
-    return {k: v for k, v in out.items() if not math.isnan(v)}
 
 
 def versus_record(versus: dict) -> dict:
@@ -173,10 +141,8 @@ class Publisher:
         the runner); returns what was logged (None, and nothing logged, for a refused report)."""
         if not self.record_report(report, score_seconds, versus, prepared):
             return None
-        metrics = report_metrics(self.prefix, report, baseline)
-        metrics.update(interval_metrics(self.prefix, report, baseline if versus else None, versus))
-        metrics.update({f"{self.prefix}/step": float(report.step), f"{self.prefix}/score_seconds": score_seconds,
-                        f"{self.prefix}/errors": float(errors)})
+        metrics = report_metrics(self.prefix, report, baseline, versus)
+        metrics.update(run_counts(self.prefix, report.step, score_seconds, errors))
         for name, log in self.loggers():
             self._guarded(name, report.step, lambda: log(metrics, report.step))
         for name, run, log in self.wandb_runs():
@@ -192,7 +158,7 @@ class Publisher:
     def log_error_count(self, errors: int, step: int) -> None:
         for _, log in self.loggers():
             try:
-                log({f"{self.prefix}/errors": float(errors)}, step)
+                log({errors_key(self.prefix): float(errors)}, step)
             except Exception:
                 pass  # the warning already says it; a broken logger can not take the count
 
@@ -204,19 +170,19 @@ class Publisher:
 
         p = self.prefix
         if id(run) not in self._wandb_defined:
-            run.define_metric(wandb_name(f"{p}/step"))
+            run.define_metric(wandb_name(step_key(p)))
             run.config.update({p: {"cache": report.cache.get("path"), "cache_fingerprint": report.cache["fingerprint"],
                                    "target_fingerprint": report.cache.get("target"),
                                    "block_size": report.block_size, "drafter_block_size": report.drafter_block_size,
                                    "methods": report.methods, "scoring": report.scoring}}, allow_val_change=True)
-            self._wandb_defined[id(run)] = {f"{p}/step"}  # the x axis itself: not plotted against itself
+            self._wandb_defined[id(run)] = {step_key(p)}  # the x axis itself: not plotted against itself
         defined = self._wandb_defined[id(run)]
         for key in [k for k in metrics if k not in defined]:  # each key the first time it is seen (the baseline's may come late)
-            summary = "max" if key not in (f"{p}/score_seconds", f"{p}/errors") else None
-            run.define_metric(wandb_name(key), step_metric=wandb_name(f"{p}/step"), **({"summary": summary} if summary else {}))
+            summary = "max" if key not in (seconds_key(p), errors_key(p)) else None
+            run.define_metric(wandb_name(key), step_metric=wandb_name(step_key(p)), **({"summary": summary} if summary else {}))
             defined.add(key)
         columns, rows = comparison(report, baseline)
-        extras = {f"{p}/live_table": wandb.Table(columns=columns, data=[[row[0], *(round(x, 4) for x in row[1:])]
+        extras = {table_key(p): wandb.Table(columns=columns, data=[[row[0], *(round(x, 4) for x in row[1:])]
                                                                         for row in rows])}
         for method in report.methods:
             ys, keys = [mean_curve(report, method)], ["ours"]
@@ -224,7 +190,7 @@ class Publisher:
                 ys.append(mean_curve(baseline, method))
                 keys.append("baseline")
             depths = list(range(1, len(ys[0]) + 1))
-            extras[f"{p}/curve/{method}"] = wandb.plot.line_series(
+            extras[curve_key(p, method)] = wandb.plot.line_series(
                 xs=depths, ys=ys, keys=keys, xname="depth (draft tokens)",
                 title=f"{method}: share of anchors accepting at least d tokens, step {report.step}")
         extras.update(self._band_plots(report, baseline))
@@ -248,7 +214,7 @@ class Publisher:
                                                          *base)])
             columns = ["ours", "ours 95% lo", "ours 95% hi"] + (["baseline", "baseline 95% lo", "baseline 95% hi"]
                                                                  if compared else [])
-            plots[f"{self.prefix}/band/{method}"] = wandb.plot.line_series(
+            plots[band_key(self.prefix, method)] = wandb.plot.line_series(
                 xs=[r[0] for r in rows], ys=[[r[1 + i] for r in rows] for i in range(len(columns))], keys=columns,
                 xname="step", title=f"{method}/live: ours and the baseline, each with its 95% interval")
         return plots

@@ -16,7 +16,8 @@ from ..scoring.report import EvalReport
 from ..scoring.table import comparison_table
 from ..settings import EvalSettings
 from .host import Host
-from .metrics import MEAN_KEYS, RunState, history_entry
+from .metric_keys import held_means
+from .metrics import RunState, history_entry
 from .publish import Publisher, Subscriber, summary_line, versus_record
 from .runners import BackgroundRunner, BaselineOutcome, SnapshotOutcome, is_non_finite, versus_baseline
 from .stop import Moment, Stops
@@ -136,7 +137,7 @@ class Reports:
         if metrics is None:
             return  # refused: an error line, nothing logged
         self.state.restored = False  # the metrics hold newer numbers now
-        self.state.set(report.step, {k: v for k, v in metrics.items() if k.endswith(MEAN_KEYS)}, self.host,
+        self.state.set(report.step, held_means(metrics), self.host,
                        self.closing)
         self.state.add(history_entry(report, versus_record(versus) if versus else None), outgoing=True)
         self.reports.append(report)
