@@ -17,17 +17,15 @@ W&B also gets, per report, a table of the live aggregate per task (PREFIX/live_t
 one acceptance-curve plot per method (ours and the baseline: the share of anchors whose
 streak reaches each depth, mean over tasks), one band plot per method (PREFIX/band/METHOD:
 the live mean of ours and of the baseline at every report so far, each with its 95%
-interval), and, once, the cache fingerprint and block sizes in the run config. Offline, the copies
-W&B keeps of the tables go into the run's own folder (`staged_in_run`).
+interval), and, once, the cache fingerprint and block sizes in the run config. The process's
+environment is never changed (W&B keeps its copies of the tables where its own settings say).
 """
 
 from __future__ import annotations
 
-import math
-import os
 from collections.abc import Callable
-from contextlib import contextmanager
 
+from ..scoring.intervals import paired_comparison
 from ..scoring.report import EvalReport
 from ..scoring.table import comparison
 from .host import Logger
@@ -37,15 +35,16 @@ from .run_folder import ResultsRecordError, ResultsWriteError, RunFolder
 Subscriber = Callable[[EvalReport, "EvalReport | None"], object]
 
 
-def versus_record(versus: dict) -> dict:
-    """The run-level comparison with the baseline, as results.jsonl keeps it:
+def versus_record(versus: dict, digits: int | None = 6) -> dict:
+    """The run-level comparison with the baseline, as results.jsonl keeps it (rounded to `digits`; None: as
+    computed, what the history of a live run holds):
     {METHOD/AGG: {"delta": [value, lo, hi], "ratio": [value, lo, hi], "verdict": ...}}."""
     out = {}
     for monitor, per_task in versus.items():
         mean = per_task["mean"]
-        out[monitor] = {"delta": [round(x, 6) for x in (mean.delta.value, mean.delta.lo, mean.delta.hi)],
-                        "ratio": [round(x, 6) for x in (mean.ratio.value, mean.ratio.lo, mean.ratio.hi)],
-                        "verdict": mean.verdict}
+        out[monitor] = {kind: [x if digits is None else round(x, digits) for x in (e.value, e.lo, e.hi)]
+                        for kind, e in (("delta", mean.delta), ("ratio", mean.ratio))}
+        out[monitor]["verdict"] = mean.verdict
     return out
 
 
@@ -60,6 +59,25 @@ def results_record(report: EvalReport, score_seconds: float, versus: dict | None
     except ValueError as e:
         return record, str(e)
     return record, None
+
+
+def versus_baseline(report: EvalReport, baseline: EvalReport | None) -> dict | None:
+    """`report` against the baseline, paired (`intervals.paired_comparison`), or None without a
+    baseline or intervals on both; a bootstrap of ~10 ms, so the runner makes it (`prepare`), not the
+    training thread. A pair that can not be compared (other anchors) is left to the publisher to refuse."""
+    if baseline is None or report.intervals is None or baseline.intervals is None:
+        return None
+    try:
+        return paired_comparison(report, baseline)
+    except ValueError:
+        return None
+
+
+def prepare(report: EvalReport, seconds: float, baseline: EvalReport | None) -> tuple[dict | None, tuple[dict, str | None]]:
+    """What publishing a report takes that the runner makes off the training thread: its comparison with
+    the baseline the runner has (`versus_baseline`) and its results.jsonl line (`results_record`)."""
+    versus = versus_baseline(report, baseline)
+    return versus, results_record(report, seconds, versus)
 
 
 def wandb_name(key: str) -> str:
@@ -194,8 +212,7 @@ class Publisher:
                 xs=depths, ys=ys, keys=keys, xname="depth (draft tokens)",
                 title=f"{method}: share of anchors accepting at least d tokens, step {report.step}")
         extras.update(self._band_plots(report, baseline))
-        with staged_in_run(run):
-            log({**metrics, **extras}, report.step)
+        log({**metrics, **extras}, report.step)
 
     def _band_plots(self, report: EvalReport, baseline: EvalReport | None) -> dict:
         """PREFIX/band/METHOD: the live mean of ours and of the baseline at every report so far, each
@@ -218,27 +235,3 @@ class Publisher:
                 xs=[r[0] for r in rows], ys=[[r[1 + i] for r in rows] for i in range(len(columns))], keys=columns,
                 xname="step", title=f"{method}/live: ours and the baseline, each with its 95% interval")
         return plots
-
-
-@contextmanager
-def staged_in_run(run):
-    """W&B copies every table (and plot) logged into a staging folder, for its upload; offline, nothing
-    uploads and the copies stay in the data folder (~/.local/share/wandb/artifacts/staging) for good: a
-    pile that grows with every report. Offline, our tables' copies go into the run's own folder instead
-    (W&B reads the folder from WANDB_DATA_DIR at each copy), where a later `wandb sync` reads them and
-    which goes with the run. Online, W&B moves each copy out once uploaded: nothing changes."""
-    settings = getattr(run, "settings", None)
-    folder = getattr(settings, "sync_dir", None) if getattr(settings, "_offline", False) else None
-    if not folder:
-        yield
-        return
-    before = os.environ.get("WANDB_DATA_DIR")
-    os.environ["WANDB_DATA_DIR"] = str(folder)
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("WANDB_DATA_DIR", None)
-        else:
-            os.environ["WANDB_DATA_DIR"] = before
-

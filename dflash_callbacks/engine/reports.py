@@ -17,10 +17,11 @@ from ..scoring.table import comparison_table
 from ..settings import EvalSettings
 from .host import Host
 from .metric_keys import held_means
-from .metrics import RunState, history_entry
-from .publish import Publisher, Subscriber, summary_line, versus_record
-from .runners import BackgroundRunner, BaselineOutcome, SnapshotOutcome, is_non_finite, versus_baseline
-from .stop import Moment, Stops
+from .run_state import RunState, history_entry
+from .publish import Publisher, Subscriber, summary_line, versus_baseline, versus_record
+from .runners.background import BackgroundRunner
+from .runners.jobs import BaselineOutcome, SnapshotOutcome, is_non_finite
+from .stop import Moment, StopPolicy
 
 
 def final_table(reports: list[EvalReport], baseline: EvalReport | None) -> str | None:
@@ -34,12 +35,12 @@ def final_table(reports: list[EvalReport], baseline: EvalReport | None) -> str |
 
 
 class Reports:
-    def __init__(self, settings: EvalSettings, host: Host, state: RunState, stops: Stops,
+    def __init__(self, settings: EvalSettings, host: Host, state: RunState, policies: list[StopPolicy],
                  subscribers: list[Subscriber], step: Callable[[], int | None]):
-        self.settings, self.host, self.state, self.stops = settings, host, state, stops
+        """`state`: the engine's, changed through its methods; `policies`: the stops it follows (read)."""
+        self.settings, self.host, self.state, self.policies = settings, host, state, policies
         self.subscribers, self.step = subscribers, step
         self.publisher: Publisher | None = None
-        self.errors = 0
         self.reports: list[EvalReport] = []  # published by this process, in arrival order
         self.baseline: EvalReport | None = None
         self.baseline_settled = settings.baseline is None
@@ -48,6 +49,14 @@ class Reports:
 
     def start(self, publisher: Publisher, recovered: list[EvalReport]) -> None:
         self.publisher, self.recovered = publisher, list(recovered)
+
+    def close(self) -> None:
+        """The run is closing: a stop decided now finds training ending anyway."""
+        self.closing = True
+
+    def settle_baseline(self) -> None:
+        """No baseline comes after this."""
+        self.baseline_settled = True
 
     # ------------------------------------------------------------------ outcomes
     def drain(self, runner: BackgroundRunner | None) -> None:
@@ -116,11 +125,11 @@ class Reports:
         if baseline.intervals is None:
             return []
         lines = []
-        for policy in list(self.stops.policies):
+        for policy in list(self.policies):
             if policy.confidence is not None and policy.min_ratio is not None:
                 line = resolution_warning(baseline, policy.monitor, policy.min_ratio)
                 if line is not None:
-                    lines.append(f"{type(policy).__name__}: {line}")
+                    lines.append(f"{policy.shown_name}: {line}")
         return lines
 
     # ------------------------------------------------------------------ a report
@@ -133,13 +142,12 @@ class Reports:
         if versus is None:  # the runner had no baseline yet: the comparison, and a line with it, made here
             versus = versus_baseline(report, self.baseline)
             record = record if versus is None else None
-        metrics = self.publisher.publish(report, self.baseline, seconds, self.errors, versus, record)
+        metrics = self.publisher.publish(report, self.baseline, seconds, self.state.errors, versus, record)
         if metrics is None:
             return  # refused: an error line, nothing logged
-        self.state.restored = False  # the metrics hold newer numbers now
         self.state.set(report.step, held_means(metrics), self.host,
                        self.closing)
-        self.state.add(history_entry(report, versus_record(versus) if versus else None), outgoing=True)
+        self.state.add(history_entry(report, versus_record(versus, digits=None) if versus else None), outgoing=True)
         self.reports.append(report)
         if self.settings.verbose:
             self.host.info(summary_line(self.settings.name, report, self.baseline))
@@ -151,9 +159,7 @@ class Reports:
         ending = self.host.ending() or ("the run is closing" if self.closing else None)
         step = self.step()
         now = Moment(step=step if step is not None else int(report.step), horizon=self.host.horizon(), ending=ending)
-        listeners = [(policy, lambda r, b, p=policy: self.stops.judge(
-            p, r, b, now, self.host.info, self.host.warn, self.settings.name,
-            (versus or {}).get(p.monitor, {}).get("mean"))) for policy in self.stops.policies]
+        listeners = [(policy, lambda r, b, p=policy: self.judge(p, r, b, now)) for policy in self.policies]
         listeners += [(fn, fn) for fn in list(self.subscribers)]
         for who, call in listeners:
             try:
@@ -162,10 +168,19 @@ class Reports:
                 self.fail(f"subscriber {getattr(who, '__qualname__', type(who).__qualname__)!s} raised on step "
                           f"{report.step}: {type(e).__name__}: {e}")
 
+    def judge(self, policy: StopPolicy, report: EvalReport, baseline: EvalReport | None, now: Moment) -> None:
+        """`policy` judges the run with this report (rank 0); the run's state takes its verdict."""
+        index = self.policies.index(policy)
+        verdict = policy.evaluate(self.state.history, baseline, now, self.state.stops[index], self.settings.name,
+                                  step=report.step)
+        self.state.judged(index, verdict.state, verdict.reason if verdict.should_stop else None)
+        for level, line in verdict.said:
+            (self.host.info if level == "info" else self.host.warn)(line)
+
     def fail(self, message: str) -> None:
-        self.errors += 1
+        errors = self.state.count_error()
         if self.settings.on_error == "raise":
             raise RuntimeError(f"{self.settings.name}: {message}")
-        self.host.warn(f"{self.settings.name}: {message} (training goes on; errors so far: {self.errors})")
+        self.host.warn(f"{self.settings.name}: {message} (training goes on; errors so far: {errors})")
         if self.publisher is not None:
-            self.publisher.log_error_count(self.errors, self.step() or 0)
+            self.publisher.log_error_count(errors, self.step() or 0)

@@ -19,7 +19,7 @@ from lightning.pytorch.loggers import CSVLogger
 from dflash_callbacks import save_drafter
 from dflash_callbacks.callbacks.host import LightningHost
 from dflash_callbacks.cli import main as cli_main
-from dflash_callbacks.engine.evaluator import EvalEngine
+from dflash_callbacks.engine.eval_engine import EvalEngine
 from dflash_callbacks.engine.publish import Publisher
 from dflash_callbacks.engine.run_folder import RunFolder
 from dflash_callbacks.scoring.report import EvalReport

@@ -15,9 +15,11 @@ loop, the transformers Trainer) gives the engine a `Host` and calls it at a few 
                                               and, on rank 0, the last reports; after an exception, what is
                                               on disk stays for a resume and nothing more is logged
 
-The parts: `session` (the run folder), `metrics` (history and means on every rank), `schedule` (when
-and how snapshots are taken), `reports` (publishing each outcome), `news` (rank 0 to every rank). A
-watcher of checkpoints drives the same engine through `front.CheckpointFront` (submit and poll).
+The engine owns one `RunState` (run_state.py: the history, the means, the counts, the stops' states),
+the one thing its ranks exchange (`_exchange`, one collective). Its parts read it or call its methods:
+`open_run` (the run folder), `snapshot_schedule` (when and how snapshots are taken), `reports` (publishing
+each outcome), the stops (each `evaluate` returns its verdict). A watcher of checkpoints drives the same
+engine with `submit` and `poll`.
 
 The engine reads the training process and never writes to it: the only global state it touches is
 what the host is asked to log and the stop it returns. A failure in snapshotting, scoring, writing
@@ -44,16 +46,16 @@ from ..scoring.report import EvalReport
 from ..scoring.service import PreflightError, ServiceSpec, preflight
 from ..settings import EvalSettings
 from .host import Host
-from .metrics import RunState
-from .news import exchange
-from .publish import Publisher, Subscriber
+from .open_run import open_run, taken_steps
+from .publish import Publisher, Subscriber, prepare
 from .reports import Reports, final_table
 from .run_folder import RunFolder
-from .runners import BackgroundRunner
-from .schedule import Schedule, should_snapshot
-from .session import open_run, taken_steps
+from .run_state import RunState
+from .runners.background import BackgroundRunner
+from .runners.jobs import Job
 from .snapshot import is_sharded
-from .stop import StopPolicy, Stops
+from .snapshot_schedule import Schedule, should_snapshot
+from .stop import StopPolicy, StopState, check_monitor
 
 
 class EvalEngine:
@@ -64,7 +66,7 @@ class EvalEngine:
         if not isinstance(settings, EvalSettings):
             raise TypeError(f"EvalEngine takes an EvalSettings; got {type(settings).__name__}")
         self.settings, self.names = settings, dict(names or {})
-        self.stops = Stops()
+        self.policies: list[StopPolicy] = []
         self.subscribers: list[Subscriber] = []
         self.host = Host()
         self.basis: Basis | None = None  # what every report of this run stands on (after `check`)
@@ -84,20 +86,20 @@ class EvalEngine:
     def _fresh(self, restored: dict) -> None:
         """The state of a run that has seen nothing (or, `restored`, a resume's counts and history)."""
         self.run: RunFolder | None = None
-        self.run_id: str | None = None
-        self.state = RunState(self.name, self.scoring.methods, self.settings.baseline is not None)
-        for entry in restored.get("history", []):
-            self.state.add(entry)
-        self.reports = Reports(self.settings, self.host, self.state, self.stops, self.subscribers, lambda: self._step)
-        self.reports.errors = restored.get("errors", 0)
-        self._skipped = restored.get("skipped", 0)
+        self.state = RunState(self.name, self.scoring.methods, self.settings.baseline is not None,
+                              stops=[policy.loaded for policy in self.policies])
+        self.state.load_state_dict(restored)
+        self.reports = Reports(self.settings, self.host, self.state, self.policies, self.subscribers,
+                               lambda: self._step)
         self.schedule: Schedule | None = None
         self.runner: BackgroundRunner | None = None
         self._step: int | None = None  # the last step seen
-        self._stopped = False
-        self.stops.pending = None  # a stop of an earlier run that never reached every rank
 
     # ------------------------------------------------------------------ what adapters read and add
+    @property
+    def run_id(self) -> str | None:
+        return self.state.run_id
+
     @property
     def history(self) -> list[dict]:
         return self.state.history
@@ -108,11 +110,11 @@ class EvalEngine:
 
     @property
     def errors(self) -> int:
-        return self.reports.errors
+        return self.state.errors
 
     @property
     def skipped(self) -> int:
-        return self.schedule.skipped if self.schedule is not None else self._skipped
+        return self.state.skipped
 
     @property
     def baseline_report(self) -> EvalReport | None:
@@ -121,7 +123,12 @@ class EvalEngine:
     @property
     def should_stop(self) -> bool:
         """Whether a stop has reached this rank."""
-        return self._stopped
+        return self.state.should_stop
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why a stop stopped training (or would have), None before."""
+        return next((s.stop_reason for s in self.state.stops if s.stop_reason), None)
 
     @property
     def pending(self) -> int:
@@ -138,10 +145,29 @@ class EvalEngine:
         line = policy.unreachable(*self._most_tau) if self._most_tau is not None else None
         if line is not None:
             raise PreflightError(f"the scoring inputs do not fit together:\n  {line}")
-        self.stops.add(policy, self.scoring.methods, self.name)
+        check_monitor(policy, self.scoring.methods, self.name)
+        if policy in self.policies:
+            return
+        self.policies.append(policy)
+        self.state.add_stop(policy.loaded)
+        policy.follow(lambda: self._seen_by(policy))
         if self.settings.baseline is None:
-            self.host.warn(f"{type(policy).__name__}: {self.name!r} has no baseline, so {policy.monitor} is recorded "
+            self.host.warn(f"{policy.shown_name}: {self.name!r} has no baseline, so {policy.monitor} is recorded "
                            "but never judged and training is never stopped; give the evaluator baseline=...")
+
+    def remove_stop(self, policy: StopPolicy) -> None:
+        """Follow `policy` no more (it keeps what it had seen)."""
+        if policy in self.policies:
+            index = self.policies.index(policy)
+            policy.follow(None, kept=(self.state.history, self.state.stops[index]))
+            self.policies.remove(policy)
+            self.state.remove_stop(index)
+
+    def _seen_by(self, policy: StopPolicy) -> tuple[list[dict], StopState] | None:
+        """What `policy` has seen of this engine's run: the history and its state."""
+        if policy not in self.policies:
+            return None
+        return self.state.history, self.state.stops[self.policies.index(policy)]
 
     # ------------------------------------------------------------------ before training
     def check(self, host: Host, drafter: nn.Module | None, config: DrafterConfig, max_steps: int | None = None,
@@ -157,7 +183,7 @@ class EvalEngine:
                                  else str(self.settings.baseline_cache_dir))
         shapes = {k: tuple(v) for k, v in (shapes or {k: v.shape for k, v in drafter.state_dict().items()}).items()}
         self._most_tau = (functools.partial(most_tau, drafter), self.scoring.block_size or config.block_size)
-        unreachable = [line for p in self.stops.policies if (line := p.unreachable(*self._most_tau))]
+        unreachable = [line for p in self.policies if (line := p.unreachable(*self._most_tau))]
         try:
             self.basis = preflight(self._spec, config, shapes, warn=host.warn)
         except PreflightError as e:  # every problem at once
@@ -175,14 +201,12 @@ class EvalEngine:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """A resume's state (what `state_dict` returned), before `start`; the stops' too."""
         self._restored = dict(state_dict)
-        for policy, state in zip(self.stops.policies, state_dict.get("stops", [])):
+        for policy, state in zip(self.policies, state_dict.get("stops", [])):
             policy.load_state_dict(state)
 
     def state_dict(self) -> dict[str, Any]:
         """Primitives only, the same on every rank: the run, its history and counts, and the stops'."""
-        return {"run_id": self.run_id, "basis": self.basis.to_dict() if self.run_id else None,
-                "history": [dict(h) for h in self.history], "errors": self.errors, "skipped": self.skipped,
-                "stops": [p.state_dict() for p in self.stops.policies]}
+        return self.state.state_dict(self.basis.to_dict() if self.basis is not None else None)
 
     # ------------------------------------------------------------------ start
     def start(self, host: Host, drafter: nn.Module | None, run_id: str | None = None) -> None:
@@ -194,27 +218,22 @@ class EvalEngine:
         self._started, self.host = True, host
         restored = self._restored or {}
         self._fresh(restored)
-        self.schedule = Schedule(self.settings, self._config, self._shapes)
-        self.schedule.skipped, self.schedule.taken = self._skipped, taken_steps(self.history)
+        self.schedule = Schedule(self.settings, self._config, self._shapes, taken_steps(self.history))
         if host.rank == 0:
             self._open(drafter, run_id)
         if host.world_size > 1:
-            self.run_id = host.broadcast(self.run_id)  # every rank's state_dict names the run
+            self.state.run_id = host.broadcast(self.state.run_id)  # every rank's state_dict names the run
         self.state.start(host, self.baseline_report)
-        for policy in self.stops.policies:
-            policy.load_history(self.history)
 
     def _open(self, drafter: nn.Module | None, fresh_id: str | None) -> None:
         opened = open_run(self.settings, self.basis, self.host, self._restored, fresh_id,
-                          [policy.settings.to_dict() for policy in self.stops.policies])
+                          [policy.settings.to_dict() for policy in self.policies])
         if self._restored and self._restored.get("run_id") and not opened.resumed:  # another basis: a new run
             self._fresh({k: v for k, v in self._restored.items() if k in ("errors", "skipped")})
-            self.schedule = Schedule(self.settings, self._config, self._shapes)
-            self.schedule.skipped = self._skipped
         if opened.history is not None:
-            self.state.history = opened.history
-        self.run, self.run_id = opened.run, opened.run.path.name
-        self.schedule.taken = taken_steps(self.history, opened)
+            self.state.replace_history(opened.history)
+        self.run, self.state.run_id = opened.run, opened.run.path.name
+        self.schedule = Schedule(self.settings, self._config, self._shapes, taken_steps(self.history, opened))
         self.reports.start(Publisher(self.name, self.run, self.reports.fail, self.host.loggers, self.host.wandb_runs),
                            opened.recovered)
         try:
@@ -226,7 +245,7 @@ class EvalEngine:
             self.run.unlock()
             raise
         self.runner = BackgroundRunner(self.settings.runner, self._spec, self.run, self.settings.keep_last, self.basis,
-                                       notes=self.reports.unresolvable)
+                                       notes=self.reports.unresolvable, prepare=prepare)
         for job in opened.jobs:
             self.runner.submit(job)
         self.schedule.allocate(drafter)
@@ -241,25 +260,54 @@ class EvalEngine:
             return None
         self._step = step
         due = should_snapshot(step, self.settings.every_n_steps)
-        skip = self.schedule.skip(step, False, self.host, self.runner) if due else True
+        skip = self._skip(step, False) if due else True
         sharded = due and self.host.world_size > 1 and is_sharded(drafter)
         reason = None
         if self.host.world_size > 1:
             if sharded or step % self.settings.sync_every_n_steps == 0:
-                skip, reason = exchange(self, step, skip)
+                skip, reason = self._exchange(step, skip)
         else:
-            reason = self.deliver_stop(step)
+            reason = self.state.reach(self.state.take_decided(), step)
         if due:
             self.schedule.take(step, epoch, drafter, skip, sharded, self.host, self.runner, self._snapshot_failed)
-        if reason is not None:
-            self._stopped = True
         return reason
 
-    def deliver_stop(self, step: int) -> str | None:
-        """One process: a stop decided since reaches training at `step` (its reason; None without one)."""
-        reason = self.stops.deliver(self.stops.take(), step)
-        self._stopped = self._stopped or reason is not None
-        return reason
+    def _skip(self, step: int, force: bool) -> bool:
+        skip, busy = self.schedule.skip(step, force, self.host, self.runner)
+        if busy:
+            self.state.count_skipped()
+        return skip
+
+    def _exchange(self, step: int, skip: bool) -> tuple[bool, str | None]:
+        """The one collective between ranks, every `sync_every_n_steps` steps (and at every sharded snapshot,
+        whose gather is itself collective): rank 0's snapshot decision and the news of its RunState (the
+        history and means since, its counts, the stops' states, a stop decided), so that every rank holds the
+        same history and metrics and stops at the same step. Returns rank 0's `skip` and the stop's reason
+        when a stop reaches the ranks at `step`."""
+        news = {"skip": skip, **self.state.news()} if self.host.rank == 0 else None
+        news = self.host.broadcast(news)
+        self.state.take_news(news, self.host.rank)
+        if news["metrics"] is not None:
+            self.state.show(self.host)
+        return news["skip"], self.state.reach(news["decided"], step)
+
+    # ------------------------------------------------------------------ a watcher of checkpoints
+    def submit(self, job: Job) -> None:
+        """Rank 0, after `start`: score `job` in the background (a checkpoint a watcher found, read when the
+        job runs); its outcome is published by `poll` like a snapshot's."""
+        if self.runner is None:
+            raise RuntimeError(f"{self.name}: submit() comes after start() and before close()")
+        if job.read is not None and self.settings.runner != "thread":
+            raise ValueError(f"a job read by a function is scored by the thread runner; this engine's is "
+                             f"{self.settings.runner!r}")
+        self.schedule.mark_taken(job.step)
+        self.runner.submit(job)
+
+    def poll(self) -> str | None:
+        """Publish every finished outcome (results.jsonl first, then the loggers, the metrics and the
+        stops); the reason of a stop decided since, or None."""
+        self.reports.drain(self.runner)
+        return self.state.reach(self.state.take_decided(), self.history[-1]["step"] if self.history else 0)
 
     def _snapshot_failed(self, step: int, error: str) -> None:
         self.reports.publisher.record({"step": step, "snapshot_id": None, "error": error})
@@ -277,7 +325,7 @@ class EvalEngine:
         if self.schedule is None:
             return
         if self.settings.wait_on_end and step > 0 and step != self.schedule.last_taken:
-            skip = self.schedule.skip(step, True, self.host, self.runner)
+            skip = self._skip(step, True)
             sharded = self.host.world_size > 1 and is_sharded(drafter)
             if sharded:
                 skip = self.host.broadcast(skip)
@@ -310,7 +358,7 @@ class EvalEngine:
         saying `reason`); `publish=False` when training failed (nothing is logged, what is on disk stays for a
         resume). The staging buffers go, the run folder is released."""
         atexit.unregister(self._at_exit)
-        self.reports.closing = True
+        self.reports.close()
         if self.schedule is not None:
             self.schedule.release()
         runner, self.runner = self.runner, None
@@ -323,7 +371,7 @@ class EvalEngine:
         try:  # on_error="raise" may raise from here: the folder is unlocked all the same
             if publish:
                 self.reports.drain(runner)  # a baseline polled now still comes before the recovered reports
-                self.reports.baseline_settled = True  # no baseline comes after this
+                self.reports.settle_baseline()  # no baseline comes after this
                 self.reports.publish_recovered()
             else:
                 self._keep_for_resume(runner.poll(), reason)

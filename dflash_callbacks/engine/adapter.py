@@ -1,19 +1,18 @@
-"""What every adapter shows of its engine, under one set of names (`EngineView`), and the `stop=`
-argument the plain-loop and transformers adapters take."""
+"""`EvalAdapter`: what every adapter (Lightning, the plain loop, the transformers Trainer) shows of its
+engine, under one set of names, read-only."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from ..scoring.report import EvalReport
 from ..settings import EvalSettings
-from .evaluator import EvalEngine
+from .eval_engine import EvalEngine
 from .publish import Subscriber
 from .run_folder import RunFolder
-from .stop import StopPolicy
 
 
-class EngineView:
+class EvalAdapter:
     """The engine's state as an adapter's attributes (`self.engine`)."""
 
     engine: EvalEngine
@@ -73,7 +72,7 @@ class EngineView:
     @property
     def stop_reason(self) -> str | None:
         """Why a stop stopped training (or would have), None before."""
-        return next((p.stop_reason for p in self.engine.stops.policies if p.stop_reason), None)
+        return self.engine.stop_reason
 
     def subscribe(self, fn: Subscriber) -> Callable[[], None]:
         """Call `fn(report, baseline)` on the training thread of rank 0 for every new report; returns a
@@ -83,15 +82,3 @@ class EngineView:
     def state_dict(self) -> dict:
         """Primitives only, the same on every rank: put it in your checkpoint."""
         return self.engine.state_dict()
-
-
-def stop_policies(stop: StopPolicy | Sequence[StopPolicy] | type | None) -> list[StopPolicy]:
-    """`stop=` of the plain-loop and transformers adapters, as a list (TypeError for anything else)."""
-    if isinstance(stop, type):
-        raise TypeError(f"stop={stop.__name__} is a class: give an instance, e.g. stop={stop.__name__}(monitor="
-                        "'ddtree@8/live')")
-    stops = [] if stop is None else [stop] if isinstance(stop, StopPolicy) else list(stop)
-    if not all(isinstance(s, StopPolicy) for s in stops):
-        raise TypeError("stop must be a TrailingBaselineStop (a StopPolicy), a list of them, or None; got "
-                        f"{[type(s).__name__ for s in stops if not isinstance(s, StopPolicy)]}")
-    return stops
