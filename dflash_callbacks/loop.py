@@ -158,7 +158,7 @@ class DrafterEvaluator(EvalAdapter):
                           UserWarning, stacklevel=2)
         self._updates_at_last_step, self.last_step = self._updates, step
         self.engine.on_step(step, 0, self._drafter)
-        return self.engine.should_stop
+        return self.engine.state.should_stop
 
     def sync(self) -> None:
         """Wait for a snapshot's copy to land: call it before writing the weights other than through the

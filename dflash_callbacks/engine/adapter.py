@@ -45,7 +45,7 @@ class EvalAdapter:
 
     @property
     def skipped(self) -> int:
-        return self.engine.skipped
+        return self.engine.state.skipped
 
     @property
     def reports(self) -> list[EvalReport]:
@@ -67,12 +67,12 @@ class EvalAdapter:
     @property
     def should_stop(self) -> bool:
         """Whether a stop has reached this rank."""
-        return self.engine.should_stop
+        return self.engine.state.should_stop
 
     @property
     def stop_reason(self) -> str | None:
         """Why a stop stopped training (or would have), None before."""
-        return self.engine.stop_reason
+        return self.engine.state.stop_reason
 
     def subscribe(self, fn: Subscriber) -> Callable[[], None]:
         """Call `fn(report, baseline)` on the training thread of rank 0 for every new report; returns a

@@ -2,18 +2,12 @@
 and decide whether training stops. No framework here: each adapter (Lightning, the plain PyTorch
 loop, the transformers Trainer) gives the engine a `Host` and calls it at a few points of its loop:
 
-    check(host, drafter, config, max_steps)   every rank, before training: every input fits together
-                                              (scoring.service.preflight), or it raises
-    start(host, drafter)                      every rank, at the first step: rank 0 opens the run folder
-                                              (fresh, or the resumed run's) and starts the runner
-    on_step(step, epoch, drafter)             every rank, after each optimizer step: rank 0 publishes
-                                              finished reports and, every `every_n_steps`, starts a copy of
-                                              the weights; ranks exchange the news (means, the stop, the
-                                              snapshot decision); returns the stop's reason
-    copy_landed()                             before anything writes the weights in place
-    end(step, epoch, drafter, error)          every rank, once training is over: the last step's snapshot
-                                              and, on rank 0, the last reports; after an exception, what is
-                                              on disk stays for a resume and nothing more is logged
+    check(host, drafter, config, max_steps)  every rank, before training: every input fits, or it raises
+    start(host, drafter)                     every rank, at the first step: rank 0 opens the run folder
+    on_step(step, epoch, drafter)            every rank, after each optimizer step: rank 0 publishes, every
+                                             `every_n_steps` a copy of the weights starts; returns a stop's reason
+    copy_landed()                            before anything writes the weights in place
+    end(step, epoch, drafter, error)         every rank, once training is over (run_end.py)
 
 The engine owns one `RunState` (run_state.py: the history, the means, the counts, the stops' states),
 the one thing its ranks exchange (`_exchange`, one collective). Its parts read it or call its methods:
@@ -32,23 +26,22 @@ that exits without `end` (the user's loop raised past it) ends the same way, at 
 from __future__ import annotations
 
 import atexit
-import dataclasses
-import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..model import DrafterConfig
 from ..scoring.basis import Basis
 from ..scoring.report import EvalReport
-from ..scoring.service import PreflightError, ServiceSpec, preflight
+from ..scoring.service import PreflightError
 from ..settings import EvalSettings
 from .host import Host
+from .inputs_check import Checked, check_inputs
 from .open_run import open_run, taken_steps
 from .publish import Publisher, Subscriber, prepare
-from .reports import Reports, final_table
+from .reports import Reports
+from .run_end import RunEnd
 from .run_folder import RunFolder
 from .run_state import RunState
 from .runners.background import BackgroundRunner
@@ -58,7 +51,7 @@ from .snapshot_schedule import Schedule, should_snapshot
 from .stop import StopPolicy, StopState, check_monitor
 
 
-class EvalEngine:
+class EvalEngine(RunEnd):
     """Everything an evaluation of a training run does, for any loop (see the module docstring)."""
 
     def __init__(self, settings: EvalSettings, names: Mapping[str, str] | None = None):
@@ -71,7 +64,7 @@ class EvalEngine:
         self.host = Host()
         self.basis: Basis | None = None  # what every report of this run stands on (after `check`)
         self._restored: dict | None = None
-        self._most_tau: tuple[Callable[[int], int], int] | None = None  # (block -> the most tau there, the run's block): after `check`
+        self.checked: Checked | None = None  # what the run stands on, after `check`
         self._started = False
         self._fresh({})
 
@@ -105,30 +98,12 @@ class EvalEngine:
         return self.state.history
 
     @property
-    def metrics(self) -> dict[str, float]:
-        return self.state.metrics
-
-    @property
     def errors(self) -> int:
         return self.state.errors
 
     @property
-    def skipped(self) -> int:
-        return self.state.skipped
-
-    @property
     def baseline_report(self) -> EvalReport | None:
         return self.reports.baseline
-
-    @property
-    def should_stop(self) -> bool:
-        """Whether a stop has reached this rank."""
-        return self.state.should_stop
-
-    @property
-    def stop_reason(self) -> str | None:
-        """Why a stop stopped training (or would have), None before."""
-        return next((s.stop_reason for s in self.state.stops if s.stop_reason), None)
 
     @property
     def pending(self) -> int:
@@ -142,7 +117,7 @@ class EvalEngine:
 
     def add_stop(self, policy: StopPolicy) -> None:
         """Follow `policy` (its monitor must be scored here; after `check`, its threshold within reach)."""
-        line = policy.unreachable(*self._most_tau) if self._most_tau is not None else None
+        line = policy.unreachable(*self.checked.most_tau) if self.checked is not None else None
         if line is not None:
             raise PreflightError(f"the scoring inputs do not fit together:\n  {line}")
         check_monitor(policy, self.scoring.methods, self.name)
@@ -173,29 +148,12 @@ class EvalEngine:
     def check(self, host: Host, drafter: nn.Module | None, config: DrafterConfig, max_steps: int | None = None,
               shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
         """Every rank, before training: the drafter, cache, target, scoring config, device and baseline fit
-        together, or PreflightError lists every problem. Without a live drafter (a watcher of
-        checkpoints), `shapes` gives its tensors' shapes."""
+        together, or PreflightError lists every problem (`inputs_check`). Without a live drafter (a watcher
+        of checkpoints), `shapes` gives its tensors' shapes."""
         self.host = host
-        self.settings = _pin_device(self.settings, drafter)
-        self._spec = ServiceSpec(str(self.settings.cache), str(self.settings.target),
-                                 None if self.settings.baseline is None else str(self.settings.baseline),
-                                 self.scoring, None if self.settings.baseline_cache_dir is None
-                                 else str(self.settings.baseline_cache_dir))
-        shapes = {k: tuple(v) for k, v in (shapes or {k: v.shape for k, v in drafter.state_dict().items()}).items()}
-        self._most_tau = (functools.partial(most_tau, drafter), self.scoring.block_size or config.block_size)
-        unreachable = [line for p in self.policies if (line := p.unreachable(*self._most_tau))]
-        try:
-            self.basis = preflight(self._spec, config, shapes, warn=host.warn)
-        except PreflightError as e:  # every problem at once
-            raise PreflightError("\n  ".join([str(e), *unreachable])) from None
-        if unreachable:
-            raise PreflightError("the scoring inputs do not fit together:\n  " + "\n  ".join(unreachable))
-        self._config, self._shapes = config, shapes
-        every, cadence = self.settings.every_n_steps, self.names.get("every_n_steps", "every_n_steps")
-        if max_steps is not None and 0 < max_steps < every:
-            host.warn(f"{self.name}: {cadence}={every} is more than max_steps={max_steps}: no snapshot is taken "
-                      "while training" + (", only the last step's at the end" if self.settings.wait_on_end else "")
-                      + f"; set {cadence}= to a cadence that fits the run")
+        self.checked = check_inputs(self.settings, self.names, self.policies, host, drafter, config, max_steps,
+                                    shapes)
+        self.settings, self.basis = self.checked.settings, self.checked.basis
         self._restored, self._started = None, False
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -218,7 +176,7 @@ class EvalEngine:
         self._started, self.host = True, host
         restored = self._restored or {}
         self._fresh(restored)
-        self.schedule = Schedule(self.settings, self._config, self._shapes, taken_steps(self.history))
+        self.schedule = Schedule(self.settings, self.checked.config, self.checked.shapes, taken_steps(self.history))
         if host.rank == 0:
             self._open(drafter, run_id)
         if host.world_size > 1:
@@ -233,7 +191,8 @@ class EvalEngine:
         if opened.history is not None:
             self.state.replace_history(opened.history)
         self.run, self.state.run_id = opened.run, opened.run.path.name
-        self.schedule = Schedule(self.settings, self._config, self._shapes, taken_steps(self.history, opened))
+        self.schedule = Schedule(self.settings, self.checked.config, self.checked.shapes,
+                                 taken_steps(self.history, opened))
         self.reports.start(Publisher(self.name, self.run, self.reports.fail, self.host.loggers, self.host.wandb_runs),
                            opened.recovered)
         try:
@@ -244,7 +203,7 @@ class EvalEngine:
         except Exception:  # before the runner starts: nothing queued is cancelled, the folder is let go
             self.run.unlock()
             raise
-        self.runner = BackgroundRunner(self.settings.runner, self._spec, self.run, self.settings.keep_last, self.basis,
+        self.runner = BackgroundRunner(self.settings.runner, self.checked.spec, self.run, self.settings.keep_last, self.basis,
                                        notes=self.reports.unresolvable, prepare=prepare)
         for job in opened.jobs:
             self.runner.submit(job)
@@ -331,92 +290,3 @@ class EvalEngine:
                 skip = self.host.broadcast(skip)
             self.schedule.take(step, epoch, drafter, skip, sharded, self.host, self.runner, self._snapshot_failed)
         self.copy_landed()
-
-    # ------------------------------------------------------------------ the end
-    def end(self, step: int | None = None, epoch: int = 0, drafter: nn.Module | None = None,
-            error: BaseException | None = None, where: str = "training") -> None:
-        """Every rank, once training is over (`where` names the loop in messages: "the fit", "train()"):
-        the last step's snapshot, then on rank 0, with wait_on_end, the pending reports within
-        wait_timeout. After `error` (the loop raised), nothing more is logged and what is on disk stays
-        for a resume."""
-        try:
-            if error is None and drafter is not None and step is not None:
-                self.finish(step, epoch, drafter)
-        finally:
-            if error is not None:
-                self.close(False, f"{where} stopped on {type(error).__name__}", publish=False)
-            elif self.settings.wait_on_end:
-                self.close(True, f"wait_timeout={self.settings.wait_timeout:g} s ran out at the end of training")
-            else:
-                self.close(False, f"wait_on_end=False: {where} returned without waiting for it")
-        table = final_table(self.reports.reports, self.baseline_report) if error is None else None
-        if table is not None and self.settings.verbose:
-            self.host.info(table)
-
-    def close(self, wait: bool, reason: str, publish: bool = True) -> None:
-        """Rank 0: with `wait`, the pending reports within `wait_timeout` (what is left then is an error line
-        saying `reason`); `publish=False` when training failed (nothing is logged, what is on disk stays for a
-        resume). The staging buffers go, the run folder is released."""
-        atexit.unregister(self._at_exit)
-        self.reports.close()
-        if self.schedule is not None:
-            self.schedule.release()
-        runner, self.runner = self.runner, None
-        if runner is None:
-            return
-        if wait and runner.pending:
-            self.host.info(f"{self.name}: waiting for {runner.pending} pending report(s) (steps "
-                           f"{runner.pending_steps()}), at most {self.settings.wait_timeout:g} s")
-        runner.close(wait, self.settings.wait_timeout, reason, keep=not publish)
-        try:  # on_error="raise" may raise from here: the folder is unlocked all the same
-            if publish:
-                self.reports.drain(runner)  # a baseline polled now still comes before the recovered reports
-                self.reports.settle_baseline()  # no baseline comes after this
-                self.reports.publish_recovered()
-            else:
-                self._keep_for_resume(runner.poll(), reason)
-            self.reports.publisher.record(None)
-        finally:
-            self.run.unlock()
-
-    def _keep_for_resume(self, outcomes: list, reason: str) -> None:
-        """Training is failing: every outcome on disk, nothing logged; a snapshot not scored stays on disk
-        with no error line, for a resume to score, as after a kill."""
-        left = []
-        for outcome in outcomes:
-            if getattr(outcome, "on_disk", None):
-                left.append(outcome)
-            else:
-                self.reports.keep(outcome)
-        if left:
-            where = ", ".join(sorted({str(o.on_disk.parent) for o in left}))
-            self.host.warn(f"{self.name}: {reason}: the snapshots of steps {[o.step for o in left]} are in {where}, "
-                           "not scored; a resume from a checkpoint scores them")
-
-    def _at_exit(self) -> None:
-        """The process exits with this run open (its loop raised past `end`): the runner stops before the
-        interpreter does (a scoring thread alive at exit aborts the process), what is finished is kept."""
-        try:
-            self.close(False, "the process exited before the evaluation was closed", publish=False)
-        except Exception:
-            pass
-
-
-def most_tau(drafter: nn.Module | None, block_size: int) -> int:
-    """The most tau any report can hold at `block_size`: the drafter's proposals per block + 1
-    (`draft_rows`; without a live drafter, at most the block size's)."""
-    draft_rows = getattr(drafter, "draft_rows", None)
-    proposals = len(draft_rows(block_size)) if callable(draft_rows) else block_size
-    return proposals + 1
-
-
-def _pin_device(settings: EvalSettings, drafter: nn.Module | None) -> EvalSettings:
-    """The thread runner scores on a definite CUDA device (its thread would otherwise take device 0): the
-    drafter's, or this process's current one."""
-    scoring = settings.scoring
-    if settings.runner != "thread" or scoring.device not in ("auto", "cuda") or not torch.cuda.is_available():
-        return settings
-    devices = {p.device for p in drafter.parameters() if p.device.type == "cuda"} if drafter is not None else set()
-    index = next(iter(devices)).index if len(devices) == 1 else torch.cuda.current_device()
-    return dataclasses.replace(settings, scoring=dataclasses.replace(scoring, device=f"cuda:{index}"), device=None)
-

@@ -100,6 +100,11 @@ class RunState:
         self.skipped += 1
 
     # ------------------------------------------------------------------ the stops
+    @property
+    def stop_reason(self) -> str | None:
+        """Why a stop stopped training (or would have), None before."""
+        return next((s.stop_reason for s in self.stops if s.stop_reason), None)
+
     def add_stop(self, state: StopState) -> None:
         self.stops.append(state)
 
