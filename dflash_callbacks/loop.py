@@ -26,7 +26,9 @@ from .engine.drafters import (
     check_drafter_config, drafter_config_of, optimizer_problems, refuse_collective_wrappers, unwrap,
 )
 from .engine.eval_engine import EvalEngine
-from .engine.host import ActiveWandb, Host, TorchDistributed, as_loggers, log_functions
+from .engine.host import Host, TorchDistributed
+from .engine.trackers.log_functions import as_loggers, log_functions
+from .engine.trackers.wandb import ActiveWandb
 from .engine.stop import StopPolicy, stop_policies
 from .engine.adapter import EvalAdapter
 from .model import DrafterConfig

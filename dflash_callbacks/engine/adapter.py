@@ -8,7 +8,7 @@ from collections.abc import Callable
 from ..scoring.report import EvalReport
 from ..settings import EvalSettings
 from .eval_engine import EvalEngine
-from .publish import Subscriber
+from .publisher import Subscriber
 from .run_folder import RunFolder
 
 
@@ -50,7 +50,7 @@ class EvalAdapter:
     @property
     def reports(self) -> list[EvalReport]:
         """The reports published by this process (rank 0), in arrival order."""
-        return self.engine.reports.reports
+        return self.engine.publisher.reports
 
     @property
     def baseline_report(self) -> EvalReport | None:

@@ -11,7 +11,7 @@ loop, the transformers Trainer) gives the engine a `Host` and calls it at a few 
 
 The engine owns one `RunState` (run_state.py: the history, the means, the counts, the stops' states),
 the one thing its ranks exchange (`_exchange`, one collective). Its parts read it or call its methods:
-`open_run` (the run folder), `snapshot_schedule` (when and how snapshots are taken), `reports` (publishing
+`open_run` (the run folder), `snapshot_schedule` (when and how snapshots are taken), `publisher` (publishing
 each outcome), the stops (each `evaluate` returns its verdict). A watcher of checkpoints drives the same
 engine with `submit` and `poll`.
 
@@ -39,10 +39,10 @@ from ..settings import EvalSettings
 from .host import Host
 from .inputs_check import Checked, check_inputs
 from .open_run import open_run, taken_steps
-from .publish import Publisher, Subscriber, prepare
-from .reports import Reports
+from .publisher import Publisher, Subscriber
 from .run_end import RunEnd
 from .run_folder import RunFolder
+from .results_line import prepare
 from .run_state import RunState
 from .runners.background import BackgroundRunner
 from .runners.jobs import Job
@@ -82,8 +82,8 @@ class EvalEngine(RunEnd):
         self.state = RunState(self.name, self.scoring.methods, self.settings.baseline is not None,
                               stops=[policy.loaded for policy in self.policies])
         self.state.load_state_dict(restored)
-        self.reports = Reports(self.settings, self.host, self.state, self.policies, self.subscribers,
-                               lambda: self._step)
+        self.publisher = Publisher(self.settings, self.host, self.state, self.policies, self.subscribers,
+                                   lambda: self._step)
         self.schedule: Schedule | None = None
         self.runner: BackgroundRunner | None = None
         self._step: int | None = None  # the last step seen
@@ -103,7 +103,7 @@ class EvalEngine(RunEnd):
 
     @property
     def baseline_report(self) -> EvalReport | None:
-        return self.reports.baseline
+        return self.publisher.baseline
 
     @property
     def pending(self) -> int:
@@ -193,18 +193,17 @@ class EvalEngine(RunEnd):
         self.run, self.state.run_id = opened.run, opened.run.path.name
         self.schedule = Schedule(self.settings, self.checked.config, self.checked.shapes,
                                  taken_steps(self.history, opened))
-        self.reports.start(Publisher(self.name, self.run, self.reports.fail, self.host.loggers, self.host.wandb_runs),
-                           opened.recovered)
+        self.publisher.start(self.run, opened.recovered)
         try:
             for outcome in opened.rejected:  # every line on disk first: on_error="raise" raises at the first
-                self.reports.record_outcome(outcome)
+                self.publisher.record_outcome(outcome)
             for outcome in opened.rejected:
-                self.reports.fail(f"step {outcome.step} failed: {outcome.error}")
+                self.publisher.fail(f"step {outcome.step} failed: {outcome.error}")
         except Exception:  # before the runner starts: nothing queued is cancelled, the folder is let go
             self.run.unlock()
             raise
         self.runner = BackgroundRunner(self.settings.runner, self.checked.spec, self.run, self.settings.keep_last, self.basis,
-                                       notes=self.reports.unresolvable, prepare=prepare)
+                                       notes=self.publisher.unresolvable, prepare=prepare)
         for job in opened.jobs:
             self.runner.submit(job)
         self.schedule.allocate(drafter)
@@ -214,7 +213,7 @@ class EvalEngine(RunEnd):
     def on_step(self, step: int, epoch: int, drafter: nn.Module) -> str | None:
         """Every rank, after the optimizer step `step` (a repeated step, under gradient accumulation,
         only publishes). Returns the stop's reason when the stop reaches the ranks at this step."""
-        self.reports.drain(self.runner)
+        self.publisher.drain(self.runner)
         if step == self._step:
             return None
         self._step = step
@@ -265,12 +264,12 @@ class EvalEngine(RunEnd):
     def poll(self) -> str | None:
         """Publish every finished outcome (results.jsonl first, then the loggers, the metrics and the
         stops); the reason of a stop decided since, or None."""
-        self.reports.drain(self.runner)
+        self.publisher.drain(self.runner)
         return self.state.reach(self.state.take_decided(), self.history[-1]["step"] if self.history else 0)
 
     def _snapshot_failed(self, step: int, error: str) -> None:
-        self.reports.publisher.record({"step": step, "snapshot_id": None, "error": error})
-        self.reports.fail(error)
+        self.publisher.record({"step": step, "snapshot_id": None, "error": error})
+        self.publisher.fail(error)
 
     def copy_landed(self) -> None:
         """Wait for the snapshot's device-to-host copy before the weights can be written in place: by the

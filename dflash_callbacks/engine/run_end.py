@@ -8,7 +8,7 @@ import atexit
 
 from torch import nn
 
-from .reports import final_table
+from .results_line import final_table
 
 
 class RunEnd:
@@ -28,7 +28,7 @@ class RunEnd:
                 self.close(True, f"wait_timeout={self.settings.wait_timeout:g} s ran out at the end of training")
             else:
                 self.close(False, f"wait_on_end=False: {where} returned without waiting for it")
-        table = final_table(self.reports.reports, self.baseline_report) if error is None else None
+        table = final_table(self.publisher.reports, self.baseline_report) if error is None else None
         if table is not None and self.settings.verbose:
             self.host.info(table)
 
@@ -37,7 +37,7 @@ class RunEnd:
         saying `reason`); `publish=False` when training failed (nothing is logged, what is on disk stays for a
         resume). The staging buffers go, the run folder is released."""
         atexit.unregister(self._at_exit)
-        self.reports.close()
+        self.publisher.close()
         if self.schedule is not None:
             self.schedule.release()
         runner, self.runner = self.runner, None
@@ -49,12 +49,12 @@ class RunEnd:
         runner.close(wait, self.settings.wait_timeout, reason, keep=not publish)
         try:  # on_error="raise" may raise from here: the folder is unlocked all the same
             if publish:
-                self.reports.drain(runner)  # a baseline polled now still comes before the recovered reports
-                self.reports.settle_baseline()  # no baseline comes after this
-                self.reports.publish_recovered()
+                self.publisher.drain(runner)  # a baseline polled now still comes before the recovered reports
+                self.publisher.settle_baseline()  # no baseline comes after this
+                self.publisher.publish_recovered()
             else:
                 self._keep_for_resume(runner.poll(), reason)
-            self.reports.publisher.record(None)
+            self.publisher.record(None)
         finally:
             self.run.unlock()
 
@@ -66,7 +66,7 @@ class RunEnd:
             if getattr(outcome, "on_disk", None):
                 left.append(outcome)
             else:
-                self.reports.keep(outcome)
+                self.publisher.keep(outcome)
         if left:
             where = ", ".join(sorted({str(o.on_disk.parent) for o in left}))
             self.host.warn(f"{self.name}: {reason}: the snapshots of steps {[o.step for o in left]} are in {where}, "

@@ -22,7 +22,7 @@ from .stop import StopState
 
 def history_entry(report: EvalReport, versus: dict | None) -> dict:
     """What the history keeps of a report: its step, its run-level means and their intervals, and, with a
-    baseline, their comparison with it (`publisher.versus_record`: the stops judge on its intervals, also
+    baseline, their comparison with it (`results_line.versus_record`: the stops judge on its intervals, also
     after a resume)."""
     entry = {"step": report.step, "mean": report.mean}
     if report.intervals is not None:

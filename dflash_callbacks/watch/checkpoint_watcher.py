@@ -241,7 +241,7 @@ class CheckpointWatcher:
     def summary(self) -> str:
         """What it did, said at exit: steps scored and errors, the last report's monitored number (every
         method's live tau without a stop) and the stop's state."""
-        reports, errors = self.engine.reports.reports, self.engine.errors
+        reports, errors = self.engine.publisher.reports, self.engine.errors
         said = f"watch: exiting: {len(reports)} step(s) scored, {errors} error(s)"
         policy = self.engine.policies[0] if self.engine.policies else None
         if reports:

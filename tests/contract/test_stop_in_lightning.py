@@ -58,7 +58,7 @@ class ScriptedReports(DrafterEvalCallback):
         engine.host, engine._started = LightningHost(trainer), True
         engine._fresh({"history": self.history0})
         engine.schedule = Schedule(engine.settings, None, {})
-        engine.reports.baseline = self.base
+        engine.publisher.baseline = self.base
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.publish(trainer, self.values.get(trainer.global_step))
@@ -68,7 +68,7 @@ class ScriptedReports(DrafterEvalCallback):
         pass
 
     def on_train_end(self, trainer, pl_module):
-        self.engine.reports.close()
+        self.engine.publisher.close()
         self.publish(trainer, self.at_end)
 
     def _module(self, pl_module):
@@ -79,7 +79,7 @@ class ScriptedReports(DrafterEvalCallback):
             return
         report = make_report(value, trainer.global_step)
         self.engine.state.add({"step": report.step, "mean": report.mean})
-        self.engine.reports.notify(report, None)
+        self.engine.publisher.notify(report)
 
 
 def fit(stop: TrailingBaselineStop, values: dict[int, float], max_steps: int = 20, at_end: float | None = None,

@@ -22,7 +22,7 @@ def judged_by(policy):
     which `policy` reads through `follow`): `judge(report, baseline, now, info, warn, versus=None)` publishes
     `report` (`versus`: its paired comparison on the monitor) and has the stop evaluate it; returns the reason
     when it stops training."""
-    from dflash_callbacks.engine.publish import versus_record
+    from dflash_callbacks.engine.results_line import versus_record
     from dflash_callbacks.engine.run_state import history_entry
     from dflash_callbacks.engine.stop import StopState
 

@@ -9,7 +9,7 @@ import warnings
 import numpy as np
 import pytest
 
-from dflash_callbacks.engine.publish import versus_record
+from dflash_callbacks.engine.results_line import versus_record
 from dflash_callbacks.engine.stop import Moment, StopPolicy
 from dflash_callbacks.scoring.intervals import paired_comparison
 from made_reports import judged_by

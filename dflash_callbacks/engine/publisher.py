@@ -1,10 +1,15 @@
-"""A run's reports on rank 0, on the training thread: each outcome the runner hands back becomes a
-line of results.jsonl first, then numbers for the loggers and the host's metrics, an entry of the
-history, a decision of the stops and a call of every subscriber (`publish.py` has the order and
-the keys). A failure anywhere is a warning and an error count, or a raise with on_error="raise".
+"""The publisher: each outcome the runner hands back, on rank 0 on the training thread, becomes, in this
+order, a line of results.jsonl (before anything else: a crash loses no finished report), the numbers for
+the loggers and W&B (`metric_keys`, `trackers/wandb.py`), the host's metrics and an entry of the run's
+history (`RunState`), a verdict of each stop and a call of every subscriber.
 
-The baseline's report comes before everything else, and the reports a killed run's watcher left
-(`recovered`) after it, before any new one: their deltas and ratios need the baseline.
+A step that fails (a full disk, a broken logger, a subscriber that raises) is a warning and an error
+count (`fail`), or a raise with on_error="raise", and the other steps still run; a line that could not
+be appended is kept and appended again before the next one. A report the strict reader refuses
+(`EvalReport.from_dict`: a NaN, a tau out of range, ...) is an error for its step: an error line takes its
+place in results.jsonl and none of its numbers is logged. A line that can not be JSON at all is dropped
+and counted, never retried. The baseline's report comes before everything else, and the reports a
+killed run's watcher left (`recovered`) after it, before any new one: their deltas and ratios need it.
 """
 
 from __future__ import annotations
@@ -13,42 +18,38 @@ from collections.abc import Callable
 
 from ..scoring.intervals import resolution_warning
 from ..scoring.report import EvalReport
-from ..scoring.table import comparison_table
 from ..settings import EvalSettings
 from .host import Host
-from .metric_keys import held_means
+from .metric_keys import errors_key, held_means, report_metrics, run_counts
+from .run_folder import ResultsRecordError, ResultsWriteError, RunFolder
 from .run_state import RunState, history_entry
-from .publish import Publisher, Subscriber, summary_line, versus_baseline, versus_record
+from .results_line import results_record, summary_line, versus_baseline, versus_record
 from .runners.background import BackgroundRunner
 from .runners.jobs import BaselineOutcome, SnapshotOutcome, is_non_finite
 from .stop import Moment, StopPolicy
+from .trackers.wandb import WandbTracker
+
+Subscriber = Callable[[EvalReport, "EvalReport | None"], object]
 
 
-def final_table(reports: list[EvalReport], baseline: EvalReport | None) -> str | None:
-    """What a run ends with (the demo, and every adapter with verbose=True): the last report's live tau
-    per task against the baseline, each number with its 95% interval, and a verdict per method; None
-    before any report."""
-    if not reports:
-        return None
-    last = max(reports, key=lambda r: r.step)
-    return f"\n{comparison_table(last, baseline)}\n"
-
-
-class Reports:
+class Publisher:
     def __init__(self, settings: EvalSettings, host: Host, state: RunState, policies: list[StopPolicy],
                  subscribers: list[Subscriber], step: Callable[[], int | None]):
-        """`state`: the engine's, changed through its methods; `policies`: the stops it follows (read)."""
+        """`state`: the engine's, changed through its methods; `policies`: the stops it follows (read); the
+        host's loggers and W&B runs are looked up at each report (one added after the start still counts)."""
         self.settings, self.host, self.state, self.policies = settings, host, state, policies
-        self.subscribers, self.step = subscribers, step
-        self.publisher: Publisher | None = None
+        self.subscribers, self.step, self.prefix = subscribers, step, settings.name
+        self.run: RunFolder | None = None
+        self.unsaved: list[dict] = []  # records whose append failed, retried first
+        self.trackers: dict[int, WandbTracker] = {}  # per W&B run
         self.reports: list[EvalReport] = []  # published by this process, in arrival order
         self.baseline: EvalReport | None = None
         self.baseline_settled = settings.baseline is None
         self.recovered: list[EvalReport] = []  # watcher reports a killed run never picked up
         self.closing = False
 
-    def start(self, publisher: Publisher, recovered: list[EvalReport]) -> None:
-        self.publisher, self.recovered = publisher, list(recovered)
+    def start(self, run: RunFolder, recovered: list[EvalReport]) -> None:
+        self.run, self.recovered = run, list(recovered)
 
     def close(self) -> None:
         """The run is closing: a stop decided now finds training ending anyway."""
@@ -104,7 +105,7 @@ class Reports:
         if isinstance(outcome, BaselineOutcome):
             self.baseline = outcome.report or self.baseline
         elif outcome.report is not None:
-            self.publisher.record_report(outcome.report, outcome.seconds, outcome.versus, outcome.record)
+            self.record_report(outcome.report, outcome.seconds, outcome.versus, outcome.record)
         else:
             self.record_outcome(outcome)
 
@@ -115,8 +116,8 @@ class Reports:
             self.publish(self.recovered.pop(0), None)
 
     def record_outcome(self, outcome: SnapshotOutcome) -> None:
-        self.publisher.record({"step": outcome.step, "snapshot_id": outcome.snapshot_id, "error": outcome.error,
-                               "seconds": outcome.seconds})
+        self.record({"step": outcome.step, "snapshot_id": outcome.snapshot_id, "error": outcome.error,
+                     "seconds": outcome.seconds})
 
     def unresolvable(self, baseline: EvalReport) -> list[str]:
         """Once the baseline's report is in hand (the runner's `notes`, off the training thread): a line for
@@ -142,20 +143,18 @@ class Reports:
         if versus is None:  # the runner had no baseline yet: the comparison, and a line with it, made here
             versus = versus_baseline(report, self.baseline)
             record = record if versus is None else None
-        metrics = self.publisher.publish(report, self.baseline, seconds, self.state.errors, versus, record)
+        metrics = self.write(report, self.baseline, seconds, versus, record)
         if metrics is None:
             return  # refused: an error line, nothing logged
-        self.state.set(report.step, held_means(metrics), self.host,
-                       self.closing)
+        self.state.set(report.step, held_means(metrics), self.host, self.closing)
         self.state.add(history_entry(report, versus_record(versus, digits=None) if versus else None), outgoing=True)
         self.reports.append(report)
         if self.settings.verbose:
             self.host.info(summary_line(self.settings.name, report, self.baseline))
-        self.notify(report, versus)
+        self.notify(report)
 
-    def notify(self, report: EvalReport, versus: dict | None) -> None:
-        """The stops decide (with the paired comparison of their monitor), then every subscriber gets the
-        report; one that raises is a failure."""
+    def notify(self, report: EvalReport) -> None:
+        """The stops judge the run with the report, then every subscriber gets it; one that raises is a failure."""
         ending = self.host.ending() or ("the run is closing" if self.closing else None)
         step = self.step()
         now = Moment(step=step if step is not None else int(report.step), horizon=self.host.horizon(), ending=ending)
@@ -182,5 +181,65 @@ class Reports:
         if self.settings.on_error == "raise":
             raise RuntimeError(f"{self.settings.name}: {message}")
         self.host.warn(f"{self.settings.name}: {message} (training goes on; errors so far: {errors})")
-        if self.publisher is not None:
-            self.publisher.log_error_count(errors, self.step() or 0)
+        for _, log in self.host.loggers() if self.run is not None else []:
+            try:
+                log({errors_key(self.prefix): float(errors)}, self.step() or 0)
+            except Exception:
+                pass  # the warning already says it; a broken logger can not take the count
+
+    # ------------------------------------------------------------------ results.jsonl and the loggers
+    def record(self, record: dict | None) -> bool:
+        """Append a results.jsonl line (earlier failed ones first; None: only retry those); False if
+        something could not be written. A record that is not JSON is dropped."""
+        if record is not None:
+            self.unsaved.append(record)
+        written = True
+        while self.unsaved:
+            try:
+                self.run.append(self.unsaved[0])
+            except ResultsWriteError as e:
+                self.fail(f"{e} ({len(self.unsaved)} line(s) held in memory, retried with the next report)")
+                return False
+            except ResultsRecordError as e:
+                self.unsaved.pop(0)
+                self.fail(str(e))
+                written = False
+                continue
+            self.unsaved.pop(0)
+        return written
+
+    def record_report(self, report: EvalReport, score_seconds: float, versus: dict | None = None,
+                      prepared: tuple[dict, str | None] | None = None) -> bool:
+        """Append the report's results.jsonl line (`prepared`: made already, by the runner). A report the
+        reader would refuse is an error line instead (and a failure): False, and none of its numbers may
+        be logged."""
+        record, refused = prepared or results_record(report, score_seconds, versus)
+        if refused is not None:
+            error = f"step {report.step}: the report is refused, none of its numbers is logged: {refused}"
+            self.record({"step": report.step, "snapshot_id": report.snapshot_id, "error": error})
+            self.fail(error)
+            return False
+        self.record(record)
+        return True
+
+    def write(self, report: EvalReport, baseline: EvalReport | None, score_seconds: float,
+              versus: dict | None = None, prepared: tuple[dict, str | None] | None = None) -> dict[str, float] | None:
+        """Record, then log to every logger and W&B run at the report's step (`versus`: the paired comparison
+        with the baseline, for the intervals of the deltas and ratios); returns what was logged (None, and
+        nothing logged, for a refused report)."""
+        if not self.record_report(report, score_seconds, versus, prepared):
+            return None
+        metrics = report_metrics(self.prefix, report, baseline, versus)
+        metrics.update(run_counts(self.prefix, report.step, score_seconds, self.state.errors))
+        for name, log in self.host.loggers():
+            self._guarded(name, report.step, lambda: log(metrics, report.step))
+        for name, run, log in self.host.wandb_runs():
+            tracker = self.trackers.setdefault(id(run), WandbTracker(name, run, log, self.prefix))
+            self._guarded(name, report.step, lambda: tracker.log_report(report, baseline, metrics, log))
+        return metrics
+
+    def _guarded(self, name: str, step: int, log: Callable[[], object]) -> None:
+        try:
+            log()
+        except Exception as e:  # one broken logger must not cost the others their numbers
+            self.fail(f"logging step {step} to {name} failed: {type(e).__name__}: {e}")
