@@ -47,6 +47,10 @@ class TrainerHost(Host):
         self.callback, self.args, self.state, self.control = callback, args, state, control
         self.rank, self.world_size = args.process_index, args.world_size
 
+    def update(self, state, control) -> None:
+        """The Trainer's state and control at this step (what `horizon` and `ending` read)."""
+        self.state, self.control = state, control
+
     def broadcast(self, obj: Any) -> Any:
         return TorchDistributed().broadcast(obj)  # the Trainer made the process group
 
@@ -102,6 +106,7 @@ class DrafterEvalTrainerCallback(EvalAdapter, TrainerCallback, ExportableState):
         self.drafter, self.drafter_config = drafter, check_drafter_config(drafter_config)
         self.log, self.wandb = log_functions(log), ActiveWandb(wandb)
         self._module: nn.Module | None = None
+        self._host: TrainerHost | None = None  # the Trainer as the engine's host, after on_train_begin
         self._finished = False
 
 
@@ -133,7 +138,7 @@ class DrafterEvalTrainerCallback(EvalAdapter, TrainerCallback, ExportableState):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         """Every check, then the run folder (a resume's, when the Trainer resumes from a checkpoint)."""
-        host = TrainerHost(self, args, state, control)
+        self._host = host = TrainerHost(self, args, state, control)
         self._module = unwrap(model) if self.drafter is None else resolve_drafter(model, self.drafter, type(self).__name__)
         refuse_collective_wrappers(self._module, model, f"{type(self).__name__}(drafter={self.drafter!r})")
         config = drafter_config_of(self._module, self.drafter_config, type(self).__name__, model,
@@ -151,7 +156,7 @@ class DrafterEvalTrainerCallback(EvalAdapter, TrainerCallback, ExportableState):
         self.engine.copy_landed()
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.engine.host.state, self.engine.host.control = state, control
+        self._host.update(state, control)
         if self.engine.on_step(state.global_step, int(state.epoch or 0), self._module) is not None:
             control.should_training_stop = True
         if control.should_training_stop or 0 < state.max_steps <= state.global_step:

@@ -180,7 +180,7 @@ class EvalEngine(RunEnd):
         if host.rank == 0:
             self._open(drafter, run_id)
         if host.world_size > 1:
-            self.state.run_id = host.broadcast(self.state.run_id)  # every rank's state_dict names the run
+            self.state.name_run(host.broadcast(self.state.run_id))  # every rank's state_dict names the run
         self.state.start(host, self.baseline_report)
 
     def _open(self, drafter: nn.Module | None, fresh_id: str | None) -> None:
@@ -190,7 +190,8 @@ class EvalEngine(RunEnd):
             self._fresh({k: v for k, v in self._restored.items() if k in ("errors", "skipped")})
         if opened.history is not None:
             self.state.replace_history(opened.history)
-        self.run, self.state.run_id = opened.run, opened.run.path.name
+        self.run = opened.run
+        self.state.name_run(opened.run.path.name)
         self.schedule = Schedule(self.settings, self.checked.config, self.checked.shapes,
                                  taken_steps(self.history, opened))
         self.publisher.start(self.run, opened.recovered)

@@ -48,6 +48,10 @@ class RunState:
     changed: bool = False  # rank 0: metrics the other ranks have not received
     outgoing: list[dict] = field(default_factory=list)  # rank 0: history entries the other ranks lack
 
+    def name_run(self, run_id: str | None) -> None:
+        """The run folder's id (rank 0's, on every rank)."""
+        self.run_id = run_id
+
     # ------------------------------------------------------------------ the history and the means
     def add(self, entry: dict, outgoing: bool = False) -> None:
         self.history = sorted([h for h in self.history if h["step"] != entry["step"]] + [entry],

@@ -39,6 +39,10 @@ class Checkpoints:
         self.duplicates: dict[int, list[str]] = {}  # step -> every entry naming it, when more than one does
         self.unread: list[str] = []  # torch files naming a step, not read without --state-key
 
+    def know(self, drafter: Drafter) -> None:
+        """The run's drafter, once known: every checkpoint must be its shape."""
+        self.drafter = drafter
+
     def step_of(self, name: str) -> int | None:
         if self.step_pattern is None:
             found = LAST_INTEGER.search(name)

@@ -128,7 +128,7 @@ class CheckpointWatcher:
         c = self.checkpoints
         if c.config is not None:
             given = f"--drafter-config {self.settings.drafter_config}"
-            c.drafter = Drafter(c.config, drafter_shapes(c.config), given)
+            c.know(Drafter(c.config, drafter_shapes(c.config), given))
         problems = []
         for step, source in sorted(c.find().items()):
             if c.unfinished(source) or (step in self.done and c.drafter is not None):
@@ -140,7 +140,7 @@ class CheckpointWatcher:
                     problems.append(str(e))
                 continue
             if c.drafter is None:
-                c.drafter = Drafter(config, dict(shapes), str(source / "config.json"))
+                c.know(Drafter(config, dict(shapes), str(source / "config.json")))
             problems += c.problems(source, config, shapes, weights)
         if problems:
             raise ValueError("checkpoints the watcher can not score:\n  " + "\n  ".join(problems))
@@ -172,7 +172,7 @@ class CheckpointWatcher:
             self.engine.run.update_about({"checkpoints": str(self.root.resolve()),
                                           "state_key": self.checkpoints.state_key})
             if self.settings.wandb_project is not None:
-                self.host.wandb_run = self.start_wandb()
+                self.host.use_wandb(self.start_wandb())
         except BaseException:
             self.close(ok=False)
             raise
@@ -228,7 +228,7 @@ class CheckpointWatcher:
         submitted = sorted(ready + deleted)
         for step in submitted:
             seen = self.seen[step]
-            self.host.latest = max(self.host.latest, step)
+            self.host.saw(step)
             self.engine.submit(Job(step, seen.fingerprint, folder=seen.source, read=partial(self.read, seen.source, step)))
             self.done.add(step)
         return len(submitted)
@@ -271,7 +271,7 @@ class CheckpointWatcher:
                 except Exception as e:
                     self.say_once(("unreadable", source), f"watch: {failure(source, e)}")
                     continue
-                c.drafter = Drafter(config, dict(shapes), str(source / "config.json"))
+                c.know(Drafter(config, dict(shapes), str(source / "config.json")))
                 break
             else:
                 return False
@@ -326,7 +326,7 @@ class CheckpointWatcher:
         finally:
             if self.host.wandb_run is not None:
                 self.host.wandb_run.finish(exit_code=0 if ok else 1)
-                self.host.wandb_run = None
+                self.host.use_wandb(None)
 
 
 def run_watch_checkpoints(settings: WatchSettings) -> int:

@@ -16,6 +16,14 @@ class WatchHost(Host):
         self.max_steps, self.latest = max_steps, 0
         self.wandb_run = None
 
+    def saw(self, step: int) -> None:
+        """A checkpoint of `step` was submitted."""
+        self.latest = max(self.latest, step)
+
+    def use_wandb(self, run) -> None:
+        """The W&B run the reports go to (None: none any more)."""
+        self.wandb_run = run
+
     def loggers(self) -> list[Logger]:
         return []
 
