@@ -11,11 +11,12 @@ disk for a resume."""
 
 from __future__ import annotations
 
-import inspect
 import os
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from typing_extensions import Unpack
 
 import torch
 from torch import nn
@@ -24,13 +25,15 @@ from .checks import check_int, is_int
 from .engine.drafters import (
     check_drafter_config, drafter_config_of, optimizer_problems, refuse_collective_wrappers, unwrap,
 )
-from .engine.evaluator import EvalEngine
-from .engine.host import ActiveWandb, Host, TorchDistributed, as_loggers, log_functions
-from .engine.stop import StopPolicy
-from .engine.view import EngineView, stop_policies
+from .engine.eval_engine import EvalEngine
+from .engine.host import Host, TorchDistributed
+from .engine.trackers.log_functions import as_loggers, log_functions
+from .engine.trackers.wandb import ActiveWandb
+from .engine.stop import StopPolicy, stop_policies
+from .engine.adapter import EvalAdapter
 from .model import DrafterConfig
 from .scoring.service import PreflightError
-from .settings import EvalSettings, built, describe, signature
+from .settings import EvalFields, EvalSettings, eval_settings
 
 
 class LoopHost(Host):
@@ -58,13 +61,17 @@ class LoopHost(Host):
             else None
 
 
-class DrafterEvaluator(EngineView):
-    __doc__ = f"""Snapshot the drafter every `every_n_steps` steps of a plain loop and score it in the background.
+class DrafterEvaluator(EvalAdapter):
+    """Snapshot the drafter every `every_n_steps` steps of a plain loop and score it in the background.
 
-    Takes an `EvalSettings` or its fields as keywords (cache, target, baseline also by position), and:
+    Takes an `EvalSettings` (`settings=`) or its fields, and:
 
     Args:
-{describe(EvalSettings)}
+        cache, target, baseline: the hidden-state cache, the target's folder and the baseline (a drafter folder
+            or a saved report); by position or by name.
+        settings: an `EvalSettings` instead of its fields.
+        **fields: any other field of `EvalSettings` (every_n_steps, scoring, runner, ...: `EvalFields`;
+            docs/configuration.md lists each with its default).
         stop: a TrailingBaselineStop (any `StopPolicy`), or a list of them: `step()` returns True once one decides.
         drafter_config: a DrafterConfig or config.json path, when the drafter has none at `.config`.
         max_steps: the loop's last step, when known: the stop's projection horizon; a report of that step
@@ -77,10 +84,13 @@ class DrafterEvaluator(EngineView):
     `should_stop`, `stop_reason`; on rank 0 also `reports`, `baseline_report`, `run`.
     """
 
-    def __init__(self, *args: Any, stop: StopPolicy | Sequence[StopPolicy] | None = None,
-                 drafter_config: DrafterConfig | str | os.PathLike | None = None, max_steps: int | None = None,
-                 log: Callable | Sequence[Callable] | None = None, wandb: Any = None, **fields: Any):
-        self.engine = EvalEngine(built(EvalSettings, args, fields, type(self).__name__))
+    def __init__(self, cache: str | os.PathLike[str] | None = None, target: str | os.PathLike[str] | None = None,
+                 baseline: str | os.PathLike[str] | None = None, *, settings: EvalSettings | None = None,
+                 stop: StopPolicy | Sequence[StopPolicy] | None = None,
+                 drafter_config: DrafterConfig | str | os.PathLike[str] | None = None, max_steps: int | None = None,
+                 log: Callable | Sequence[Callable] | None = None, wandb: Any = None, **fields: Unpack[EvalFields]):
+        given = {"cache": cache, "target": target, "baseline": baseline}
+        self.engine = EvalEngine(eval_settings(settings, given, fields, type(self).__name__))
         for policy in stop_policies(stop):
             self.engine.add_stop(policy)  # its monitor must be scored: checked now
         self.drafter_config = check_drafter_config(drafter_config)
@@ -92,10 +102,6 @@ class DrafterEvaluator(EngineView):
         self._updates = self._updates_at_last_step = 0  # optimizer steps seen by the post-hook, and at the last step()
         self._closed = False
 
-    __init__.__signature__ = signature(EvalSettings, last=[inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
-                                                                             default=None)
-                                                           for name in ("stop", "drafter_config", "max_steps", "log",
-                                                                        "wandb")])
 
     # ------------------------------------------------------------------ before training
     def attach(self, drafter: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> None:
@@ -154,7 +160,7 @@ class DrafterEvaluator(EngineView):
                           UserWarning, stacklevel=2)
         self._updates_at_last_step, self.last_step = self._updates, step
         self.engine.on_step(step, 0, self._drafter)
-        return self.engine.should_stop
+        return self.engine.state.should_stop
 
     def sync(self) -> None:
         """Wait for a snapshot's copy to land: call it before writing the weights other than through the

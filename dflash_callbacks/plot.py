@@ -140,8 +140,8 @@ def replay_stop(reports: Sequence[EvalReport], baseline: EvalReport, stop: StopP
     history = []
     for report in sorted(reports, key=lambda r: r.step):
         history.append({"step": report.step, "mean": report.mean, "versus": report.extra.get("versus_baseline")})
-        stop.load_history(history)
-        decision = stop.decide(stop.history, base, max_steps, stop.bounds)
+        points, bounds = stop.series(history)
+        decision = stop.decide(points, base, max_steps, bounds)
         if decision.stop:
             return report.step, decision.reason
     return None, None

@@ -20,7 +20,7 @@ from transformers import EarlyStoppingCallback, TrainerCallback
 
 from dflash_callbacks import TrailingBaselineStop
 from dflash_callbacks.engine.run_folder import RunFolder
-from dflash_callbacks.engine.runners import SnapshotOutcome
+from dflash_callbacks.engine.runners.jobs import SnapshotOutcome
 from dflash_callbacks.hf import DrafterEvalTrainerCallback
 from dflash_callbacks.scoring.service import PreflightError, ScoringService, ServiceSpec
 

@@ -16,7 +16,8 @@ from torch import nn
 from ..model import DrafterConfig
 from ..settings import EvalSettings
 from .host import Host
-from .runners import BackgroundRunner, Job
+from .runners.background import BackgroundRunner
+from .runners.jobs import Job
 from .snapshot import StagingPool, capture, is_sharded
 
 
@@ -25,11 +26,11 @@ def should_snapshot(step: int, every_n_steps: int) -> bool:
 
 
 class Schedule:
-    def __init__(self, settings: EvalSettings, config: DrafterConfig, shapes: Mapping[str, tuple[int, ...]]):
+    def __init__(self, settings: EvalSettings, config: DrafterConfig, shapes: Mapping[str, tuple[int, ...]],
+                 taken: set[int] | None = None):
         self.settings, self.config, self.shapes = settings, config, dict(shapes)
-        self.taken: set[int] = set()  # steps snapshotted (or recovered): never taken again
+        self.taken: set[int] = set(taken or ())  # steps snapshotted (or recovered): never taken again
         self.last_taken: int | None = None
-        self.skipped = 0
         self.pool: StagingPool | None = None
         self.staging = None  # the snapshot whose copy may still be landing
 
@@ -42,16 +43,20 @@ class Schedule:
         pin = any(t.is_cuda for t in state.values())
         threading.Thread(target=self.pool.allocate, args=(state, pin), name="dflash-staging", daemon=True).start()
 
-    def skip(self, step: int, force: bool, host: Host, runner: BackgroundRunner | None) -> bool:
-        """Rank 0's decision not to snapshot `step`: no runner, a step already taken, or (unless `force`) a
-        runner as busy as `busy` allows. Other ranks say skip (they learn rank 0's when it matters)."""
+    def mark_taken(self, step: int) -> None:
+        """`step` is scored from elsewhere (a watcher's checkpoint): never snapshotted here."""
+        self.taken.add(step)
+
+    def skip(self, step: int, force: bool, host: Host, runner: BackgroundRunner | None) -> tuple[bool, bool]:
+        """Rank 0's decision not to snapshot `step` (no runner, a step already taken, or, unless `force`, a
+        runner as busy as `busy` allows), and whether it is skipped for being busy (a skipped snapshot, for
+        the run's count). Other ranks say skip (they learn rank 0's when it matters)."""
         if host.rank != 0 or runner is None or step in self.taken:
-            return True
+            return True, False
         limit = 1 if self.settings.busy == "skip" else self.settings.max_pending
         if not force and runner.pending >= limit:
-            self.skipped += 1
-            return True
-        return False
+            return True, True
+        return False, False
 
     def take(self, step: int, epoch: int, drafter: nn.Module, skip: bool, sharded: bool, host: Host,
              runner: BackgroundRunner, failed: Callable[[int, str], None]) -> None:

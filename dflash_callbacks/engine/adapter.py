@@ -1,19 +1,18 @@
-"""What every adapter shows of its engine, under one set of names (`EngineView`), and the `stop=`
-argument the plain-loop and transformers adapters take."""
+"""`EvalAdapter`: what every adapter (Lightning, the plain loop, the transformers Trainer) shows of its
+engine, under one set of names, read-only."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from ..scoring.report import EvalReport
 from ..settings import EvalSettings
-from .evaluator import EvalEngine
-from .publish import Subscriber
+from .eval_engine import EvalEngine
+from .publisher import Subscriber
 from .run_folder import RunFolder
-from .stop import StopPolicy
 
 
-class EngineView:
+class EvalAdapter:
     """The engine's state as an adapter's attributes (`self.engine`)."""
 
     engine: EvalEngine
@@ -46,12 +45,12 @@ class EngineView:
 
     @property
     def skipped(self) -> int:
-        return self.engine.skipped
+        return self.engine.state.skipped
 
     @property
     def reports(self) -> list[EvalReport]:
         """The reports published by this process (rank 0), in arrival order."""
-        return self.engine.reports.reports
+        return self.engine.publisher.reports
 
     @property
     def baseline_report(self) -> EvalReport | None:
@@ -68,12 +67,12 @@ class EngineView:
     @property
     def should_stop(self) -> bool:
         """Whether a stop has reached this rank."""
-        return self.engine.should_stop
+        return self.engine.state.should_stop
 
     @property
     def stop_reason(self) -> str | None:
         """Why a stop stopped training (or would have), None before."""
-        return next((p.stop_reason for p in self.engine.stops.policies if p.stop_reason), None)
+        return self.engine.state.stop_reason
 
     def subscribe(self, fn: Subscriber) -> Callable[[], None]:
         """Call `fn(report, baseline)` on the training thread of rank 0 for every new report; returns a
@@ -83,15 +82,3 @@ class EngineView:
     def state_dict(self) -> dict:
         """Primitives only, the same on every rank: put it in your checkpoint."""
         return self.engine.state_dict()
-
-
-def stop_policies(stop: StopPolicy | Sequence[StopPolicy] | type | None) -> list[StopPolicy]:
-    """`stop=` of the plain-loop and transformers adapters, as a list (TypeError for anything else)."""
-    if isinstance(stop, type):
-        raise TypeError(f"stop={stop.__name__} is a class: give an instance, e.g. stop={stop.__name__}(monitor="
-                        "'ddtree@8/live')")
-    stops = [] if stop is None else [stop] if isinstance(stop, StopPolicy) else list(stop)
-    if not all(isinstance(s, StopPolicy) for s in stops):
-        raise TypeError("stop must be a TrailingBaselineStop (a StopPolicy), a list of them, or None; got "
-                        f"{[type(s).__name__ for s in stops if not isinstance(s, StopPolicy)]}")
-    return stops

@@ -14,9 +14,9 @@ from ..scoring.report import EvalReport
 from ..scoring.service import default_baseline_cache_dir
 from ..settings import EvalSettings
 from .host import Host
-from .metrics import history_entry
+from .run_state import history_entry
 from .run_folder import RunFolder, new_run_id
-from .runners import Job, SnapshotOutcome
+from .runners.jobs import Job, SnapshotOutcome
 
 
 def basis_changes(basis: Basis, run: RunFolder, recorded: dict | None = None) -> list[str]:
