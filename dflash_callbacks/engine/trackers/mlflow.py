@@ -1,0 +1,158 @@
+"""MLflow as a destination of a run's reports: `MlflowTracker(tracking_uri, experiment, run_id=None)` (the
+watchers' `--mlflow-uri URI --mlflow-experiment NAME [--mlflow-run-id ID]`; the `mlflow` extra).
+
+It talks through an `MlflowClient` of its own: no active run is set, so the fluent API of the
+program (and of its other threads) sees nothing of it. With `run_id` it attaches to that run (and
+leaves it as it found it); without, it makes a run in `experiment` (made if missing) at its first
+write and ends it at `close()`. Nothing reaches the server before the first write, so a server down
+at the start costs reports only what a server down later does: the delivery keeps them.
+
+- metrics: one `log_batch` per 1000 keys at the snapshot's step; a key MLflow refuses a character
+  of (it takes letters, digits, `_ - . : / ` and space) has it written `_` (`ddtree@4` is
+  `ddtree_4`, as the Trainer's MLflowCallback writes its own). A report sent again carries the
+  timestamps of its first try: the server keeps one copy of what reached it twice.
+- the per-task table: `log_table`, artifact `NAME/step_STEP.json` (one file per report: sending it
+  again writes the same file).
+- the plot: artifact `NAME.png`.
+
+Each request is bounded (`timeout_s`, `retries`) unless the program set MLFLOW_HTTP_REQUEST_TIMEOUT or
+MLFLOW_HTTP_REQUEST_MAX_RETRIES itself: MLflow's own default retries a dead server for minutes, on the
+training thread. MLflow reads those settings from the environment only, so they are set for the
+length of each call of this tracker (a request of another thread in that moment gets them too)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from .optional import require
+
+BATCH = 1000  # MLflow's most metrics per log_batch
+_ILLEGAL = re.compile(r"[^0-9A-Za-z_\-. :/]")
+_ENV_LOCK = threading.Lock()
+
+
+def mlflow_name(key: str) -> str:
+    """A logged key as MLflow takes it: every character it refuses written `_`."""
+    return _ILLEGAL.sub("_", key)
+
+
+def mlflow_names(keys) -> dict[str, str]:
+    """{key: its MLflow name}; ValueError when two keys would have the same name."""
+    names: dict[str, str] = {}
+    for key in keys:
+        names[key] = mlflow_name(key)
+    if len(set(names.values())) < len(names):
+        seen: dict[str, str] = {}
+        for key, name in names.items():
+            if name in seen:
+                raise ValueError(f"the keys {seen[name]!r} and {key!r} are both {name!r} in MLflow (which refuses "
+                                 "their other characters): rename a task or the prefix")
+            seen[name] = key
+    return names
+
+
+@contextmanager
+def bounded_requests(timeout_s: float, retries: int):
+    """MLflow's HTTP timeout and retries for the length of one call (the program's own settings win)."""
+    settings = {"MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, round(timeout_s))),
+                "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(retries), "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
+    with _ENV_LOCK:
+        if "MLFLOW_HTTP_REQUEST_TIMEOUT" in os.environ or "MLFLOW_HTTP_REQUEST_MAX_RETRIES" in os.environ:
+            yield
+            return
+        try:
+            os.environ.update(settings)
+            yield
+        finally:
+            for name in settings:
+                os.environ.pop(name, None)
+
+
+class MlflowTracker:
+    """The reports of this run in an MLflow run at `tracking_uri` (`http://host:port`, `sqlite:///...`,
+    a folder...): the run `run_id` when given, else a new run of `experiment`."""
+
+    name = "mlflow"
+
+    def __init__(self, tracking_uri: str, experiment: str | None = None, run_id: str | None = None, *,
+                 run_name: str | None = None, timeout_s: float = 10.0, retries: int = 1):
+        for label, value in (("tracking_uri", tracking_uri), ("experiment", experiment), ("run_id", run_id),
+                             ("run_name", run_name)):
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{label} must be a non-empty string or None, got {value!r}")
+        if tracking_uri is None:
+            raise ValueError("tracking_uri is required (--mlflow-uri): http://host:port, sqlite:///path or a folder")
+        if experiment is None and run_id is None:
+            raise ValueError("MLflow needs an experiment to make the run in (--mlflow-experiment NAME) or a run to "
+                             "attach to (--mlflow-run-id ID)")
+        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0) or not (isinstance(retries, int) and retries >= 0):
+            raise ValueError(f"timeout_s must be > 0 and retries an int >= 0, got {timeout_s!r} and {retries!r}")
+        tracking = require("mlflow.tracking", "mlflow", "mlflow")
+        require("pandas", "mlflow", "mlflow")  # log_table writes through pandas
+        self._entities = require("mlflow.entities", "mlflow", "mlflow")
+        self.client = tracking.MlflowClient(tracking_uri=tracking_uri)
+        self.tracking_uri, self.experiment, self.run_name = tracking_uri, experiment, run_name
+        self.timeout_s, self.retries = float(timeout_s), retries
+        self.run_id = run_id
+        self._attached = run_id is not None  # a run of the user's: never ended here
+        self._checked = False
+        self._stamps: dict[tuple[str, int], int] = {}  # (what, step) -> the timestamp of its first try
+
+    def _run(self) -> str:
+        """The run's id: the one given (checked once to exist, in `experiment` when named) or, at the
+        first write, a new run of `experiment`."""
+        if self._checked:
+            return self.run_id
+        if self.run_id is not None:
+            run = self.client.get_run(self.run_id)
+            if self.experiment is not None:
+                found = self.client.get_experiment(run.info.experiment_id)
+                if found.name != self.experiment:
+                    raise ValueError(f"the MLflow run {self.run_id} is in the experiment {found.name!r}, "
+                                     f"not {self.experiment!r}")
+        else:
+            found = self.client.get_experiment_by_name(self.experiment)
+            experiment_id = found.experiment_id if found is not None else self.client.create_experiment(self.experiment)
+            self.run_id = self.client.create_run(experiment_id, run_name=self.run_name).info.run_id
+        self._checked = True
+        return self.run_id
+
+    def _stamp(self, what: str, step: int) -> int:
+        return self._stamps.setdefault((what, step), int(time.time() * 1000))
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        names = mlflow_names(metrics)
+        stamp = self._stamp("metrics", int(step))
+        batch = [self._entities.Metric(names[k], float(v), stamp, int(step)) for k, v in metrics.items()]
+        with bounded_requests(self.timeout_s, self.retries):
+            run_id = self._run()
+            for start in range(0, len(batch), BATCH):
+                self.client.log_batch(run_id, metrics=batch[start:start + BATCH], synchronous=True)
+        self._stamps.pop(("metrics", int(step)), None)
+
+    def log_table(self, name: str, columns: Sequence[str], rows: Sequence[Sequence[object]], step: int) -> None:
+        data = {str(c): [row[i] for row in rows] for i, c in enumerate(columns)}
+        with bounded_requests(self.timeout_s, self.retries):
+            self.client.log_table(self._run(), data=data, artifact_file=f"{name}/step_{int(step)}.json")
+
+    def log_image(self, name: str, path: Path) -> None:
+        folder, _, stem = name.rpartition("/")
+        with tempfile.TemporaryDirectory() as tmp:
+            copy = Path(tmp) / f"{stem}.png"
+            shutil.copyfile(path, copy)
+            with bounded_requests(self.timeout_s, self.retries):
+                self.client.log_artifact(self._run(), os.fspath(copy), artifact_path=folder or None)
+
+    def close(self) -> None:
+        """Ends the run this tracker made (a run it attached to is left running)."""
+        if self._checked and not self._attached:
+            with bounded_requests(self.timeout_s, self.retries):
+                self.client.set_terminated(self.run_id)

@@ -1,0 +1,35 @@
+"""Reports as the publisher hands them to the trackers: the keys of `publish.report_metrics` and
+`interval_metrics`, and the per-task table of `scoring.table.comparison`, of reports made by hand (two
+tasks, one with a dot in its name; vanilla and ddtree@4, whose '@' MLflow refuses) at the steps given."""
+
+from __future__ import annotations
+
+from dflash_callbacks.engine.publish import report_metrics
+from dflash_callbacks.engine.trackers.delivery import Table
+from dflash_callbacks.scoring.intervals import interval_metrics
+from dflash_callbacks.scoring.report import EvalReport
+from dflash_callbacks.scoring.table import comparison
+
+TASKS, METHODS = ("gsm8k", "py3.11"), ("vanilla", "ddtree@4")
+
+
+def made_report(step: int) -> EvalReport:
+    """A report whose every number moves with the step."""
+    value = {(t, m): 1.5 + 0.01 * step + 0.3 * i + 0.7 * j for i, t in enumerate(TASKS) for j, m in enumerate(METHODS)}
+    tasks = {t: {m: {"dense": value[t, m] + 0.2, "live": value[t, m], "curve": [1.0, 0.5]} for m in METHODS} for t in TASKS}
+    mean = {m: {a: sum(tasks[t][m][a] for t in TASKS) / len(TASKS) for a in ("dense", "live")} for m in METHODS}
+    spread = lambda x: [round(x - 0.1, 6), round(x + 0.1, 6)]  # noqa: E731
+    intervals = {"confidence": 0.95, "resamples": 100, "seed": 0,
+                 "mean": {m: {a: spread(mean[m][a]) for a in mean[m]} for m in METHODS},
+                 "tasks": {t: {m: {a: spread(tasks[t][m][a]) for a in ("dense", "live")} for m in METHODS} for t in TASKS}}
+    return EvalReport(drafter="made", cache={"path": "c", "fingerprint": "f"}, block_size=4, tasks=tasks, step=step,
+                      intervals=intervals)
+
+
+def report_payload(step: int, prefix: str = "dflash") -> tuple[dict[str, float], Table]:
+    """(the keys logged, the table) of the made report of `step`."""
+    report = made_report(step)
+    metrics = {**report_metrics(prefix, report, None), **interval_metrics(prefix, report),
+               f"{prefix}/step": float(step), f"{prefix}/errors": 0.0}
+    columns, rows = comparison(report)
+    return metrics, Table(f"{prefix}/live_table", columns, [[r[0], *(round(x, 4) for x in r[1:])] for r in rows])
