@@ -1,8 +1,11 @@
 """Reports as the publisher hands them to the trackers: the keys of `publish.report_metrics` and
 `interval_metrics`, and the per-task table of `scoring.table.comparison`, of reports made by hand (two
-tasks, one with a dot in its name; vanilla and ddtree@4, whose '@' MLflow refuses) at the steps given."""
+tasks, one with a dot in its name; vanilla and ddtree@4, whose '@' MLflow refuses) at the steps given;
+a real PNG plot; TensorBoard's event files read back with its own `EventAccumulator`."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from dflash_callbacks.engine.publish import report_metrics
 from dflash_callbacks.engine.trackers.delivery import Table
@@ -33,3 +36,30 @@ def report_payload(step: int, prefix: str = "dflash") -> tuple[dict[str, float],
                f"{prefix}/step": float(step), f"{prefix}/errors": 0.0}
     columns, rows = comparison(report)
     return metrics, Table(f"{prefix}/live_table", columns, [[r[0], *(round(x, 4) for x in r[1:])] for r in rows])
+
+
+def make_plot(path: Path) -> Path:
+    """A real PNG plot, 300 x 200 pixels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(3, 2), dpi=100)
+    plt.plot([0, 1], [1, 0])
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def read_events(folder: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0, "tensors": 0, "images": 0})
+    events.Reload()
+    return events
+
+
+def scalars(events) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value)]} of every scalar in the event files."""
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}

@@ -1,0 +1,227 @@
+"""MLflow as a destination of the reports (`engine/trackers/mlflow.py`), against a real tracking server on
+127.0.0.1 (`mlflow server`, sqlite backend, started once for the file), read back with `MlflowClient`:
+every key at every step with the value sent, the table and the plot as artifacts, no active run left to
+the program; a run attached to by id is left as found; a server that is down from the start, or killed
+mid-run and brought back on its backend, loses nothing (the summary says what it missed, or that it got
+it all in the end). And the transformers Trainer's own integrations (`report_to=["tensorboard", "mlflow"]`)
+as trackers, on a real Trainer run: our keys at our steps in its TensorBoard folder and its MLflow run,
+beside the Trainer's own, without a row of ours in its log history."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import mlflow
+import numpy as np
+import pytest
+from mlflow import MlflowClient
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from dflash_callbacks.engine.trackers.delivery import Delivery
+from dflash_callbacks.engine.trackers.mlflow import MlflowTracker, mlflow_name
+from dflash_callbacks.engine.trackers.trainer_integrations import trainer_trackers
+
+from loops import LR, DrafterModel, Sequences, one
+from mlflow_server import MlflowServer, free_port
+from tracker_reports import make_plot, read_events, report_payload, scalars
+from train_run import shared_world, world_paths
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory) -> MlflowServer:
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
+    server.start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture(scope="module")
+def plot(tmp_path_factory) -> Path:
+    return make_plot(tmp_path_factory.mktemp("plot") / "plot.png")
+
+
+@pytest.fixture
+def live(server) -> MlflowServer:
+    """The server, running (a test that killed it and failed midway leaves it down)."""
+    if not server.running():
+        server.start()
+    return server
+
+
+def experiment() -> str:
+    return f"exp-{uuid.uuid4().hex[:8]}"
+
+
+def history(client: MlflowClient, run_id: str, steps) -> tuple[dict, dict]:
+    """(what the run holds, what was sent): {MLflow name: [(step, value)]} of every key of the reports."""
+    sent: dict[str, list] = {}
+    for step in steps:
+        for key, value in report_payload(step)[0].items():
+            sent.setdefault(mlflow_name(key), []).append((step, value))
+    held = {name: sorted((m.step, m.value) for m in client.get_metric_history(run_id, name)) for name in sent}
+    return held, sent
+
+
+def test_every_key_and_step_reads_back_from_the_server_and_no_run_is_left_active(live, tmp_path, plot):
+    name = experiment()
+    tracker = MlflowTracker(live.url, name, run_name="watch")
+    delivery = Delivery([tracker], pytest.fail)
+    for step in (2, 4, 6):
+        delivery.send(step, *report_payload(step))
+    delivery.send_image("dflash/plot", plot)
+    assert mlflow.active_run() is None  # the program's fluent API sees no run of ours
+    assert delivery.finish() == []
+    client = MlflowClient(live.url)
+    (run,) = client.search_runs([client.get_experiment_by_name(name).experiment_id])
+    assert run.info.run_id == tracker.run_id and run.info.run_name == "watch" and run.info.status == "FINISHED"
+    held, sent = history(client, tracker.run_id, (2, 4, 6))
+    assert held == sent and "dflash/ddtree_4/live/py3.11" in held  # '@' is '_' in MLflow; the dot stays
+    assert set(run.data.metrics) == set(sent)  # no other key
+    for step in (2, 4, 6):
+        path = client.download_artifacts(tracker.run_id, f"dflash/live_table/step_{step}.json", str(tmp_path))
+        table = report_payload(step)[1]
+        assert json.loads(Path(path).read_text()) == {"columns": table.columns, "data": table.rows}
+    image = client.download_artifacts(tracker.run_id, "dflash/plot.png", str(tmp_path))
+    assert Path(image).read_bytes() == plot.read_bytes()
+
+
+def test_a_run_attached_to_by_id_gets_the_reports_and_is_left_running(live):
+    client = MlflowClient(live.url)
+    name = experiment()
+    run_id = client.create_run(client.create_experiment(name)).info.run_id
+    delivery = Delivery([MlflowTracker(live.url, name, run_id=run_id)], pytest.fail)
+    for step in (3, 6):
+        delivery.send(step, *report_payload(step))
+    assert delivery.finish() == []
+    held, sent = history(client, run_id, (3, 6))
+    assert held == sent and client.get_run(run_id).info.status == "RUNNING"
+
+    other = client.create_run(client.create_experiment(experiment())).info.run_id
+    warnings: list[str] = []
+    delivery = Delivery([MlflowTracker(live.url, name, run_id=other)], warnings.append)
+    delivery.send(3, *report_payload(3))
+    assert warnings[0].startswith(f"mlflow: step 3 not sent (ValueError: the MLflow run {other} is in the experiment")
+    assert delivery.finish()[0].startswith("mlflow: 2 error(s); it lacks the reports of steps 3")
+    assert client.get_run(other).data.metrics == {}
+
+
+def test_a_server_killed_mid_run_loses_nothing_once_it_is_back(live):
+    """Steps 2 and 4 reach the server; it is killed (SIGKILL): step 6 is a warning and an error, quickly;
+    brought back on the same backend, step 8 brings 6 first: every key at every step, once."""
+    name = experiment()
+    tracker = MlflowTracker(live.url, name)
+    warnings: list[str] = []
+    delivery = Delivery([tracker], warnings.append)
+    for step in (2, 4):
+        delivery.send(step, *report_payload(step))
+    live.kill()
+    delivery.send(6, *report_payload(6))
+    assert delivery.errors == {"mlflow": 1} and "Connection refused" in warnings[0]
+    live.start()
+    delivery.send(8, *report_payload(8))
+    assert warnings[1:] == ["mlflow is back: sent the 2 item(s) it had missed (steps 6)"]
+    assert delivery.finish() == ["mlflow: 1 error(s); every report reached it in the end"]
+    client = MlflowClient(live.url)
+    held, sent = history(client, tracker.run_id, (2, 4, 6, 8))
+    assert held == sent
+    tables = [a.path for a in client.list_artifacts(tracker.run_id, "dflash/live_table")]
+    assert tables == [f"dflash/live_table/step_{s}.json" for s in (2, 4, 6, 8)]
+
+
+def test_a_server_that_never_answers_is_named_with_every_step_it_lacks():
+    """Nothing listens at the address: each report is a warning and an error, none waits MLflow's own
+    minutes of retries, and the summary names every step."""
+    delivery = Delivery([MlflowTracker(f"http://127.0.0.1:{free_port()}", "never")], lambda _: None)
+    for step in (2, 4, 6):
+        delivery.send(step, *report_payload(step))
+    assert delivery.finish() == ["mlflow: 4 error(s); it lacks the reports of steps 2, 4, 6 and the tables of "
+                                 "steps 2, 4, 6 (results.jsonl has them)"]
+
+
+def test_wrong_arguments_are_refused():
+    with pytest.raises(ValueError, match="needs an experiment to make the run in"):
+        MlflowTracker("http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="tracking_uri is required"):
+        MlflowTracker(None, "x")
+    with pytest.raises(ValueError, match="experiment must be a non-empty string"):
+        MlflowTracker("http://127.0.0.1:1", "")
+    with pytest.raises(ValueError, match="are both 'dflash/a_b' in MLflow"):
+        MlflowTracker("http://127.0.0.1:1", "x").log_metrics({"dflash/a@b": 1.0, "dflash/a_b": 2.0}, 1)
+
+
+# ---------------------------------------------------------------- the transformers Trainer's integrations
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> SimpleNamespace:
+    path = shared_world(tmp_path_factory.getbasetemp() / "reliability-world")
+    return SimpleNamespace(path=path, **world_paths(path))
+
+
+class Reports(TrainerCallback):
+    """After the integrations (as ours is): the made reports of steps 2 and 4 at the end of those steps,
+    and that of the last step in on_train_end, after the integrations let go of their writer and run."""
+
+    def __init__(self, trainer_box: list):
+        self.trainer_box, self.warnings = trainer_box, []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trackers = trainer_trackers(self.trainer_box[0].callback_handler)
+        self.delivery = Delivery(self.trackers, self.warnings.append)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step in (2, 4):
+            self.delivery.send(state.global_step, *report_payload(state.global_step))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.delivery.send(state.global_step, *report_payload(state.global_step))
+        self.lines = self.delivery.finish()
+
+
+def trainer(world, out: Path, report_to: list[str], callbacks: list) -> Trainer:
+    args = TrainingArguments(output_dir=str(out), max_steps=5, per_device_train_batch_size=1, learning_rate=LR,
+                             logging_steps=1, report_to=report_to, save_strategy="no", use_cpu=True,
+                             remove_unused_columns=False, disable_tqdm=True, dataloader_num_workers=0)
+    return Trainer(model=DrafterModel(world.config, world.target), args=args,
+                   train_dataset=Sequences(world.cache, 20), data_collator=one, callbacks=callbacks)
+
+
+def test_the_trainers_tensorboard_and_mlflow_get_our_keys_at_our_steps_beside_their_own(world, live, tmp_path,
+                                                                                      monkeypatch):
+    name = experiment()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", live.url)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", name)
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    box: list = []
+    reports = Reports(box)
+    box.append(trainer(world, tmp_path / "out", ["tensorboard", "mlflow"], [reports]))
+    box[0].train()
+    assert [t.name for t in reports.trackers] == ["tensorboard", "mlflow"]
+    assert reports.warnings == [] and reports.lines == []
+
+    rows = box[0].state.log_history  # the Trainer's own rows only: one per step, then its summary
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5] and len(rows) == 6
+    assert not any(k.startswith("dflash/") for r in rows for k in r)
+
+    ours = {k: [(s, float(np.float32(report_payload(s)[0][k]))) for s in (2, 4, 5)] for k in report_payload(2)[0]}
+    logged = scalars(read_events(tmp_path / "tb"))
+    assert {k: v for k, v in logged.items() if k.startswith("dflash/")} == ours
+    assert [s for s, _ in logged["train/loss"]] == [1, 2, 3, 4, 5]
+
+    client = MlflowClient(live.url)
+    (run,) = client.search_runs([client.get_experiment_by_name(name).experiment_id])  # no second run
+    held, sent = history(client, run.info.run_id, (2, 4, 5))
+    assert held == sent
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3, 4, 5]
+
+
+def test_only_the_integrations_report_to_names_become_trackers(world, tmp_path):
+    """Built, not trained: report_to=["tensorboard"] is the TensorBoard tracker alone, "none" is none."""
+    assert [t.name for t in trainer_trackers(trainer(world, tmp_path / "a", ["tensorboard"], []).callback_handler)] \
+        == ["tensorboard"]
+    assert trainer_trackers(trainer(world, tmp_path / "b", [], []).callback_handler) == []
+    with pytest.raises(TypeError, match="takes a Trainer's callback_handler"):
+        trainer_trackers(object())
