@@ -22,7 +22,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from dflash_callbacks.engine.trackers.delivery import Delivery
 from dflash_callbacks.engine.trackers.mlflow import MlflowTracker, mlflow_name
-from dflash_callbacks.engine.trackers.trainer_integrations import trainer_trackers
+from dflash_callbacks.engine.trackers.trainer_integrations import calling_handler, trainer_trackers
 
 from loops import LR, DrafterModel, Sequences, one
 from mlflow_server import MlflowServer, free_port
@@ -163,13 +163,15 @@ def world(tmp_path_factory) -> SimpleNamespace:
 
 class Reports(TrainerCallback):
     """After the integrations (as ours is): the made reports of steps 2 and 4 at the end of those steps,
-    and that of the last step in on_train_end, after the integrations let go of their writer and run."""
+    and that of the last step in on_train_end, after the integrations let go of their writer and run. The
+    trackers come from the handler that runs on_train_begin, found as the eval callback finds it."""
 
-    def __init__(self, trainer_box: list):
-        self.trainer_box, self.warnings = trainer_box, []
+    def __init__(self, plot: Path):
+        self.plot, self.warnings = plot, []
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.trackers = trainer_trackers(self.trainer_box[0].callback_handler)
+        self.handler = calling_handler()
+        self.trackers = trainer_trackers(self.handler)
         self.delivery = Delivery(self.trackers, self.warnings.append)
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -178,6 +180,7 @@ class Reports(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.delivery.send(state.global_step, *report_payload(state.global_step))
+        self.delivery.send_image("dflash/plot", self.plot)
         self.lines = self.delivery.finish()
 
 
@@ -190,32 +193,38 @@ def trainer(world, out: Path, report_to: list[str], callbacks: list) -> Trainer:
 
 
 def test_the_trainers_tensorboard_and_mlflow_get_our_keys_at_our_steps_beside_their_own(world, live, tmp_path,
-                                                                                      monkeypatch):
+                                                                                      monkeypatch, plot):
     name = experiment()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", live.url)
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", name)
     monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
-    box: list = []
-    reports = Reports(box)
-    box.append(trainer(world, tmp_path / "out", ["tensorboard", "mlflow"], [reports]))
-    box[0].train()
+    reports = Reports(plot)
+    run = trainer(world, tmp_path / "out", ["tensorboard", "mlflow"], [reports])
+    run.train()
+    assert reports.handler is run.callback_handler
     assert [t.name for t in reports.trackers] == ["tensorboard", "mlflow"]
     assert reports.warnings == [] and reports.lines == []
 
-    rows = box[0].state.log_history  # the Trainer's own rows only: one per step, then its summary
+    rows = run.state.log_history  # the Trainer's own rows only: one per step, then its summary
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5] and len(rows) == 6
     assert not any(k.startswith("dflash/") for r in rows for k in r)
 
     ours = {k: [(s, float(np.float32(report_payload(s)[0][k]))) for s in (2, 4, 5)] for k in report_payload(2)[0]}
-    logged = scalars(read_events(tmp_path / "tb"))
+    events = read_events(tmp_path / "tb")
+    logged = scalars(events)
     assert {k: v for k, v in logged.items() if k.startswith("dflash/")} == ours
     assert [s for s, _ in logged["train/loss"]] == [1, 2, 3, 4, 5]
+    assert [t.step for t in events.Tensors("dflash/live_table/text_summary")] == [2, 4, 5]
+    assert [i.step for i in events.Images("dflash/plot")] == [5]
 
     client = MlflowClient(live.url)
     (run,) = client.search_runs([client.get_experiment_by_name(name).experiment_id])  # no second run
     held, sent = history(client, run.info.run_id, (2, 4, 5))
     assert held == sent
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3, 4, 5]
+    assert client.download_artifacts(run.info.run_id, "dflash/plot.png", str(tmp_path / "got"))
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "dflash/live_table")] == [
+        f"dflash/live_table/step_{s}.json" for s in (2, 4, 5)]
 
 
 def test_only_the_integrations_report_to_names_become_trackers(world, tmp_path):
@@ -225,3 +234,5 @@ def test_only_the_integrations_report_to_names_become_trackers(world, tmp_path):
     assert trainer_trackers(trainer(world, tmp_path / "b", [], []).callback_handler) == []
     with pytest.raises(TypeError, match="takes a Trainer's callback_handler"):
         trainer_trackers(object())
+    with pytest.raises(RuntimeError, match="only from inside a TrainerCallback hook"):
+        calling_handler()

@@ -1,5 +1,6 @@
 """The trackers of a transformers Trainer's own integrations, the ones its `report_to` named:
-`trainer_trackers(trainer.callback_handler)`.
+`trainer_trackers(trainer.callback_handler)`; from inside a TrainerCallback's hook, which is given no
+Trainer, `trainer_trackers(calling_handler())`.
 
 - TensorBoardCallback: our keys go through its `SummaryWriter`, into its folder, at the snapshot's step;
 - MLflowCallback: into the run it started (or found active), through a client of our own.
@@ -12,6 +13,7 @@ Integrations other than these two are not reached here (W&B has its own way: `Ac
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -112,3 +114,17 @@ def trainer_trackers(handler) -> list:
         elif isinstance(callback, MLflowCallback):
             found.append(TrainerMlflow(callback))
     return found
+
+
+def calling_handler():
+    """The Trainer's CallbackHandler running the hook this is called from (its `call_event` frame, up the
+    stack): a TrainerCallback's hooks get the model and the optimizer, never the Trainer or its handler."""
+    from transformers.trainer_callback import CallbackHandler
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, CallbackHandler):
+            return owner
+        frame = frame.f_back
+    raise RuntimeError("calling_handler() finds the Trainer's CallbackHandler only from inside a TrainerCallback hook")
