@@ -131,6 +131,29 @@ def test_a_server_killed_mid_run_loses_nothing_once_it_is_back(live):
     assert tables == [f"dflash/live_table/step_{s}.json" for s in (2, 4, 6, 8)]
 
 
+def test_a_hung_server_costs_a_report_its_bounded_wait_and_loses_nothing(live):
+    """The server stopped (SIGSTOP: connections are taken, nothing answers): the report waits timeout_s per
+    try, not MLflow's minutes of retries; resumed, the next report brings it."""
+    import time
+
+    tracker = MlflowTracker(live.url, experiment(), timeout_s=1, retries=0)
+    warnings: list[str] = []
+    delivery = Delivery([tracker], warnings.append)
+    delivery.send(2, *report_payload(2))
+    live.pause(True)
+    try:
+        start = time.monotonic()
+        delivery.send(4, *report_payload(4))
+        waited = time.monotonic() - start
+    finally:
+        live.pause(False)
+    assert delivery.errors == {"mlflow": 1} and 0.9 < waited < 5, waited
+    delivery.send(6, *report_payload(6))
+    assert delivery.finish() == ["mlflow: 1 error(s); every report reached it in the end"]
+    held, sent = history(MlflowClient(live.url), tracker.run_id, (2, 4, 6))
+    assert held == sent
+
+
 def test_a_server_that_never_answers_is_named_with_every_step_it_lacks():
     """Nothing listens at the address: each report is a warning and an error, none waits MLflow's own
     minutes of retries, and the summary names every step."""

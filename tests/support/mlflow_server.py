@@ -55,5 +55,9 @@ class MlflowServer:
             self.proc.wait()
         self.proc = None
 
+    def pause(self, paused: bool) -> None:
+        """SIGSTOP (a server that accepts connections and never answers) or SIGCONT."""
+        os.killpg(self.proc.pid, signal.SIGSTOP if paused else signal.SIGCONT)
+
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

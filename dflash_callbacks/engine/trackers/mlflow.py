@@ -83,7 +83,7 @@ class MlflowTracker:
     name = "mlflow"
 
     def __init__(self, tracking_uri: str, experiment: str | None = None, run_id: str | None = None, *,
-                 run_name: str | None = None, timeout_s: float = 10.0, retries: int = 1):
+                 run_name: str | None = None, timeout_s: float = 5.0, retries: int = 1):
         for label, value in (("tracking_uri", tracking_uri), ("experiment", experiment), ("run_id", run_id),
                              ("run_name", run_name)):
             if value is not None and (not isinstance(value, str) or not value.strip()):
