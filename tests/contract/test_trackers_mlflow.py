@@ -21,6 +21,7 @@ from mlflow import MlflowClient
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from dflash_callbacks.engine.trackers.delivery import Delivery
+from dflash_callbacks.engine.trackers.flags import watcher_trackers
 from dflash_callbacks.engine.trackers.mlflow import MlflowTracker, mlflow_name
 from dflash_callbacks.engine.trackers.trainer_integrations import calling_handler, trainer_trackers
 
@@ -86,6 +87,21 @@ def test_every_key_and_step_reads_back_from_the_server_and_no_run_is_left_active
         assert json.loads(Path(path).read_text()) == {"columns": table.columns, "data": table.rows}
     image = client.download_artifacts(tracker.run_id, "dflash/plot.png", str(tmp_path))
     assert Path(image).read_bytes() == plot.read_bytes()
+
+
+def test_the_watchers_flags_reach_both_trackers(live, tmp_path):
+    """--tensorboard DIR --mlflow-uri URI --mlflow-experiment NAME: the same keys at the same steps in both."""
+    name = experiment()
+    trackers = watcher_trackers(tensorboard=str(tmp_path / "tb"), mlflow_uri=live.url, mlflow_experiment=name,
+                                run_name="run-1")
+    delivery = Delivery(trackers, pytest.fail)
+    for step in (5, 10):
+        delivery.send(step, *report_payload(step))
+    assert delivery.finish() == []
+    held, sent = history(MlflowClient(live.url), trackers[1].run_id, (5, 10))
+    assert held == sent
+    logged = scalars(read_events(tmp_path / "tb"))
+    assert {mlflow_name(k): [(s, pytest.approx(v, rel=1e-6)) for s, v in pairs] for k, pairs in logged.items()} == sent
 
 
 def test_a_run_attached_to_by_id_gets_the_reports_and_is_left_running(live):
