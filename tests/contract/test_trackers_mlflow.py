@@ -66,6 +66,18 @@ def history(client: MlflowClient, run_id: str, steps) -> tuple[dict, dict]:
     return held, sent
 
 
+def table_of(client: MlflowClient, run_id: str, folder: Path) -> dict:
+    """The run's one table, as MLflow keeps it (split JSON: columns and rows)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    return json.loads(Path(client.download_artifacts(run_id, "dflash/live_table.json", str(folder))).read_text())
+
+
+def expected_table(steps) -> dict:
+    """The tables of the reports of `steps`, one after the other, each row with its step first."""
+    columns = ["step", *report_payload(steps[0])[1].columns]
+    return {"columns": columns, "data": [[s, *row] for s in steps for row in report_payload(s)[1].rows]}
+
+
 def test_every_key_and_step_reads_back_from_the_server_and_no_run_is_left_active(live, tmp_path, plot):
     name = experiment()
     tracker = MlflowTracker(live.url, name, run_name="watch")
@@ -81,10 +93,7 @@ def test_every_key_and_step_reads_back_from_the_server_and_no_run_is_left_active
     held, sent = history(client, tracker.run_id, (2, 4, 6))
     assert held == sent and "dflash/ddtree_4/live/py3.11" in held  # '@' is '_' in MLflow; the dot stays
     assert set(run.data.metrics) == set(sent)  # no other key
-    for step in (2, 4, 6):
-        path = client.download_artifacts(tracker.run_id, f"dflash/live_table/step_{step}.json", str(tmp_path))
-        table = report_payload(step)[1]
-        assert json.loads(Path(path).read_text()) == {"columns": table.columns, "data": table.rows}
+    assert table_of(client, tracker.run_id, tmp_path / "t") == expected_table((2, 4, 6))
     image = client.download_artifacts(tracker.run_id, "dflash/plot.png", str(tmp_path))
     assert Path(image).read_bytes() == plot.read_bytes()
 
@@ -99,7 +108,7 @@ def test_the_watchers_flags_reach_both_trackers(live, tmp_path):
         delivery.send(step, *report_payload(step))
     assert delivery.finish() == []
     held, sent = history(MlflowClient(live.url), trackers[1].run_id, (5, 10))
-    assert held == sent
+    assert held == sent and table_of(MlflowClient(live.url), trackers[1].run_id, tmp_path / "t") == expected_table((5, 10))
     logged = scalars(read_events(tmp_path / "tb"))
     assert {mlflow_name(k): [(s, pytest.approx(v, rel=1e-6)) for s, v in pairs] for k, pairs in logged.items()} == sent
 
@@ -124,7 +133,7 @@ def test_a_run_attached_to_by_id_gets_the_reports_and_is_left_running(live):
     assert client.get_run(other).data.metrics == {}
 
 
-def test_a_server_killed_mid_run_loses_nothing_once_it_is_back(live):
+def test_a_server_killed_mid_run_loses_nothing_once_it_is_back(live, tmp_path):
     """Steps 2 and 4 reach the server; it is killed (SIGKILL): step 6 is a warning and an error, quickly;
     brought back on the same backend, step 8 brings 6 first: every key at every step, once."""
     name = experiment()
@@ -143,8 +152,21 @@ def test_a_server_killed_mid_run_loses_nothing_once_it_is_back(live):
     client = MlflowClient(live.url)
     held, sent = history(client, tracker.run_id, (2, 4, 6, 8))
     assert held == sent
-    tables = [a.path for a in client.list_artifacts(tracker.run_id, "dflash/live_table")]
-    assert tables == [f"dflash/live_table/step_{s}.json" for s in (2, 4, 6, 8)]
+    assert table_of(client, tracker.run_id, tmp_path) == expected_table((2, 4, 6, 8))
+
+
+def test_a_table_sent_again_after_a_try_that_appended_it_is_not_appended_twice(live, tmp_path):
+    """The state a try leaves that appended step 4's rows and then failed (the server gone before it
+    answered): the rows are in the table and the tracker knows its last try of step 4 failed. Sent again,
+    step 4 is not appended a second time; step 6 is."""
+    tracker = MlflowTracker(live.url, experiment())
+    for step in (2, 4):
+        tracker.log_table(*report_payload(step)[1], step)
+    tracker._tried["dflash/live_table.json"] = {4}  # noqa: SLF001  (the failed try's mark)
+    for step in (4, 6):
+        tracker.log_table(*report_payload(step)[1], step)
+    assert table_of(MlflowClient(live.url), tracker.run_id, tmp_path) == expected_table((2, 4, 6))
+    assert tracker._tried["dflash/live_table.json"] == set()
 
 
 def test_a_hung_server_costs_a_report_its_bounded_wait_and_loses_nothing(live):
@@ -262,8 +284,7 @@ def test_the_trainers_tensorboard_and_mlflow_get_our_keys_at_our_steps_beside_th
     assert held == sent
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3, 4, 5]
     assert client.download_artifacts(run.info.run_id, "dflash/plot.png", str(tmp_path / "got"))
-    assert [a.path for a in client.list_artifacts(run.info.run_id, "dflash/live_table")] == [
-        f"dflash/live_table/step_{s}.json" for s in (2, 4, 5)]
+    assert table_of(client, run.info.run_id, tmp_path / "t") == expected_table((2, 4, 5))
 
 
 def test_only_the_integrations_report_to_names_become_trackers(world, tmp_path):

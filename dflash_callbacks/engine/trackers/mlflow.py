@@ -11,8 +11,8 @@ at the start costs reports only what a server down later does: the delivery keep
   of (it takes letters, digits, `_ - . : / ` and space) has it written `_` (`ddtree@4` is
   `ddtree_4`, as the Trainer's MLflowCallback writes its own). A report sent again carries the
   timestamps of its first try: the server keeps one copy of what reached it twice.
-- the per-task table: `log_table`, artifact `NAME/step_STEP.json` (one file per report: sending it
-  again writes the same file).
+- the per-task table: `log_table` into one table of the run, artifact `NAME.json`, each row with its
+  step first (`log_table` appends); rows sent again after a try that failed are not appended twice.
 - the plot: artifact `NAME.png`.
 
 Each request is bounded (`timeout_s`, `retries`) unless the program set MLFLOW_HTTP_REQUEST_TIMEOUT or
@@ -22,7 +22,9 @@ length of each call of this tracker (a request of another thread in that moment 
 
 from __future__ import annotations
 
+import json
 import os
+import posixpath
 import re
 import shutil
 import tempfile
@@ -104,7 +106,8 @@ class MlflowTracker:
         self.run_id = run_id
         self._attached = run_id is not None  # a run of the user's: never ended here
         self._checked = False
-        self._stamps: dict[tuple[str, int], int] = {}  # (what, step) -> the timestamp of its first try
+        self._stamps: dict[int, int] = {}  # step -> the timestamp of the first try of its metrics
+        self._tried: dict[str, set[int]] = {}  # per table: the steps whose last try failed
 
     def _run(self) -> str:
         """The run's id: the one given (checked once to exist, in `experiment` when named) or, at the
@@ -125,23 +128,41 @@ class MlflowTracker:
         self._checked = True
         return self.run_id
 
-    def _stamp(self, what: str, step: int) -> int:
-        return self._stamps.setdefault((what, step), int(time.time() * 1000))
-
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         names = mlflow_names(metrics)
-        stamp = self._stamp("metrics", int(step))
+        stamp = self._stamps.setdefault(int(step), int(time.time() * 1000))
         batch = [self._entities.Metric(names[k], float(v), stamp, int(step)) for k, v in metrics.items()]
         with bounded_requests(self.timeout_s, self.retries):
             run_id = self._run()
             for start in range(0, len(batch), BATCH):
                 self.client.log_batch(run_id, metrics=batch[start:start + BATCH], synchronous=True)
-        self._stamps.pop(("metrics", int(step)), None)
+        self._stamps.pop(int(step), None)
 
     def log_table(self, name: str, columns: Sequence[str], rows: Sequence[Sequence[object]], step: int) -> None:
-        data = {str(c): [row[i] for row in rows] for i, c in enumerate(columns)}
+        """The rows, each with the step first, appended to the run's one table `NAME.json` (`log_table`
+        appends to a table already there; one file for the run, as MLflow's tag of logged tables holds
+        8000 characters). Sent again after a try that failed, rows of the step found there already are
+        not appended twice."""
+        data = {"step": [int(step)] * len(rows), **{str(c): [row[i] for row in rows] for i, c in enumerate(columns)}}
+        artifact = f"{name}.json"
         with bounded_requests(self.timeout_s, self.retries):
-            self.client.log_table(self._run(), data=data, artifact_file=f"{name}/step_{int(step)}.json")
+            run_id = self._run()
+            if step in self._tried.get(artifact, ()) and int(step) in self._table_steps(run_id, artifact):
+                self._tried[artifact].discard(step)  # an earlier try appended them, then failed
+                return
+            self._tried.setdefault(artifact, set()).add(step)
+            self.client.log_table(run_id, data=data, artifact_file=artifact)
+        self._tried[artifact].discard(step)
+
+    def _table_steps(self, run_id: str, artifact: str) -> set[int]:
+        """The steps of the rows of the run's table `artifact` (empty when it has none yet)."""
+        folder = posixpath.dirname(artifact) or None
+        if artifact not in [a.path for a in self.client.list_artifacts(run_id, folder)]:
+            return set()
+        with tempfile.TemporaryDirectory() as tmp:
+            table = json.loads(Path(self.client.download_artifacts(run_id, artifact, tmp)).read_text())
+        column = table["columns"].index("step")
+        return {int(row[column]) for row in table["data"]}
 
     def log_image(self, name: str, path: Path) -> None:
         folder, _, stem = name.rpartition("/")
