@@ -15,10 +15,11 @@ at the start costs reports only what a server down later does: the delivery keep
   step first (`log_table` appends); rows sent again after a try that failed are not appended twice.
 - the plot: artifact `NAME.png`.
 
-Each request is bounded (`timeout_s`, `retries`) unless the program set MLFLOW_HTTP_REQUEST_TIMEOUT or
-MLFLOW_HTTP_REQUEST_MAX_RETRIES itself: MLflow's own default retries a dead server for minutes, on the
-training thread. MLflow reads those settings from the environment only, so they are set for the
-length of each call of this tracker (a request of another thread in that moment gets them too)."""
+Each request is bounded (`timeout_s`, `retries`): MLflow's own default retries a dead server for
+minutes, on the training thread. MLflow reads these settings from the environment only
+(MLFLOW_HTTP_REQUEST_TIMEOUT, _MAX_RETRIES, _BACKOFF_FACTOR; and MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR, off:
+no progress bar on stderr at each table), so each is set for the length of each call of this tracker,
+unless the program set it itself (a request of another thread in that moment gets them too)."""
 
 from __future__ import annotations
 
@@ -63,18 +64,18 @@ def mlflow_names(keys) -> dict[str, str]:
 
 @contextmanager
 def bounded_requests(timeout_s: float, retries: int):
-    """MLflow's HTTP timeout and retries for the length of one call (the program's own settings win)."""
+    """MLflow's HTTP timeout and retries, and no progress bar on stderr, for the length of one call (each
+    one the program set itself stands)."""
     settings = {"MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, round(timeout_s))),
-                "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(retries), "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
+                "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(retries), "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
     with _ENV_LOCK:
-        if "MLFLOW_HTTP_REQUEST_TIMEOUT" in os.environ or "MLFLOW_HTTP_REQUEST_MAX_RETRIES" in os.environ:
-            yield
-            return
+        ours = {name: value for name, value in settings.items() if name not in os.environ}
         try:
-            os.environ.update(settings)
+            os.environ.update(ours)
             yield
         finally:
-            for name in settings:
+            for name in ours:
                 os.environ.pop(name, None)
 
 
