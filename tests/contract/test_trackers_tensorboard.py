@@ -46,6 +46,7 @@ def test_every_key_step_table_and_the_plot_read_back(tmp_path, plot):
     for text, step in zip(texts, (2, 4, 6)):
         table = report_payload(step)[1]
         assert text.tensor_proto.string_val[0].decode() == markdown_table(table.columns, table.rows)
+    assert "dflash/live_table" not in scalars(events)
     (image,) = events.Images("dflash/plot")
     assert (image.step, image.width, image.height) == (6, 300, 200)  # at the last step logged
 
@@ -87,6 +88,10 @@ def test_a_tracker_that_never_comes_back_is_named_with_the_steps_it_lacks(tmp_pa
         "tensorboard-blocked: 5 error(s); it lacks the reports of steps 2, 4, 6 and the tables of steps 2, 4, 6 "
         "and the plot (results.jsonl has them)"]  # one per send and one at finish
     assert delivery.errors == {"tensorboard-blocked": 5, "tensorboard": 0}
+    assert delivery.finish() == delivery.lines  # once: the same lines, nothing tried again
+    assert delivery.errors == {"tensorboard-blocked": 5, "tensorboard": 0}
+    with pytest.raises(RuntimeError, match="this Delivery has finished"):
+        delivery.send(8, *report_payload(8))
     assert scalars(read_events(tmp_path / "good")) == expected_scalars((2, 4, 6))
 
 

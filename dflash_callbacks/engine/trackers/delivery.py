@@ -7,8 +7,9 @@ held once more, closes every tracker and returns the lines of the summary.
 A tracker that raises (a server down, a folder that can not be written, anything) costs a warning
 and one error in `errors[name]`; what it missed is held, and sent to it again, oldest step first,
 before anything newer, at the next `send` (so a tracker that comes back gets every report in step
-order). Metrics and the table of a step are held apart: a table that failed does not send the
-metrics again. Nothing is dropped: whatever a tracker still lacks at `finish()` is named in its
+order; a report a tracker refuses for good holds back those after it, and the summary names them
+all). Metrics and the table of a step are held apart: a table that failed does not send the metrics
+again. Nothing is dropped: whatever a tracker still lacks at `finish()` is named in its
 summary line, by step; results.jsonl holds every report whatever happens here."""
 
 from __future__ import annotations
@@ -77,9 +78,11 @@ class Delivery:
         self.destinations = [Destination(t) for t in trackers]
         self.warn = warn
         self.errors: dict[str, int] = {t.name: 0 for t in trackers}
+        self.finished, self.lines = False, []  # lines: the summary, once finished
 
     def send(self, step: int, metrics: Mapping[str, float], table: Table | None = None) -> None:
         """One report (its keys at `step`, its table) to every tracker, after what each still holds."""
+        self._refuse_after_finish()
         items = [Item("metrics", int(step), dict(metrics))]
         if table is not None:
             items.append(Item("table", int(step), Table(*table)))
@@ -88,13 +91,18 @@ class Delivery:
 
     def send_image(self, name: str, path: str | Path) -> None:
         """The run's plot (a PNG file: it must stay until `finish()`, which may send it again)."""
+        self._refuse_after_finish()
         for destination in self.destinations:
             self._deliver(destination, [Item("image", None, (name, Path(path)))])
+
+    def _refuse_after_finish(self) -> None:
+        if self.finished:
+            raise RuntimeError("this Delivery has finished: its trackers are closed")
 
     def _deliver(self, destination: Destination, items: list[Item]) -> None:
         missed = list(destination.held)
         destination.held = sorted(missed + items, key=Item.order)
-        tracker, sent = destination.tracker, []
+        tracker = destination.tracker
         while destination.held:
             item = destination.held[0]
             try:
@@ -102,10 +110,10 @@ class Delivery:
             except Exception as e:  # a tracker's failure is never the run's
                 self.errors[tracker.name] += 1
                 self.warn(f"{tracker.name}: {item.what()} not sent ({type(e).__name__}: {e}); "
-                          f"{len(destination.held)} item(s) held for it, sent again with the next report "
+                          f"{len(destination.held)} item(s) held for it, sent again before anything newer "
                           "(results.jsonl has them all)")
                 return
-            sent.append(destination.held.pop(0))
+            destination.held.pop(0)
         if missed:
             steps = sorted({i.step for i in missed if i.step is not None})
             self.warn(f"{tracker.name} is back: sent the {len(missed)} item(s) it had missed"
@@ -113,8 +121,11 @@ class Delivery:
 
     def finish(self) -> list[str]:
         """What is held is tried once more, every tracker is closed; one line per tracker that failed at
-        any point: its error count and what it still lacks (nothing: every report reached it in the end)."""
-        lines = []
+        any point: its error count and what it still lacks (nothing: every report reached it in the end).
+        Once: called again, the same lines."""
+        if self.finished:
+            return list(self.lines)
+        self.finished, lines = True, []
         for destination in self.destinations:
             tracker = destination.tracker
             if destination.held:
@@ -128,7 +139,8 @@ class Delivery:
                     self.warn(f"{tracker.name}: closing it failed ({type(e).__name__}: {e})")
             if self.errors[tracker.name]:
                 lines.append(f"{tracker.name}: {self.errors[tracker.name]} error(s); " + lacking(destination.held))
-        return lines
+        self.lines = lines
+        return list(lines)
 
 
 def lacking(held: list[Item]) -> str:
