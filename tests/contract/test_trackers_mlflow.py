@@ -23,9 +23,15 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from dflash_callbacks.engine.trackers.delivery import Delivery
 from dflash_callbacks.engine.trackers.flags import watcher_trackers
 from dflash_callbacks.engine.trackers.mlflow import MlflowTracker, mlflow_name
+from dflash_callbacks.engine.trackers.tensorboard import TensorBoardTracker
 from dflash_callbacks.engine.trackers.trainer_integrations import calling_handler, trainer_trackers
 
-from loops import LR, DrafterModel, Sequences, one
+from dflash_callbacks import DrafterEvaluator
+from dflash_callbacks.engine.publish import report_metrics
+from dflash_callbacks.scoring.report import EvalReport
+
+from loops import LR, SCORING, DrafterModel, Sequences, one, plain_fit
+from runs import records
 from mlflow_server import MlflowServer, free_port
 from tracker_reports import make_plot, read_events, report_payload, scalars
 from train_run import shared_world, world_paths
@@ -220,6 +226,38 @@ def test_wrong_arguments_are_refused():
 def world(tmp_path_factory) -> SimpleNamespace:
     path = shared_world(tmp_path_factory.getbasetemp() / "reliability-world")
     return SimpleNamespace(path=path, **world_paths(path))
+
+
+def test_a_plain_loops_reports_reach_both_trackers_with_every_key_and_step_of_results_jsonl(world, live, tmp_path):
+    """A real plain loop (DrafterEvaluator, a snapshot every 2 steps, a baseline) whose `log=` hands each report
+    to the delivery: TensorBoard and MLflow hold, for every line of results.jsonl, every number of its report
+    and its comparison with the baseline, at its step, and nothing at another step."""
+    name = experiment()
+    delivery = Delivery([TensorBoardTracker(tmp_path / "tb"), MlflowTracker(live.url, name)], pytest.fail)
+    ev = DrafterEvaluator(cache=world.cache, target=world.target, baseline=world.baseline, every_n_steps=2,
+                          scoring=SCORING, dirpath=tmp_path / "d", baseline_cache_dir=tmp_path / "bc", verbose=False,
+                          busy="queue", max_pending=8, wait_timeout=300, max_steps=4,
+                          log=lambda metrics, step: delivery.send(step, metrics))
+    plain_fit(world, 4, ev)
+    assert delivery.finish() == [] and ev.errors == 0
+    lines = records(tmp_path / "d")
+    steps = [line["step"] for line in lines]
+    assert steps == [2, 4]
+    expected: dict[str, list] = {}
+    for line in lines:
+        for key, value in report_metrics("dflash", EvalReport.from_dict(line), ev.baseline_report).items():
+            expected.setdefault(key, []).append((line["step"], value))
+    assert any(k.startswith("dflash/ratio/ddtree@4/") for k in expected)  # the comparison with the baseline too
+    logged = scalars(read_events(tmp_path / "tb"))
+    assert {k: logged[k] for k in expected} == {k: [(s, pytest.approx(v, rel=1e-6)) for s, v in pairs]
+                                                for k, pairs in expected.items()}
+    assert all([s for s, _ in pairs] == steps for pairs in logged.values())
+    client = MlflowClient(live.url)
+    (run,) = client.search_runs([client.get_experiment_by_name(name).experiment_id])
+    held = {k: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, mlflow_name(k)))
+            for k in expected}
+    assert held == {k: [(s, pytest.approx(v)) for s, v in pairs] for k, pairs in expected.items()}
+    assert set(run.data.metrics) == {mlflow_name(k) for k in logged}  # the same keys in both
 
 
 class Reports(TrainerCallback):
