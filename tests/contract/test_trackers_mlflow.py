@@ -97,7 +97,7 @@ def test_every_key_and_step_reads_back_from_the_server_and_no_run_is_left_active
     (run,) = client.search_runs([client.get_experiment_by_name(name).experiment_id])
     assert run.info.run_id == tracker.run_id and run.info.run_name == "watch" and run.info.status == "FINISHED"
     held, sent = history(client, tracker.run_id, (2, 4, 6))
-    assert held == sent and "dflash/ddtree_4/live/py3.11" in held  # '@' is '_' in MLflow; the dot stays
+    assert held == sent and "dflash/ddtree4/live/py3.11" in held  # '@' dropped, as Lightning's MLFlowLogger does
     assert set(run.data.metrics) == set(sent)  # no other key
     assert table_of(client, tracker.run_id, tmp_path / "t") == expected_table((2, 4, 6))
     image = client.download_artifacts(tracker.run_id, "dflash/plot.png", str(tmp_path))
@@ -215,8 +215,8 @@ def test_wrong_arguments_are_refused():
         MlflowTracker(None, "x")
     with pytest.raises(ValueError, match="experiment must be a non-empty string"):
         MlflowTracker("http://127.0.0.1:1", "")
-    with pytest.raises(ValueError, match="are both 'dflash/a_b' in MLflow"):
-        MlflowTracker("http://127.0.0.1:1", "x").log_metrics({"dflash/a@b": 1.0, "dflash/a_b": 2.0}, 1)
+    with pytest.raises(ValueError, match="are both 'dflash/ab' in MLflow"):
+        MlflowTracker("http://127.0.0.1:1", "x").log_metrics({"dflash/a@b": 1.0, "dflash/ab": 2.0}, 1)
 
 
 # ---------------------------------------------------------------- the transformers Trainer's integrations
@@ -258,6 +258,40 @@ def test_a_plain_loops_reports_reach_both_trackers_with_every_key_and_step_of_re
             for k in expected}
     assert held == {k: [(s, pytest.approx(v)) for s, v in pairs] for k, pairs in expected.items()}
     assert set(run.data.metrics) == {mlflow_name(k) for k in logged}  # the same keys in both
+
+
+def test_lightnings_own_tensorboard_and_mlflow_loggers_hold_the_same_keys_as_the_trackers(world, live, tmp_path):
+    """Lightning reaches TensorBoard and MLflow through its own loggers: every number of every results.jsonl
+    line at its step, under the names the trackers give them elsewhere (`mlflow_name`: the MLFlowLogger
+    drops what MLflow refuses, as the tracker does), so a run's keys are the same under every entry point."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger
+
+    from dflash_callbacks.callbacks import DrafterEvalCallback
+    from train_run import make_loader, make_module
+
+    name = experiment()
+    cb = DrafterEvalCallback(cache=world.cache, target=world.target, baseline=world.baseline, every_n_train_steps=2,
+                             scoring=SCORING, busy="queue", max_pending=4, dirpath=tmp_path / "d",
+                             baseline_cache_dir=tmp_path / "bc", verbose=False)
+    loggers = [TensorBoardLogger(str(tmp_path / "tb"), name="", version=""),
+               MLFlowLogger(experiment_name=name, tracking_uri=live.url)]
+    trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=loggers, callbacks=[cb], enable_progress_bar=False,
+                         enable_checkpointing=False, enable_model_summary=False, log_every_n_steps=1)
+    with pytest.warns(RuntimeWarning, match="MLFlow only allows"):
+        trainer.fit(make_module(world.path), make_loader(world.path))
+    lines = records(tmp_path / "d")
+    assert [line["step"] for line in lines] == [2, 4] and cb.errors == 0
+    expected: dict[str, list] = {}
+    for line in lines:
+        for key, value in report_metrics("dflash", EvalReport.from_dict(line), cb.baseline_report).items():
+            expected.setdefault(key, []).append((line["step"], pytest.approx(value, rel=1e-6)))
+    logged = scalars(read_events(tmp_path / "tb"))
+    assert {k: logged[k] for k in expected} == expected
+    client = MlflowClient(live.url)
+    held = {k: sorted((m.step, m.value) for m in client.get_metric_history(loggers[1].run_id, mlflow_name(k)))
+            for k in expected}
+    assert held == expected
 
 
 class Reports(TrainerCallback):

@@ -7,10 +7,11 @@ leaves it as it found it); without, it makes a run in `experiment` (made if miss
 write and ends it at `close()`. Nothing reaches the server before the first write, so a server down
 at the start costs reports only what a server down later does: the delivery keeps them.
 
-- metrics: one `log_batch` per 1000 keys at the snapshot's step; a key MLflow refuses a character
-  of (it takes letters, digits, `_ - . : / ` and space) has it written `_` (`ddtree@4` is
-  `ddtree_4`, as the Trainer's MLflowCallback writes its own). A report sent again carries the
-  timestamps of its first try: the server keeps one copy of what reached it twice.
+- metrics: one `log_batch` per 1000 keys at the snapshot's step; a key with a character Lightning's
+  MLFlowLogger drops (it keeps letters, digits, `_ / . -` and space; MLflow refuses `@`) has it
+  dropped, so the same report has the same keys under Lightning and everywhere else: `ddtree@4` is
+  `ddtree4`. A report sent again carries the timestamps of its first try: the server keeps one copy
+  of what reached it twice.
 - the per-task table: `log_table` into one table of the run, artifact `NAME.json`, each row with its
   step first (`log_table` appends); rows sent again after a try that failed are not appended twice.
 - the plot: artifact `NAME.png`.
@@ -38,13 +39,14 @@ from pathlib import Path
 from .optional import require
 
 BATCH = 1000  # MLflow's most metrics per log_batch
-_ILLEGAL = re.compile(r"[^0-9A-Za-z_\-. :/]")
+_ILLEGAL = re.compile(r"[^a-zA-Z0-9_/. -]")  # Lightning's MLFlowLogger keeps these and drops the rest
 _ENV_LOCK = threading.Lock()
 
 
 def mlflow_name(key: str) -> str:
-    """A logged key as MLflow takes it: every character it refuses written `_`."""
-    return _ILLEGAL.sub("_", key)
+    """A logged key as MLflow gets it under every entry point: the characters Lightning's MLFlowLogger drops
+    (all but letters, digits, `_ / . -` and space) dropped, as that logger does with the same keys."""
+    return _ILLEGAL.sub("", key)
 
 
 def mlflow_names(keys) -> dict[str, str]:
