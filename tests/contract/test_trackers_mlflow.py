@@ -139,6 +139,7 @@ def test_a_run_attached_to_by_id_gets_the_reports_and_is_left_running(live):
     assert client.get_run(other).data.metrics == {}
 
 
+@pytest.mark.slow  # a kill: the server's restart takes 7 to 10 s on 2 busy cores
 def test_a_server_killed_mid_run_loses_nothing_once_it_is_back(live, tmp_path):
     """Steps 2 and 4 reach the server; it is killed (SIGKILL): step 6 is a warning and an error, quickly;
     brought back on the same backend, step 8 brings 6 first: every key at every step, once."""

@@ -100,8 +100,8 @@ class TrainerMlflow:
 def trainer_trackers(handler) -> list:
     """A tracker for each TensorBoard and MLflow integration among the callbacks of `handler` (a Trainer's
     `callback_handler`). Call it once the Trainer has started training (in `on_train_begin`, where
-    the integrations, before ours, have opened their writer and run); a report that comes earlier
-    is held by the delivery until they have."""
+    the integrations, before ours, have opened their writer and run), on rank 0 (the integrations
+    open nothing on the others); a report that comes earlier is held by the delivery until they have."""
     callbacks = getattr(handler, "callbacks", None)
     if callbacks is None:
         raise TypeError(f"trainer_trackers takes a Trainer's callback_handler, got {type(handler).__name__}")
