@@ -52,15 +52,12 @@ def mlflow_name(key: str) -> str:
 def mlflow_names(keys) -> dict[str, str]:
     """{key: its MLflow name}; ValueError when two keys would have the same name."""
     names: dict[str, str] = {}
+    seen: dict[str, str] = {}  # name -> the first key that has it
     for key in keys:
-        names[key] = mlflow_name(key)
-    if len(set(names.values())) < len(names):
-        seen: dict[str, str] = {}
-        for key, name in names.items():
-            if name in seen:
-                raise ValueError(f"the keys {seen[name]!r} and {key!r} are both {name!r} in MLflow (which refuses "
-                                 "their other characters): rename a task or the prefix")
-            seen[name] = key
+        name = names[key] = mlflow_name(key)
+        if seen.setdefault(name, key) != key:
+            raise ValueError(f"the keys {seen[name]!r} and {key!r} are both {name!r} in MLflow (the characters it "
+                             "refuses dropped): rename a task or the prefix")
     return names
 
 
