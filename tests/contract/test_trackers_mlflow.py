@@ -27,13 +27,12 @@ from dflash_callbacks.engine.trackers.tensorboard import TensorBoardTracker
 from dflash_callbacks.engine.trackers.trainer_integrations import calling_handler, trainer_trackers
 
 from dflash_callbacks import DrafterEvaluator
-from dflash_callbacks.engine.publish import report_metrics
 from dflash_callbacks.scoring.report import EvalReport
 
 from loops import LR, SCORING, DrafterModel, Sequences, one, plain_fit
 from runs import records
 from mlflow_server import MlflowServer, free_port
-from tracker_reports import make_plot, read_events, report_payload, scalars
+from tracker_reports import make_plot, read_events, report_keys, report_payload, scalars
 from train_run import shared_world, world_paths
 
 
@@ -246,7 +245,7 @@ def test_a_plain_loops_reports_reach_both_trackers_with_every_key_and_step_of_re
     assert steps == [2, 4]
     expected: dict[str, list] = {}
     for line in lines:
-        for key, value in report_metrics("dflash", EvalReport.from_dict(line), ev.baseline_report).items():
+        for key, value in report_keys("dflash", EvalReport.from_dict(line), ev.baseline_report).items():
             expected.setdefault(key, []).append((line["step"], value))
     assert any(k.startswith("dflash/ratio/ddtree@4/") for k in expected)  # the comparison with the baseline too
     logged = scalars(read_events(tmp_path / "tb"))
@@ -285,7 +284,7 @@ def test_lightnings_own_tensorboard_and_mlflow_loggers_hold_the_same_keys_as_the
     assert [line["step"] for line in lines] == [2, 4] and cb.errors == 0
     expected: dict[str, list] = {}
     for line in lines:
-        for key, value in report_metrics("dflash", EvalReport.from_dict(line), cb.baseline_report).items():
+        for key, value in report_keys("dflash", EvalReport.from_dict(line), cb.baseline_report).items():
             expected.setdefault(key, []).append((line["step"], pytest.approx(value, rel=1e-6)))
     logged = scalars(read_events(tmp_path / "tb"))
     assert {k: logged[k] for k in expected} == expected

@@ -1,17 +1,31 @@
-"""Reports as the publisher hands them to the trackers: the keys of `publish.report_metrics` and
-`interval_metrics`, and the per-task table of `scoring.table.comparison`, of reports made by hand (two
-tasks, one with a dot in its name; vanilla and ddtree@4, whose '@' MLflow refuses) at the steps given;
-a real PNG plot; TensorBoard's event files read back with its own `EventAccumulator`."""
+"""Reports as the publisher hands them to the trackers: the keys it logs (`report_keys`) and the per-task
+table of `scoring.table.comparison`, of reports made by hand (two tasks, one with a dot in its name;
+vanilla and ddtree@4, whose '@' MLflow refuses) at the steps given; a real PNG plot; TensorBoard's event
+files read back with its own `EventAccumulator`."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from dflash_callbacks.engine.publish import report_metrics
 from dflash_callbacks.engine.trackers.delivery import Table
-from dflash_callbacks.scoring.intervals import interval_metrics
 from dflash_callbacks.scoring.report import EvalReport
 from dflash_callbacks.scoring.table import comparison
+
+try:  # the one grammar of the keys (engine/metric_keys.py), where it has landed
+    from dflash_callbacks.engine.metric_keys import report_metrics as _report_metrics
+
+    def report_keys(prefix: str, report: EvalReport, baseline: EvalReport | None = None) -> dict[str, float]:
+        """The keys the publisher logs for `report`: its numbers, their comparison with `baseline`, and the
+        intervals of its own means."""
+        return _report_metrics(prefix, report, baseline, None)
+except ImportError:  # before it: publish.py's keys and scoring/intervals.py's bounds
+    from dflash_callbacks.engine.publish import report_metrics as _report_metrics
+    from dflash_callbacks.scoring.intervals import interval_metrics
+
+    def report_keys(prefix: str, report: EvalReport, baseline: EvalReport | None = None) -> dict[str, float]:
+        """The keys the publisher logs for `report`: its numbers, their comparison with `baseline`, and the
+        intervals of its own means."""
+        return {**_report_metrics(prefix, report, baseline), **interval_metrics(prefix, report)}
 
 TASKS, METHODS = ("gsm8k", "py3.11"), ("vanilla", "ddtree@4")
 
@@ -32,8 +46,7 @@ def made_report(step: int) -> EvalReport:
 def report_payload(step: int, prefix: str = "dflash") -> tuple[dict[str, float], Table]:
     """(the keys logged, the table) of the made report of `step`."""
     report = made_report(step)
-    metrics = {**report_metrics(prefix, report, None), **interval_metrics(prefix, report),
-               f"{prefix}/step": float(step), f"{prefix}/errors": 0.0}
+    metrics = {**report_keys(prefix, report), f"{prefix}/step": float(step), f"{prefix}/errors": 0.0}
     columns, rows = comparison(report)
     return metrics, Table(f"{prefix}/live_table", columns, [[r[0], *(round(x, 4) for x in r[1:])] for r in rows])
 
