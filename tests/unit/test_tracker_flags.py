@@ -15,8 +15,9 @@ def test_the_flags_give_their_trackers_and_write_nothing_yet(tmp_path):
     assert (tb.name, tb.log_dir) == ("tensorboard", tmp_path / "tb") and not (tmp_path / "tb").exists()
     assert (ml.name, ml.tracking_uri, ml.experiment, ml.run_id, ml.run_name) == (
         "mlflow", "http://127.0.0.1:1", "e", None, "run-1")
-    (attached,) = watcher_trackers(mlflow_uri="sqlite:///x.db", mlflow_run_id="abc")
+    (attached,) = watcher_trackers(mlflow_uri=f"sqlite:///{tmp_path / 'x.db'}", mlflow_run_id="abc")
     assert (attached.run_id, attached.experiment) == ("abc", None)
+    assert list(tmp_path.iterdir()) == []  # not even a sqlite URI's database
 
 
 def test_every_mistake_in_the_flags_at_once():

@@ -97,10 +97,10 @@ class MlflowTracker:
                              "attach to (--mlflow-run-id ID)")
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0) or not (isinstance(retries, int) and retries >= 0):
             raise ValueError(f"timeout_s must be > 0 and retries an int >= 0, got {timeout_s!r} and {retries!r}")
-        tracking = require("mlflow.tracking", "mlflow", "mlflow")
+        self._tracking = require("mlflow.tracking", "mlflow", "mlflow")
         require("pandas", "mlflow", "mlflow")  # log_table writes through pandas
         self._entities = require("mlflow.entities", "mlflow", "mlflow")
-        self.client = tracking.MlflowClient(tracking_uri=tracking_uri)
+        self._client = None  # made at the first write: a sqlite URI's client makes its database
         self.tracking_uri, self.experiment, self.run_name = tracking_uri, experiment, run_name
         self.timeout_s, self.retries = float(timeout_s), retries
         self.run_id = run_id
@@ -108,6 +108,12 @@ class MlflowTracker:
         self._checked = False
         self._stamps: dict[int, int] = {}  # step -> the timestamp of the first try of its metrics
         self._tried: dict[str, set[int]] = {}  # per table: the steps whose last try failed
+
+    @property
+    def client(self):
+        if self._client is None:
+            self._client = self._tracking.MlflowClient(tracking_uri=self.tracking_uri)
+        return self._client
 
     def _run(self) -> str:
         """The run's id: the one given (checked once to exist, in `experiment` when named) or, at the
