@@ -95,6 +95,16 @@ def test_a_tracker_that_never_comes_back_is_named_with_the_steps_it_lacks(tmp_pa
     assert scalars(read_events(tmp_path / "good")) == expected_scalars((2, 4, 6))
 
 
+def test_a_long_outage_is_summed_up_by_its_first_and_last_steps(tmp_path):
+    blocked = tmp_path / "blocked"
+    blocked.write_text("")
+    delivery = Delivery([TensorBoardTracker(blocked)], lambda _: None)
+    for step in range(1, 11):
+        delivery.send(step, report_payload(step)[0])  # no table
+    assert delivery.finish() == ["tensorboard: 11 error(s); it lacks the reports of steps 1, 2, 3, ..., 9, 10 "
+                                 "(results.jsonl has them)"]
+
+
 def test_wrong_arguments_are_refused(tmp_path):
     with pytest.raises(ValueError, match="log_dir must be a folder's path"):
         TensorBoardTracker("")
