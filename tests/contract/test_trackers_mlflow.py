@@ -1,11 +1,12 @@
 """MLflow as a destination of the reports (`engine/trackers/mlflow.py`), against a real tracking server on
 127.0.0.1 (`mlflow server`, sqlite backend, started once for the file), read back with `MlflowClient`:
 every key at every step with the value sent, the table and the plot as artifacts, no active run left to
-the program; a run attached to by id is left as found; a server that is down from the start, or killed
-mid-run and brought back on its backend, loses nothing (the summary says what it missed, or that it got
-it all in the end). And the transformers Trainer's own integrations (`report_to=["tensorboard", "mlflow"]`)
-as trackers, on a real Trainer run: our keys at our steps in its TensorBoard folder and its MLflow run,
-beside the Trainer's own, without a row of ours in its log history."""
+the program; a run attached to by id is left as found; a server down from the start, killed mid-run and
+brought back on its backend, or hung, loses nothing (the summary says what it missed, or that it got it
+all in the end). Then the entry points, each on a real run, against results.jsonl: a plain loop's
+reports through both trackers; Lightning's own TensorBoard and MLflow loggers, under the same names;
+the transformers Trainer's own integrations (`report_to=["tensorboard", "mlflow"]`) as trackers, our
+keys at our steps beside the Trainer's own, without a row of ours in its log history."""
 
 from __future__ import annotations
 
@@ -20,18 +21,17 @@ import pytest
 from mlflow import MlflowClient
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
+from dflash_callbacks import DrafterEvaluator
 from dflash_callbacks.engine.trackers.delivery import Delivery
 from dflash_callbacks.engine.trackers.flags import watcher_trackers
 from dflash_callbacks.engine.trackers.mlflow import MlflowTracker, mlflow_name
 from dflash_callbacks.engine.trackers.tensorboard import TensorBoardTracker
 from dflash_callbacks.engine.trackers.trainer_integrations import calling_handler, trainer_trackers
-
-from dflash_callbacks import DrafterEvaluator
 from dflash_callbacks.scoring.report import EvalReport
 
 from loops import LR, SCORING, DrafterModel, Sequences, one, plain_fit
-from runs import records
 from mlflow_server import MlflowServer, free_port
+from runs import records
 from tracker_reports import make_plot, read_events, report_keys, report_payload, scalars
 from train_run import shared_world, world_paths
 
