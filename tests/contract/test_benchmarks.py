@@ -27,6 +27,7 @@ SMALLEST = {
     "bench_served_tau.py": ["--temperatures", "0.7", "--runs", "1", "--samples", "1", "--max-new-tokens", "16",
                             "--out", "served-tau"],
     "bench_stall.py": ["--steps", "4", "--every", "2"],
+    "bench_trackers.py": ["--reports", "2"],
     "bench_tempered.py": ["--sizes", "64x32x512", "--repeat", "1", "--warmup", "0"],
 }
 """Each benchmark's smallest size: the arguments that make it run in seconds on the CPU."""
