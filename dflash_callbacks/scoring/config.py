@@ -122,6 +122,11 @@ class ScoringConfig:
                                                 help="a drafter with a confidence head (DSpark): score the draft cut "
                                                      "before the first slot whose confidence is below this (0 to 1, "
                                                      "as DeepSpec's evaluation); None: the full block")
+    costs: str | None = _field(None, help="a costs file of the serving device (`dflash-callbacks profile`, or the "
+                                          "engine's step times in its format): predict each method's speed-up and "
+                                          "the fastest configuration (None: tau only)")
+    force_costs: bool = _field(False, help="use a costs file measured on another device, dtype or target or drafter "
+                                           "shape (refused otherwise, naming the mismatch)")
 
     def __post_init__(self) -> None:
         """Every bad field at once, one line each (the CLIs print one `error:` line per line)."""
@@ -159,6 +164,10 @@ class ScoringConfig:
             lambda: check_choice("draft_rule", self.draft_rule, DRAFT_RULES),
             lambda: check_int("coin_seed", self.coin_seed, 0),
             lambda: check_probability("confidence_threshold", self.confidence_threshold),
+            lambda: self.costs is None or (isinstance(self.costs, str) and self.costs) or _bad(
+                f"costs must be None or the path of a costs file (`dflash-callbacks profile --out PATH`); got "
+                f"{self.costs!r}"),
+            lambda: check_bool("force_costs", self.force_costs),
         )
         if problems:
             raise ValueError("\n".join(problems))

@@ -249,7 +249,7 @@ def fastest_line(report: EvalReport, costs: Costs, aggregate: str = "live",
     if found.runner_up is None:
         return line + " (the only servable method scored)"
     ratio = "" if found.over_runner_up is None else (
-        f"; {found.over_runner_up.value:.3f} [{found.over_runner_up.lo:.3f}, {found.over_runner_up.hi:.3f}] of it")
+        f"; {found.over_runner_up.value:.2f} [{found.over_runner_up.lo:.2f}, {found.over_runner_up.hi:.2f}] of it")
     return line + f" ({found.runner_up} {found.runner_up_speedup.value:.2f}×{ratio}, {found.verdict})"
 
 
@@ -273,3 +273,36 @@ def speedup_table(report: EvalReport, baseline: EvalReport | None, costs: Costs,
         rows.append(row)
     rows.append(fastest_line(report, costs, aggregate, contexts, values))
     return "\n".join(rows)
+
+
+# ---------------------------------------------------------------------- the costs a config names
+def target_shape(target: str | object) -> dict[str, int]:
+    """{"hidden_size", "vocab_size", "num_layers"} of a target folder, from its config.json (no torch)."""
+    import json
+    from pathlib import Path
+
+    raw = json.loads((Path(target) / "config.json").read_text())
+    raw = raw.get("text_config", raw)
+    return {"hidden_size": raw["hidden_size"], "vocab_size": raw["vocab_size"], "num_layers": raw["num_hidden_layers"]}
+
+
+def drafter_shape(config) -> dict:
+    """{"family", "hidden_size", "num_layers"} of a drafter config (`model.DrafterConfig`)."""
+    return {"family": config.family, "hidden_size": config.hidden_size, "num_layers": config.num_hidden_layers}
+
+
+def config_costs(scoring, target: str | object | None = None, drafter_config=None,
+                 device_type: str | None = None) -> tuple[Costs, list[str]]:
+    """(the costs `scoring.costs` names, the mismatches let through by `scoring.force_costs`): CostsError when the
+    file is not a costs file, or, unless forced, in one line naming what it was measured on that differs from the
+    scoring's device kind (`device_type`, default the config's device), dtype, the `target` folder's shape or the
+    drafter's (each checked where given)."""
+    from ..profile.costs import check_costs_fit
+
+    costs = Costs.load(scoring.costs)
+    if device_type is None and scoring.device != "auto":
+        device_type = scoring.device.split(":")[0]
+    used = {"device_type": device_type, "dtype": scoring.dtype,
+            "target": None if target is None else target_shape(target),
+            "drafter": None if drafter_config is None else drafter_shape(drafter_config)}
+    return costs, check_costs_fit(costs, scoring.force_costs, **used)
