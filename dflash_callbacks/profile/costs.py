@@ -150,7 +150,7 @@ class Costs:
 
     def to_dict(self) -> dict[str, Any]:
         out = {"format": FORMAT, "version": VERSION, **asdict(self)}
-        out["verify"] = {str(L): times for L, times in self.verify.items()}
+        out["verify"] = {str(L): list(times) for L, times in self.verify.items()}
         for key in ("draft", "selector"):
             out[key] = {str(b): t for b, t in out[key].items()}
         if self.baseline_draft is None:
