@@ -31,7 +31,7 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk", type=int_list, default=[], help="the top@k widths scored (default none)")
     p.add_argument("--contexts", type=int_list, default=[128, 512, 2048],
                    help="the context lengths L to time the target's forward after (default 128,512,2048)")
-    p.add_argument("--repeats", type=int, default=10, help="timed runs of each piece (the median is kept; default 10)")
+    p.add_argument("--repeats", type=int, default=10, help="timed runs of each piece (their mean is kept, the extreme tenths left out; default 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed runs of each piece first (default 3)")
 
 

@@ -1,7 +1,7 @@
 """`profile_costs`: a device's `Costs`, timed with real forwards of the real models (`rounds`' pieces).
 
-Each piece is run `warmup` times, then timed `repeats` times (synchronising the device around each on a GPU),
-and its median kept:
+Each piece is run `warmup` times, then timed `repeats` times, all pieces in turns (synchronising the device
+around each on a GPU), and the mean of its times kept, the fastest and slowest tenth left out (`trimmed_mean`):
 - verify: the target's forward of n = 1 .. N query tokens (a chain; the mask's size, not its pattern, sets the
   cost) after a KV cache of each context length L, N the most tokens a scored method verifies;
 - draft: the drafter's round at each block size B at the middle context length: its context grown by B // 2
@@ -45,9 +45,9 @@ class Piece:
     reset: Callable[[], object] | None = None
 
 
-def median_seconds(pieces: dict, device: torch.device, warmup: int, repeats: int) -> dict:
-    """The median seconds of each piece of `pieces`, timed in turns (one of each, `warmup` + `repeats` times), so
-    that what else the machine does at a moment falls on every piece alike."""
+def piece_seconds(pieces: dict, device: torch.device, warmup: int, repeats: int) -> dict:
+    """The seconds of each piece of `pieces` (their `trimmed_mean`), timed in turns (one of each, `warmup` +
+    `repeats` times), so that what else the machine does at a moment falls on every piece alike."""
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     times = {key: [] for key in pieces}
     for i in range(warmup + repeats):
@@ -62,7 +62,16 @@ def median_seconds(pieces: dict, device: torch.device, warmup: int, repeats: int
                 times[key].append(time.perf_counter() - start)
             if piece.reset is not None:
                 piece.reset()
-    return {key: statistics.median(found) for key, found in times.items()}
+    return {key: trimmed_mean(found) for key, found in times.items()}
+
+
+def trimmed_mean(values: Sequence[float], cut: float = 0.1) -> float:
+    """The mean of `values` without the `cut` share at each end: what a decoder's many rounds add up to (the time
+    a busy machine takes away from a piece now and then is in it, a rare stall is not)."""
+    ordered = sorted(values)
+    drop = int(len(ordered) * cut)
+    kept = ordered[drop : len(ordered) - drop]
+    return sum(kept) / len(kept)
 
 
 def verified_tokens(proposals: int, budgets: Sequence[int], topk: Sequence[int]) -> list[tuple[str, int]]:
@@ -152,7 +161,7 @@ def profile_costs(model, drafter, *, block_sizes: Sequence[int], ddtree_budgets:
                 bookkeeping, setup=lambda p=proposal: spec.verify(kv, ids(1, len(p.tokens)), p.depths, p.parents),
                 reset=lambda: Speculator.commit(kv, middle, []))
 
-    found = median_seconds(pieces, device, warmup, repeats)
+    found = piece_seconds(pieces, device, warmup, repeats)
     verify = {L: [found[("verify", L, n)] for n in range(1, largest + 1)] for L in contexts}
     draft = {B: found[("draft", B)] for B in block_sizes}
     selector = {B: found[("selector", B)] for B in block_sizes if ("selector", B) in found}
