@@ -12,7 +12,7 @@ speculative one's.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -46,22 +46,23 @@ def _sync(spec: Speculator) -> None:
 
 
 @torch.no_grad()
-def plain_decode(spec: Speculator, prompt: Sequence[int], limit: int, eos: Sequence[int]) -> Decoded:
-    """Greedy decoding, one target forward per token, until `limit` tokens or EOS."""
+def plain_decode(spec: Speculator, prompt: Sequence[int], limit: int, eos: Sequence[int],
+                 clock: Callable[[], float] = time.perf_counter) -> Decoded:
+    """Greedy decoding, one target forward per token, until `limit` tokens or EOS (seconds by `clock`)."""
     kv, ids, _ = _prefill(spec, prompt)
     eos = set(eos)
     _sync(spec)
-    start = time.perf_counter()
+    start = clock()
     while len(ids) < limit and ids[-1] not in eos:
         nxt, _ = spec.verify(kv, torch.tensor([[ids[-1]]], device=spec.device), [0], [-1])
         ids.append(int(nxt[0, 0]))
     _sync(spec)
-    return Decoded(ids, [1] * (len(ids) - len(prompt) - 1), time.perf_counter() - start)
+    return Decoded(ids, [1] * (len(ids) - len(prompt) - 1), clock() - start)
 
 
 @torch.no_grad()
 def speculative_decode(spec: Speculator, prompt: Sequence[int], limit: int, eos: Sequence[int], block: int,
-                       budget: int | None = None) -> Decoded:
+                       budget: int | None = None, clock: Callable[[], float] = time.perf_counter) -> Decoded:
     """Greedy speculative decoding at block size `block`: each round drafts, verifies the chain of the drafter's
     argmaxes (`budget` None) or DDTree's tree of `budget` nodes in one target forward, and keeps the accepted
     drafts and the bonus token, until `limit` tokens or EOS."""
@@ -70,7 +71,6 @@ def speculative_decode(spec: Speculator, prompt: Sequence[int], limit: int, eos:
                             torch.tensor([len(ids) - 1], device=spec.device), block)  # the prompt's context
     new, start_at, eos = features[:, :0], len(prompt), set(eos)
     taus, phases = [], {"draft": 0.0, "verify": 0.0, "overhead": 0.0}
-    clock = time.perf_counter
     _sync(spec)
     start = clock()
     while len(ids) < limit and ids[-1] not in eos:

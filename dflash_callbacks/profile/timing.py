@@ -45,21 +45,28 @@ class Piece:
     reset: Callable[[], object] | None = None
 
 
-def piece_seconds(pieces: dict, device: torch.device, warmup: int, repeats: int) -> dict:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+"""How a piece's seconds are counted: wall-clock (what a user waits), or the calling thread's CPU time (on a CPU
+with one torch thread, the same work without the time a busy machine's other processes take from it; what the
+validation on a shared machine compares)."""
+
+
+def piece_seconds(pieces: dict, device: torch.device, warmup: int, repeats: int, clock: str = "wall") -> dict:
     """The seconds of each piece of `pieces` (their `trimmed_mean`), timed in turns (one of each, `warmup` +
     `repeats` times), so that what else the machine does at a moment falls on every piece alike."""
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    now = CLOCKS[clock]
     times = {key: [] for key in pieces}
     for i in range(warmup + repeats):
         for key, piece in pieces.items():
             if piece.setup is not None:
                 piece.setup()
             sync()
-            start = time.perf_counter()
+            start = now()
             piece.run()
             sync()
             if i >= warmup:
-                times[key].append(time.perf_counter() - start)
+                times[key].append(now() - start)
             if piece.reset is not None:
                 piece.reset()
     return {key: trimmed_mean(found) for key, found in times.items()}
@@ -84,10 +91,11 @@ def verified_tokens(proposals: int, budgets: Sequence[int], topk: Sequence[int])
 @torch.no_grad()
 def profile_costs(model, drafter, *, block_sizes: Sequence[int], ddtree_budgets: Sequence[int] = (4, 8),
                   topk: Sequence[int] = (), contexts: Sequence[int] = (128, 512, 2048), batch_size: int = 1,
-                  repeats: int = 10, warmup: int = 3, baseline=None, source: str = "profile") -> Costs:
+                  repeats: int = 10, warmup: int = 3, baseline=None, source: str = "profile",
+                  clock: str = "wall") -> Costs:
     """The costs of one speculative round of `drafter` (and `baseline`'s draft, where given) with the target
     `model` on their device, in their dtype, `batch_size` requests side by side, at each block size of
-    `block_sizes` and every method `ddtree_budgets` and `topk` score."""
+    `block_sizes` and every method `ddtree_budgets` and `topk` score; `clock`: "wall" (CLOCKS)."""
     if batch_size < 1 or repeats < 1 or warmup < 0 or not block_sizes or not contexts:
         raise ValueError(f"need batch_size >= 1, repeats >= 1, warmup >= 0 and some block sizes and contexts; got "
                          f"batch_size={batch_size}, repeats={repeats}, warmup={warmup}, block_sizes={list(block_sizes)}, "
@@ -161,7 +169,9 @@ def profile_costs(model, drafter, *, block_sizes: Sequence[int], ddtree_budgets:
                 bookkeeping, setup=lambda p=proposal: spec.verify(kv, ids(1, len(p.tokens)), p.depths, p.parents),
                 reset=lambda: Speculator.commit(kv, middle, []))
 
-    found = piece_seconds(pieces, device, warmup, repeats)
+    if clock not in CLOCKS or (clock == "cpu" and device.type != "cpu"):
+        raise ValueError(f"clock must be one of {list(CLOCKS)} ('cpu' on a CPU device only); got {clock!r}")
+    found = piece_seconds(pieces, device, warmup, repeats, clock)
     verify = {L: [found[("verify", L, n)] for n in range(1, largest + 1)] for L in contexts}
     draft = {B: found[("draft", B)] for B in block_sizes}
     selector = {B: found[("selector", B)] for B in block_sizes if ("selector", B) in found}
@@ -182,5 +192,5 @@ def profile_costs(model, drafter, *, block_sizes: Sequence[int], ddtree_budgets:
         drafter={"family": drafter.family, "hidden_size": dc.hidden_size, "num_layers": dc.num_hidden_layers},
         contexts=contexts, verify=verify, draft=draft, selector=selector, baseline_draft=baseline_draft,
         overhead=overhead, source=source, library_version=__version__, created=time.time(),
-        extra={"repeats": repeats, "warmup": warmup, "torch": torch.__version__},
+        extra={"repeats": repeats, "warmup": warmup, "torch": torch.__version__, "clock": clock},
     )

@@ -25,7 +25,7 @@ from ..scoring.speed import speedup_values, task_contexts
 from .costs import Costs
 from .decode import plain_decode, speculative_decode
 from .rounds import Speculator
-from .timing import profile_costs
+from .timing import CLOCKS, profile_costs
 
 
 @dataclass(frozen=True)
@@ -69,10 +69,12 @@ def context_lengths(cache, tasks: Sequence[str], points: int = 3) -> list[int]:
 
 
 def check_speedups(target, drafter, cache, *, ddtree_budgets: Sequence[int] = (4, 8), block_sizes: Sequence[int] = (8, 4),
-                   tasks: Sequence[str] | None = None, passes: int = 3, repeats: int = 10):
+                   tasks: Sequence[str] | None = None, passes: int = 3, repeats: int = 10, clock: str = "wall"):
     """(the rows, the costs, the report) of `drafter` (a DFlash drafter, on the CPU in float32) with the target
     folder `target` on `cache` (a HiddenStateCache of that target's greedy answers), methods vanilla and
-    ddtree@N for N in `ddtree_budgets`, at each block size of `block_sizes` (the first the report's own)."""
+    ddtree@N for N in `ddtree_budgets`, at each block size of `block_sizes` (the first the report's own), every
+    second counted by `clock` (`timing.CLOCKS`: "wall", or "cpu", this thread's CPU time)."""
+    now = CLOCKS[clock]
     names = list(tasks or cache.task_names)
     config = ScoringConfig(ddtree_budgets=list(ddtree_budgets), block_size=block_sizes[0],
                            block_sizes=list(block_sizes[1:]), max_rounds=100_000, device="cpu", tasks=names)
@@ -86,14 +88,14 @@ def check_speedups(target, drafter, cache, *, ddtree_budgets: Sequence[int] = (4
     taus = {}
     for _ in range(passes):  # a profile before each pass: what else the machine does weighs on both alike
         profiles.append(profile_costs(model, drafter, block_sizes=block_sizes, ddtree_budgets=ddtree_budgets,
-                                      contexts=context_lengths(cache, names), repeats=repeats))
+                                      contexts=context_lengths(cache, names), repeats=repeats, clock=clock))
         for t in names:
             task = cache.task(t)
             prompt, limit = task.input_ids[: task.prompt_len].tolist(), task.num_tokens
-            plain = plain_decode(spec, prompt, limit, eos)
+            plain = plain_decode(spec, prompt, limit, eos, now)
             seconds[(t, "plain")].append(plain.seconds)
             for method, block, budget in configs:
-                found = speculative_decode(spec, prompt, limit, eos, block, budget)
+                found = speculative_decode(spec, prompt, limit, eos, block, budget, now)
                 if found.tokens != plain.tokens:
                     raise AssertionError(f"{method} decoded another text than plain greedy decoding on {t}")
                 seconds[(t, method)].append(found.seconds)

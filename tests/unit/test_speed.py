@@ -146,7 +146,9 @@ def score_argv(toy_cache_dir, toy_target, tmp_path, *more) -> list[str]:
 def test_score_with_costs_prints_the_speedups_and_the_fastest_line(toy_cache_dir, toy_target, tmp_path, capsys):
     path = tmp_path / "costs.json"
     hand_costs().to_json(path)
-    assert cli_main(score_argv(toy_cache_dir, toy_target, tmp_path)) == 0
+    ours, base = tmp_path / "ours.json", tmp_path / "base.json"
+    assert cli_main(score_argv(toy_cache_dir, toy_target, tmp_path, "--json", str(ours), "--baseline-json",
+                               str(base))) == 0
     without = capsys.readouterr().out
     assert "speed-up" not in without and "fastest" not in without
     assert cli_main(score_argv(toy_cache_dir, toy_target, tmp_path, "--costs", str(path))) == 0
@@ -157,6 +159,10 @@ def test_score_with_costs_prints_the_speedups_and_the_fastest_line(toy_cache_dir
     assert [row.split()[0] for row in added[1:-1]] == ["vanilla", "ddtree@4", "ddtree@8"]
     assert all("ratio 1.00 [1.00, 1.00]" in row for row in added[1:-1])  # the baseline is ours: the same speed
     assert re.fullmatch(r"fastest: ddtree@[48]:b8, .*", added[-1])
+    # compare reads the same costs: the same speed-ups from the saved reports
+    assert cli_main(["compare", str(ours), str(base), "--costs", str(path)]) == 0
+    compared = capsys.readouterr().out.splitlines()
+    assert compared[-len(added):] == added
 
 
 def test_score_refuses_costs_of_another_dtype_or_target_in_one_line_unless_forced(toy_cache_dir, toy_target, tmp_path,
