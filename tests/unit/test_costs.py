@@ -101,3 +101,24 @@ def test_a_missing_or_foreign_file_says_what_it_is(tmp_path):
     (tmp_path / "x.json").write_text("{")
     with pytest.raises(CostsError, match="is not JSON"):
         Costs.load(tmp_path / "x.json")
+
+
+def test_the_profile_command_writes_a_costs_file_and_refuses_mistakes_in_one_line_each(tmp_path, capsys):
+    from dflash_callbacks.cli import main as cli_main
+
+    target, drafter, out = str(toy_target_path()), str(toy_baseline_path()), tmp_path / "costs.json"
+    argv = ["profile", "--target", target, "--drafter", drafter, "--device", "cpu", "--dtype", "float32",
+            "--block-sizes", "8", "--ddtree-budgets", "4", "--contexts", "16,32", "--repeats", "1", "--warmup", "0"]
+    assert cli_main([*argv, "--out", str(out)]) == 0
+    costs = Costs.load(out)
+    assert costs.dtype == "float32" and costs.contexts == [16, 32] and sorted(costs.draft) == [8]
+    assert "wrote" in capsys.readouterr().err
+    assert cli_main(["profile", "--target", str(tmp_path), "--drafter", drafter, "--batch-size", "0",
+                     "--block-sizes", "1", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"error: --target {tmp_path} is not a model folder (no config.json there)",
+                   f"error: --out {tmp_path}: give the path of the JSON file to write, in a folder that exists",
+                   "error: --batch-size must be at least 1; got 0",
+                   "error: --block-sizes must hold integers >= 2; got [1]"]
+    assert cli_main([*argv, "--block-sizes", "16", "--out", str(out)]) == 2
+    assert "above the drafter's trained block size 8" in capsys.readouterr().err
