@@ -28,6 +28,8 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-sizes", type=int_list, default=None,
                    help="the block sizes scored, comma-separated (default: the drafter's)")
     p.add_argument("--ddtree-budgets", type=int_list, default=[4, 8], help="the DDTree budgets scored (default 4,8)")
+    p.add_argument("--ddtree-sweep", type=int, default=None,
+                   help="also every DDTree budget from 1 to N (scoring.ddtree_sweep)")
     p.add_argument("--topk", type=int_list, default=[], help="the top@k widths scored (default none)")
     p.add_argument("--contexts", type=int_list, default=[128, 512, 2048],
                    help="the context lengths L to time the target's forward after (default 128,512,2048)")
@@ -43,7 +45,7 @@ def run_profile(args: argparse.Namespace) -> int:
     if args.out.is_dir() or not args.out.parent.is_dir():
         problems.append(f"--out {args.out}: give the path of the JSON file to write, in a folder that exists")
     for flag, value, low in (("--batch-size", args.batch_size, 1), ("--repeats", args.repeats, 1),
-                             ("--warmup", args.warmup, 0)):
+                             ("--warmup", args.warmup, 0), ("--ddtree-sweep", args.ddtree_sweep or 1, 1)):
         if value < low:
             problems.append(f"{flag} must be at least {low}; got {value}")
     for flag, values, low in (("--block-sizes", args.block_sizes or [2], 2), ("--ddtree-budgets", args.ddtree_budgets, 1),
@@ -66,7 +68,8 @@ def run_profile(args: argparse.Namespace) -> int:
     too_large = [b for b in blocks if b > drafter.block_size]
     if too_large:
         raise UsageError(f"--block-sizes {too_large} are above the drafter's trained block size {drafter.block_size}")
-    costs = profile_costs(model, drafter, block_sizes=blocks, ddtree_budgets=args.ddtree_budgets, topk=args.topk,
+    budgets = sorted({*args.ddtree_budgets, *range(1, (args.ddtree_sweep or 0) + 1)})
+    costs = profile_costs(model, drafter, block_sizes=blocks, ddtree_budgets=budgets, topk=args.topk,
                           contexts=args.contexts, batch_size=args.batch_size, repeats=args.repeats,
                           warmup=args.warmup, baseline=baseline)
     costs.to_json(args.out)

@@ -83,6 +83,9 @@ def _field(default: Any = dataclasses.MISSING, *, help: str, factory: Any = data
 class ScoringConfig:
     ddtree_budgets: list[int] = _field(factory=lambda: [4, 8], numbers=True, aliases=("budgets",),
                                        help="DDTree node budgets N")
+    ddtree_sweep: int | None = _field(None, help="also every DDTree budget from 1 to N (added to ddtree_budgets): "
+                                                  "the closed form reads every budget from one pass, and the "
+                                                  "fastest configuration is then chosen over all of them")
     topk: list[int] = _field(factory=list, numbers=True, help="top@k widths (an upper bound, not a node budget)")
     window: int | None = _field(None, numbers=True, help="score the anchors in the first N tokens of each completion "
                                                          "(None: all)")
@@ -132,6 +135,9 @@ class ScoringConfig:
         """Every bad field at once, one line each (the CLIs print one `error:` line per line)."""
         problems = problems_of(
             lambda: check_int_list("ddtree_budgets", self.ddtree_budgets, 1, MAX_DDTREE_BUDGET),
+            lambda: check_int("ddtree_sweep", self.ddtree_sweep, 1, optional=True) is None
+            or self.ddtree_sweep <= MAX_DDTREE_BUDGET or _bad(
+                f"ddtree_sweep must be at most {MAX_DDTREE_BUDGET}; got {self.ddtree_sweep!r}"),
             lambda: check_int_list("topk", self.topk, 1),
             lambda: check_int("window", self.window, 1, optional=True),
             lambda: check_int("block_size", self.block_size, 2, optional=True),
@@ -172,7 +178,9 @@ class ScoringConfig:
         if problems:
             raise ValueError("\n".join(problems))
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen: copied once, here)
-        put("ddtree_budgets", [int(n) for n in self.ddtree_budgets])
+        sweep = [] if self.ddtree_sweep is None else range(1, self.ddtree_sweep + 1)
+        put("ddtree_budgets", sorted({int(n) for n in [*self.ddtree_budgets, *sweep]}) if sweep
+            else [int(n) for n in self.ddtree_budgets])
         put("topk", [int(k) for k in self.topk])
         put("block_sizes", [int(b) for b in self.block_sizes])
         put("attentions", list(self.attentions))

@@ -122,3 +122,14 @@ def test_the_profile_command_writes_a_costs_file_and_refuses_mistakes_in_one_lin
                    "error: --block-sizes must hold integers >= 2; got [1]"]
     assert cli_main([*argv, "--block-sizes", "16", "--out", str(out)]) == 2
     assert "above the drafter's trained block size 8" in capsys.readouterr().err
+
+
+def test_dflash2s_selector_is_timed_apart_and_counted_in_its_round():
+    from dflash_callbacks.demos.toy.dflash2 import toy_dflash2_config
+    from dflash_callbacks.model import build_drafter
+
+    model, _ = load_target(toy_target_path(), dtype=torch.float32)
+    costs = profile_costs(model, build_drafter(toy_dflash2_config()), block_sizes=[8], ddtree_budgets=[4],
+                          contexts=[32], repeats=2, warmup=0)
+    assert sorted(costs.selector) == [8] and costs.selector[8] > 0 and costs.drafter["family"] == "dflash2"
+    assert costs.draft_round(8) == costs.draft[8] + costs.selector[8]

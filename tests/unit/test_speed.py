@@ -121,6 +121,19 @@ def test_a_round_ten_times_cheaper_is_distinguishable(report):
     assert found.method == "ddtree@8:b8" and found.verdict == "distinguishable" and found.over_runner_up.lo > 1
 
 
+def test_a_budget_sweep_scores_every_budget_and_the_fastest_is_chosen_over_them(toy_cache, toy_target):
+    config = ScoringConfig(ddtree_budgets=[], ddtree_sweep=6, device="cpu", tasks=TASKS)
+    swept = score_drafter(load_drafter(toy_baseline_path()), toy_cache, TargetHead.from_pretrained(toy_target), config)
+    assert swept.methods == ["vanilla"] + [f"ddtree@{n}" for n in range(1, 7)]
+    taus = [swept.value(f"ddtree@{n}/dense") for n in range(1, 7)]
+    assert taus == sorted(taus) and taus[-1] > taus[0]  # a larger tree never accepts less
+    costs = hand_costs(slope=0.001)  # each token verified costs 1 ms more: tau rises, the speed-up peaks inside
+    values = speedup_values(swept, None, costs, 200)
+    best = max(swept.methods, key=lambda m: values[(m, "live", "mean")].ours.value)
+    assert best.startswith("ddtree@") and best not in ("ddtree@1", "ddtree@6")
+    assert fastest(swept, costs, contexts=200).method == f"{best}:b8"
+
+
 def test_the_logged_keys(report):
     metrics = speedup_metrics("dflash", speedup_values(report, report, hand_costs(), 200))
     assert metrics["dflash/speedup/ddtree@8/live/mean"] > 0
