@@ -83,10 +83,10 @@ def _field(default: Any = dataclasses.MISSING, *, help: str, factory: Any = data
 class ScoringConfig:
     ddtree_budgets: list[int] = _field(factory=lambda: [4, 8], numbers=True, aliases=("budgets",),
                                        help="DDTree node budgets N")
+    topk: list[int] = _field(factory=list, numbers=True, help="top@k widths (an upper bound, not a node budget)")
     ddtree_sweep: int | None = _field(None, help="also every DDTree budget from 1 to N (added to ddtree_budgets): "
                                                   "the closed form reads every budget from one pass, and the "
                                                   "fastest configuration is then chosen over all of them")
-    topk: list[int] = _field(factory=list, numbers=True, help="top@k widths (an upper bound, not a node budget)")
     window: int | None = _field(None, numbers=True, help="score the anchors in the first N tokens of each completion "
                                                          "(None: all)")
     block_size: int | None = _field(None, numbers=True, help="the block size scored (None: the drafter's)")
