@@ -33,7 +33,8 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk", type=int_list, default=[], help="the top@k widths scored (default none)")
     p.add_argument("--contexts", type=int_list, default=[128, 512, 2048],
                    help="the context lengths L to time the target's forward after (default 128,512,2048)")
-    p.add_argument("--repeats", type=int, default=10, help="timed runs of each piece (their mean is kept, the extreme tenths left out; default 10)")
+    p.add_argument("--repeats", type=int, default=10,
+                   help="timed runs of each piece (their mean is kept, the extreme tenths left out; default 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed runs of each piece first (default 3)")
 
 
@@ -74,8 +75,9 @@ def run_profile(args: argparse.Namespace) -> int:
                           warmup=args.warmup, baseline=baseline)
     costs.to_json(args.out)
     L = costs.contexts[0]
+    most = costs.largest_n
     print(f"{costs.device}, {costs.dtype}, batch {costs.batch_size}: target forward of 1 token after {L} "
-          f"{1000 * costs.target_forward(1, L):.2f} ms, of {costs.largest_n} {1000 * costs.target_forward(costs.largest_n, L):.2f} ms; "
+          f"{1000 * costs.target_forward(1, L):.2f} ms, of {most} {1000 * costs.target_forward(most, L):.2f} ms; "
           + ", ".join(f"drafter round at block {b} {1000 * costs.draft_round(b):.2f} ms" for b in blocks))
     print(f"wrote {args.out} (score with --costs {args.out})", file=sys.stderr)
     return 0

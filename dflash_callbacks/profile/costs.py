@@ -247,7 +247,8 @@ class Costs:
         for whose, mine, theirs in (("target", self.target, target), ("drafter", self.drafter, drafter)):
             if mine is None or theirs is None:
                 continue
-            differ = [f"{k} {mine[k]} (measured) vs {theirs[k]}" for k in sorted(theirs) if k in mine and mine[k] != theirs[k]]
+            differ = [f"{k} {mine[k]} (measured) vs {theirs[k]}" for k in sorted(theirs)
+                      if k in mine and mine[k] != theirs[k]]
             if differ:
                 lines.append(f"another {whose} shape: {', '.join(differ)}")
         return lines

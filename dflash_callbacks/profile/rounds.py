@@ -143,7 +143,8 @@ class Speculator:
               anchors: torch.Tensor, block: int) -> tuple[list, torch.Tensor]:
         """The drafter's round: its per-layer context keys and values (`context`, None: none yet) grown by the
         features [batch, m, F] of positions start .. start + m - 1, then the blocks of `block` at `anchors`
-        [batch] (each seeing the context before it), each [its anchor token, MASK x (block - 1)]: (the grown context, the draft slots' hidden [batch, P, H'])."""
+        [batch] (each seeing the context before it), each [its anchor token, MASK x (block - 1)]: (the grown
+        context, the draft slots' hidden [batch, P, H'])."""
         d = self.drafter
         batch, m = new_features.shape[:2]
         if m or context is None:

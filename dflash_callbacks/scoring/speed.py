@@ -186,10 +186,13 @@ class Fastest:
 
     @property
     def verdict(self) -> str:
+        """"distinguishable" (the ratio's interval above 1) or "not distinguishable"; "too few tasks to tell" under
+        MIN_TASKS tasks, "no paired interval to tell" for a report without intervals or two methods scored on other
+        anchors."""
         if self.runner_up is None:
             return "the only one scored"
         if self.tasks < MIN_TASKS or self.over_runner_up is None:
-            return "too few tasks to tell" if self.tasks < MIN_TASKS else "not paired"
+            return "too few tasks to tell" if self.tasks < MIN_TASKS else "no paired interval to tell"
         return "distinguishable" if self.over_runner_up.lo > 1 else "not distinguishable"
 
 
