@@ -197,15 +197,12 @@ def score_costs(scoring: ScoringConfig, args: argparse.Namespace):
 
     drafter = None
     if args.drafter.is_dir() and (args.drafter / "config.json").is_file():
-        from ..model.io import read_config
+        from ..scoring.speed import drafter_folder_shape
 
-        try:
-            drafter = read_config(args.drafter)
-        except USER_ERRORS:
-            drafter = None  # its problems are said where the drafter is read
+        drafter = drafter_folder_shape(args.drafter)  # None where it can not tell: the drafter's read says why
     target = args.target if (args.target / "config.json").is_file() else None
     try:
-        costs, warnings = config_costs(scoring, target, drafter)
+        costs, warnings = config_costs(scoring, target, drafter_shape_given=drafter)
     except (CostsError, OSError, KeyError) as e:
         return None, [f"--costs {scoring.costs}: {e}"]
     for line in warnings:

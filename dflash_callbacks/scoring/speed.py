@@ -294,12 +294,28 @@ def drafter_shape(config) -> dict:
     return {"family": config.family, "hidden_size": config.hidden_size, "num_layers": config.num_hidden_layers}
 
 
+def drafter_folder_shape(folder: str | object) -> dict | None:
+    """`drafter_shape` of a drafter folder, from its config.json without torch (the family from the registry);
+    None where the file does not say it plainly (a layout whose shape is nested, a config no family claims)."""
+    import json
+    from pathlib import Path
+
+    from ..model.families import identify
+
+    try:
+        raw = json.loads((Path(folder) / "config.json").read_text())
+        return {"family": identify(raw).name, "hidden_size": raw["hidden_size"],
+                "num_layers": raw["num_hidden_layers"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def config_costs(scoring, target: str | object | None = None, drafter_config=None,
-                 device_type: str | None = None) -> tuple[Costs, list[str]]:
+                 device_type: str | None = None, drafter_shape_given: dict | None = None) -> tuple[Costs, list[str]]:
     """(the costs `scoring.costs` names, the mismatches let through by `scoring.force_costs`): CostsError when the
     file is not a costs file, or, unless forced, in one line naming what it was measured on that differs from the
     scoring's device kind (`device_type`, default the config's device), dtype, the `target` folder's shape or the
-    drafter's (each checked where given)."""
+    drafter's (`drafter_config`, or its `drafter_shape_given`; each checked where given)."""
     from ..profile.costs import check_costs_fit
 
     costs = Costs.load(scoring.costs)
@@ -307,5 +323,5 @@ def config_costs(scoring, target: str | object | None = None, drafter_config=Non
         device_type = scoring.device.split(":")[0]
     used = {"device_type": device_type, "dtype": scoring.dtype,
             "target": None if target is None else target_shape(target),
-            "drafter": None if drafter_config is None else drafter_shape(drafter_config)}
+            "drafter": drafter_shape(drafter_config) if drafter_config is not None else drafter_shape_given}
     return costs, check_costs_fit(costs, scoring.force_costs, **used)
