@@ -92,7 +92,11 @@ def test_a_costs_file_of_another_device_dtype_or_shape_is_refused_in_one_line_un
     assert "scoring.force_costs=true" in line
     assert len(check_costs_fit(profiled, True, device_type="cuda", dtype="bfloat16", target=target)) == 3
     assert check_costs_fit(profiled, False, device_type="cpu", dtype="float32",
-                           target={"hidden_size": 128, "vocab_size": 260, "num_layers": 4}) == []
+                           target={"hidden_size": 128, "vocab_size": 260, "num_layers": 4},
+                           drafter={"family": "dflash", "hidden_size": 128, "num_layers": 2}) == []
+    with pytest.raises(CostsError, match=r"another drafter shape: family dflash \(measured\) vs dflash2, num_layers 2 "
+                                         r"\(measured\) vs 5 \("):
+        check_costs_fit(profiled, False, drafter={"family": "dflash2", "hidden_size": 128, "num_layers": 5})
 
 
 def test_a_missing_or_foreign_file_says_what_it_is(tmp_path):
