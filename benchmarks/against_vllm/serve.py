@@ -15,6 +15,9 @@ counters its log line is made from) says:
 - the sliding window each of the drafter's attention layers was built with (`Attention.sliding_window`; the
   drafter's layers are numbered after the target's).
 
+A plan with `"sampling": {"temperature", "top_p", "seed"}` serves at those settings instead (each request
+seeded with seed + its index); the label `none` serves the target alone, without speculative decoding.
+
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python serve.py PLAN.json DRAFTER_LABEL OUT.json
 """
 
@@ -66,6 +69,8 @@ def main(plan_path: str, label: str, out_path: str) -> None:
 
     plan = json.loads(Path(plan_path).read_text())
     started = time.perf_counter()
+    speculative = None if label == "none" else {"method": "dflash", "model": plan["drafters"][label],
+                                                "num_speculative_tokens": plan["num_speculative_tokens"]}
     llm = LLM(
         model=plan["target"],
         skip_tokenizer_init=True,  # the prompts are the cache's own ids; the answers are compared as ids
@@ -75,16 +80,17 @@ def main(plan_path: str, label: str, out_path: str) -> None:
         max_model_len=plan["max_model_len"],
         max_num_seqs=1,
         disable_log_stats=False,  # the metrics API reads the stat loggers' counters
-        speculative_config={"method": "dflash", "model": plan["drafters"][label],
-                            "num_speculative_tokens": plan["num_speculative_tokens"]},
+        speculative_config=speculative,
     )
     load_s = time.perf_counter() - started
-    params = SamplingParams(temperature=0.0, max_tokens=plan["max_tokens"], stop_token_ids=plan["stop_token_ids"],
-                            detokenize=False)
+    sampling = plan.get("sampling") or {"temperature": 0.0, "top_p": 1.0, "seed": 0}
     engine, tasks = llm.llm_engine, {}
     started = time.perf_counter()
     start = read_counters(llm)
-    for task in plan["tasks"]:
+    for index, task in enumerate(plan["tasks"]):
+        params = SamplingParams(temperature=sampling["temperature"], top_p=sampling["top_p"],
+                                seed=sampling["seed"] + index, max_tokens=plan["max_tokens"],
+                                stop_token_ids=plan["stop_token_ids"], detokenize=False)
         before = previous = read_counters(llm)
         engine.add_request(task["name"], {"prompt_token_ids": task["prompt_ids"]}, params)
         steps, output = [], None
@@ -104,8 +110,8 @@ def main(plan_path: str, label: str, out_path: str) -> None:
                                "finish_reason": output.outputs[0].finish_reason}
     run = minus(read_counters(llm), start)
     target_layers = json.loads((Path(plan["target"]) / "config.json").read_text())["num_hidden_layers"]
-    result = {"vllm": __import__("vllm").__version__, "drafter": plan["drafters"][label], "label": label,
-              "draft_windows": draft_windows(llm, target_layers),
+    result = {"vllm": __import__("vllm").__version__, "drafter": plan["drafters"].get(label), "label": label,
+              "sampling": sampling, "draft_windows": draft_windows(llm, target_layers),
               "load_seconds": load_s, "serve_seconds": time.perf_counter() - started,
               **run, "mean_acceptance_length": mean_acceptance_length(run), "tasks": tasks}
     Path(out_path).write_text(json.dumps(result, indent=1))
