@@ -225,9 +225,11 @@ def steps_agreeing(vllm_steps: dict[str, list[int]], streaks: dict[str, np.ndarr
 
 def past_the_end(result: dict, plan: dict) -> int:
     """Tokens vLLM counted as accepted past each answer's end (its last step verifies a whole draft, however
-    few tokens max_tokens leaves): 1 (prefill's token) + accepted + drafts - the answer's length."""
+    few tokens max_tokens leaves): a request's steps make 1 (prefill's token) + accepted + drafts (a bonus
+    token each) tokens, the last bonus past the end where the last step overran it, so accepted + drafts - the
+    answer's length of them were accepted past it."""
     lengths = {t["name"]: len(t["answer_ids"]) for t in plan["tasks"]}
-    return sum(max(0, 1 + t["accepted_tokens"] + t["drafts"] - lengths[name]) for name, t in result["tasks"].items())
+    return sum(max(0, t["accepted_tokens"] + t["drafts"] - lengths[name]) for name, t in result["tasks"].items())
 
 
 def table(plan: dict, served: dict[str, dict], library: dict[str, dict]) -> str:
