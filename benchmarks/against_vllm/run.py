@@ -198,7 +198,8 @@ def library_side(plan: dict, cache: HiddenStateCache) -> dict:
             lo, hi = report.intervals["mean"]["vanilla"]["pooled"]
             pooled, source = Estimate(report.mean["vanilla"]["pooled"], lo, hi), "the registry's pooled aggregate"
         else:
-            pooled, source = pooled_rounds(rounds), "pooled by this script from the live rounds (no pooled aggregate yet)"
+            pooled = pooled_rounds(rounds)
+            source = "pooled by this script from the live rounds (no pooled aggregate yet)"
         lo, hi = report.intervals["mean"]["vanilla"]["live"]
         out[label] = {"report": report, "pooled": pooled, "pooled_source": source,
                       "per_task": Estimate(report.mean["vanilla"]["live"], lo, hi), "rounds": rounds,
@@ -254,8 +255,10 @@ def table(plan: dict, served: dict[str, dict], library: dict[str, dict]) -> str:
                  *[" ".join(f"{a / r['drafts']:.2f}" for a in r["accepted_tokens_per_pos"]) for r in vllm_cells],
                  *[" ".join(f"{x:.2f}" for x in live_position_rates(lib)) for lib in lib_cells]])
     steps = {label: {task: t["step_accepted"] for task, t in r["tasks"].items()} for label, r in served.items()}
-    rows.append(["vLLM's steps whose accepted count is the library's streak there", *[""] * len(vllm_cells),
-                 *[_share(*steps_agreeing(steps[next(iter(steps))], lib["streaks"])) for lib in lib_cells]])
+    rows.append(["vLLM's steps whose accepted count is the library's streak there (the same folder served)",
+                 *[""] * len(vllm_cells),
+                 *[_share(*steps_agreeing(steps.get(label, next(iter(steps.values()))), lib["streaks"]))
+                   for label, lib in library.items()]])
     lines = ["| " + " | ".join(row) + " |" for row in rows]
     lines.append("")
     first = vllm_cells[0]
