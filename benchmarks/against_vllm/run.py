@@ -337,6 +337,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="also serve at T and top-p and count the tokens outside the target's nucleus")
     args = parser.parse_args(argv)
     command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, ROOT), *sys.argv[1:]])
+    args.out = args.out.resolve()  # serve.py runs in it and reads the plan's folders from there
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     python = ensure_venv(args.venv, args.vllm_version)
