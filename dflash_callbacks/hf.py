@@ -13,8 +13,9 @@ Trainer"). Its hooks, and what the engine does in them:
     on_train_end:           the last reports, then the run folder is released
     `with callback:`        around `trainer.train()`: a train() that raises keeps unscored snapshots
 
-Reports go to the active W&B run (`report_to="wandb"`; a row of its own each, none of the Trainer's lost)
-and to `log=` functions."""
+Reports go to the active W&B run (`report_to="wandb"`; a row of its own each, none of the Trainer's lost),
+to the Trainer's own TensorBoard and MLflow integrations (`report_to=["tensorboard", "mlflow"]`: their
+folder and run, `trackers/trainer_integrations.py`), to `trackers=` and to `log=` functions."""
 
 from __future__ import annotations
 
@@ -32,7 +33,9 @@ from transformers.trainer_callback import ExportableState
 from .engine.drafters import check_drafter_config, drafter_config_of, refuse_collective_wrappers, resolve_drafter, unwrap
 from .engine.eval_engine import EvalEngine
 from .engine.host import Host, TorchDistributed
+from .engine.trackers.base import Tracker, checked_trackers
 from .engine.trackers.log_functions import as_loggers, log_functions
+from .engine.trackers.trainer_integrations import calling_handler, trainer_trackers
 from .engine.trackers.wandb import ActiveWandb
 from .engine.stop import StopPolicy, stop_policies
 from .engine.adapter import EvalAdapter
@@ -46,6 +49,7 @@ class TrainerHost(Host):
     def __init__(self, callback: DrafterEvalTrainerCallback, args, state, control):
         self.callback, self.args, self.state, self.control = callback, args, state, control
         self.rank, self.world_size = args.process_index, args.world_size
+        self.integrations: list = []  # the Trainer's TensorBoard and MLflow callbacks' trackers (rank 0)
 
     def update(self, state, control) -> None:
         """The Trainer's state and control at this step (what `horizon` and `ending` read)."""
@@ -62,6 +66,9 @@ class TrainerHost(Host):
 
     def wandb_runs(self):
         return self.callback.wandb.runs()
+
+    def trackers(self):
+        return [*self.callback.trackers, *self.integrations]
 
     def horizon(self) -> int | None:
         return self.state.max_steps if self.state.max_steps and self.state.max_steps > 0 else None
@@ -83,7 +90,8 @@ class DrafterEvalTrainerCallback(EvalAdapter, TrainerCallback, ExportableState):
         settings: an `EvalSettings` instead of its fields.
         **fields: any other field of `EvalSettings` (every_n_steps, scoring, runner, ...: `EvalFields`;
             docs/configuration.md lists each with its default).
-        stop, drafter_config, log, wandb: as DrafterEvaluator's.
+        stop, drafter_config, log, wandb, trackers: as DrafterEvaluator's; `report_to`'s TensorBoard and
+            MLflow integrations get the reports too, in their folder and run.
         drafter: the attribute path of the drafter on the Trainer's model, a function model -> drafter, or
             None when the model is the drafter. `dirpath` defaults to <output_dir>/<name>.
 
@@ -96,7 +104,8 @@ class DrafterEvalTrainerCallback(EvalAdapter, TrainerCallback, ExportableState):
                  stop: StopPolicy | Sequence[StopPolicy] | None = None,
                  drafter: str | Callable[[nn.Module], nn.Module] | None = "drafter",
                  drafter_config: DrafterConfig | str | os.PathLike[str] | None = None,
-                 log: Callable | Sequence[Callable] | None = None, wandb: Any = None, **fields: Unpack[EvalFields]):
+                 log: Callable | Sequence[Callable] | None = None, wandb: Any = None,
+                 trackers: Sequence[Tracker] | None = None, **fields: Unpack[EvalFields]):
         given = {"cache": cache, "target": target, "baseline": baseline}
         self.engine = EvalEngine(eval_settings(settings, given, fields, type(self).__name__))
         for policy in stop_policies(stop):
@@ -104,7 +113,7 @@ class DrafterEvalTrainerCallback(EvalAdapter, TrainerCallback, ExportableState):
         if not (drafter is None or isinstance(drafter, str) or callable(drafter)):
             raise TypeError("drafter must be an attribute path, a function model -> drafter, or None (the model)")
         self.drafter, self.drafter_config = drafter, check_drafter_config(drafter_config)
-        self.log, self.wandb = log_functions(log), ActiveWandb(wandb)
+        self.log, self.wandb, self.trackers = log_functions(log), ActiveWandb(wandb), checked_trackers(trackers)
         self._module: nn.Module | None = None
         self._host: TrainerHost | None = None  # the Trainer as the engine's host, after on_train_begin
         self._finished = False
@@ -139,6 +148,8 @@ class DrafterEvalTrainerCallback(EvalAdapter, TrainerCallback, ExportableState):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         """Every check, then the run folder (a resume's, when the Trainer resumes from a checkpoint)."""
         self._host = host = TrainerHost(self, args, state, control)
+        if host.rank == 0:  # the integrations open their writer and run on rank 0 only, before this hook
+            host.integrations = trainer_trackers(calling_handler())
         self._module = unwrap(model) if self.drafter is None else resolve_drafter(model, self.drafter, type(self).__name__)
         refuse_collective_wrappers(self._module, model, f"{type(self).__name__}(drafter={self.drafter!r})")
         config = drafter_config_of(self._module, self.drafter_config, type(self).__name__, model,

@@ -27,6 +27,7 @@ from .engine.drafters import (
 )
 from .engine.eval_engine import EvalEngine
 from .engine.host import Host, TorchDistributed
+from .engine.trackers.base import Tracker, checked_trackers
 from .engine.trackers.log_functions import as_loggers, log_functions
 from .engine.trackers.wandb import ActiveWandb
 from .engine.stop import StopPolicy, stop_policies
@@ -51,6 +52,9 @@ class LoopHost(Host):
 
     def wandb_runs(self):
         return self.evaluator.wandb.runs()
+
+    def trackers(self):
+        return list(self.evaluator.trackers)
 
     def horizon(self) -> int | None:
         return self.evaluator.max_steps
@@ -79,6 +83,8 @@ class DrafterEvaluator(EvalAdapter):
         log: a function `fn(metrics, step)`, or a list of them, that gets every report's numbers at the
             snapshot's step (TensorBoard: `lambda m, s: [writer.add_scalar(k, v, s) for k, v in m.items()]`).
         wandb: a W&B run to log to; None: the active `wandb.run` when there is one; False: never.
+        trackers: other destinations of every report (`TensorBoardTracker(folder)`, `MlflowTracker(uri, ...)`,
+            any `Tracker`): its keys at the snapshot's step, its per-task table, the live-tau plot at the end.
 
     Attributes (every rank): `metrics` (the latest means, NaN before the first report), `history`, `errors`,
     `should_stop`, `stop_reason`; on rank 0 also `reports`, `baseline_report`, `run`.
@@ -88,14 +94,15 @@ class DrafterEvaluator(EvalAdapter):
                  baseline: str | os.PathLike[str] | None = None, *, settings: EvalSettings | None = None,
                  stop: StopPolicy | Sequence[StopPolicy] | None = None,
                  drafter_config: DrafterConfig | str | os.PathLike[str] | None = None, max_steps: int | None = None,
-                 log: Callable | Sequence[Callable] | None = None, wandb: Any = None, **fields: Unpack[EvalFields]):
+                 log: Callable | Sequence[Callable] | None = None, wandb: Any = None,
+                 trackers: Sequence[Tracker] | None = None, **fields: Unpack[EvalFields]):
         given = {"cache": cache, "target": target, "baseline": baseline}
         self.engine = EvalEngine(eval_settings(settings, given, fields, type(self).__name__))
         for policy in stop_policies(stop):
             self.engine.add_stop(policy)  # its monitor must be scored: checked now
         self.drafter_config = check_drafter_config(drafter_config)
         self.max_steps = check_int("max_steps", max_steps, 1, optional=True)
-        self.log, self.wandb = log_functions(log), ActiveWandb(wandb)
+        self.log, self.wandb, self.trackers = log_functions(log), ActiveWandb(wandb), checked_trackers(trackers)
         self.last_step: int | None = None
         self._drafter: nn.Module | None = None
         self._hooks: list = []

@@ -61,6 +61,14 @@ def add_watch_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--wandb-project", help="log the reports to this W&B project (default: no W&B)")
     g.add_argument("--wandb-name", help="the W&B run's name")
     g.add_argument("--wandb-group", help="the W&B group, e.g. the training run's, to see both together")
+    g.add_argument("--tensorboard", type=Path, metavar="DIR", help="write the reports to this TensorBoard folder as well (extra: "
+                   "dflash-callbacks[tensorboard])")
+    g.add_argument("--mlflow-uri", metavar="URI", help="log the reports to this MLflow tracking server or store (http://host:port, "
+                   "sqlite:///path; extra: dflash-callbacks[mlflow]), in a run made in --mlflow-experiment or the run "
+                   "--mlflow-run-id")
+    g.add_argument("--mlflow-experiment", metavar="NAME", help="with --mlflow-uri: the experiment a run is made in, named for the run "
+                   "folder")
+    g.add_argument("--mlflow-run-id", metavar="ID", help="with --mlflow-uri: the run the reports go to (e.g. the training's own)")
     g.add_argument("--max-steps", type=int, help="the training's last step: the projection's horizon; a report there "
                                                  "only warns (training ends anyway)")
     stop = p.add_argument_group("watch --checkpoints DIR --baseline B: the stop (TrailingBaselineStop's settings; "
@@ -175,6 +183,13 @@ def checkpoint_settings(args: argparse.Namespace, scoring: ScoringConfig | None 
         problems.append(f"--max-steps must be an integer >= 1; got {s['max_steps']}")
     if s["wandb_project"] is None and given & {"wandb_name", "wandb_group"}:
         problems.append("--wandb-name and --wandb-group name a run of --wandb-project: give the project")
+    try:
+        from ..engine.trackers.flags import watcher_trackers
+
+        watcher_trackers(None if s["tensorboard"] is None else str(s["tensorboard"]), s["mlflow_uri"],
+                         s["mlflow_experiment"], s["mlflow_run_id"])
+    except ValueError as e:
+        problems.append(str(e))
     s["out"] = s["out"] if s["out"] is not None else root / "dflash-eval"
     if s["out"].exists() and not s["out"].is_dir():
         problems.append(f"--out {s['out']} is a file: give the folder the reports go to")

@@ -58,6 +58,11 @@ class Host:
         """The W&B runs that get the metrics, tables and curves."""
         return []
 
+    def trackers(self) -> list:
+        """The other destinations of the reports (`trackers/base.Tracker`: TensorBoard, MLflow, the user's
+        own), rank 0, looked up once, at the first report."""
+        return []
+
     def set_metrics(self, metrics: dict[str, float]) -> None:
         """The latest means (every rank): Lightning's `callback_metrics`, the plain loop's `metrics`."""
 

@@ -20,14 +20,16 @@ from ..scoring.intervals import resolution_warning
 from ..scoring.report import EvalReport
 from ..settings import EvalSettings
 from .host import Host
-from .metric_keys import errors_key, held_means, report_metrics, run_counts
+from .metric_keys import errors_key, held_means, report_metrics, run_counts, table_key
 from .run_folder import ResultsRecordError, ResultsWriteError, RunFolder
 from .run_state import RunState, history_entry
 from .results_line import results_record, summary_line, versus_baseline, versus_record
 from .runners.background import BackgroundRunner
 from .runners.jobs import BaselineOutcome, SnapshotOutcome, is_non_finite
 from .stop import Moment, StopPolicy
+from .trackers.delivery import Delivery, Table
 from .trackers.wandb import WandbTracker
+from ..scoring.table import comparison
 
 Subscriber = Callable[[EvalReport, "EvalReport | None"], object]
 
@@ -42,11 +44,13 @@ class Publisher:
         self.run: RunFolder | None = None
         self.unsaved: list[dict] = []  # records whose append failed, retried first
         self.trackers: dict[int, WandbTracker] = {}  # per W&B run
+        self.delivery: Delivery | None = None  # the host's other trackers (TensorBoard, MLflow, ...), at the first report
         self.reports: list[EvalReport] = []  # published by this process, in arrival order
         self.baseline: EvalReport | None = None
         self.baseline_settled = settings.baseline is None
         self.recovered: list[EvalReport] = []  # watcher reports a killed run never picked up
         self.closing = False
+        self.stopped_by: tuple[int, int, str] | None = None  # (which stop, the report it stopped at, why): the plot's
 
     def start(self, run: RunFolder, recovered: list[EvalReport]) -> None:
         self.run, self.recovered = run, list(recovered)
@@ -173,6 +177,8 @@ class Publisher:
         verdict = policy.evaluate(self.state.history, baseline, now, self.state.stops[index], self.settings.name,
                                   step=report.step)
         self.state.judged(index, verdict.state, verdict.reason if verdict.should_stop else None)
+        if verdict.should_stop and self.stopped_by is None:
+            self.stopped_by = (index, int(report.step), verdict.reason)
         for level, line in verdict.said:
             (self.host.info if level == "info" else self.host.warn)(line)
 
@@ -236,7 +242,37 @@ class Publisher:
         for name, run, log in self.host.wandb_runs():
             tracker = self.trackers.setdefault(id(run), WandbTracker(name, run, log, self.prefix))
             self._guarded(name, report.step, lambda: tracker.log_report(report, baseline, metrics, log))
+        if self.delivery is None:
+            self.delivery = Delivery(self.host.trackers(), self.host.warn)
+        if self.delivery.destinations:  # a tracker's failure is its own warning and count (`Delivery.errors`)
+            columns, rows = comparison(report, baseline)
+            rows = [[row[0], *(round(x, 4) for x in row[1:])] for row in rows]
+            self.delivery.send(report.step, metrics, Table(table_key(self.prefix), columns, rows))
         return metrics
+
+    def finish_trackers(self, plot: bool) -> None:
+        """The end of the run: with `plot`, the run's live-tau plot (live_tau.png in the run folder) to every
+        tracker; then what each still holds is tried once more and each is closed. A line for each tracker
+        that failed on the way (what it lacks; results.jsonl has everything)."""
+        delivery = self.delivery
+        if delivery is None or not delivery.destinations or delivery.finished:
+            return
+        if plot and self.reports and self.run is not None:
+            try:
+                delivery.send_image(f"{self.prefix}/plot", self.plot(self.run.path / "live_tau.png"))
+            except Exception as e:  # the plot is a picture of results.jsonl: never worth the run
+                self.host.warn(f"{self.settings.name}: the live-tau plot could not be drawn ({type(e).__name__}: {e})")
+        for line in delivery.finish():
+            self.host.warn(f"{self.settings.name}: {line}")
+
+    def plot(self, path) -> object:
+        from ..plot import plot_live_tau
+
+        policy = self.policies[self.stopped_by[0]] if self.stopped_by else self.policies[0] if self.policies else None
+        stopped, reason = (self.stopped_by[1], self.stopped_by[2]) if self.stopped_by else (None, None)
+        title = f"{self.settings.name}: live tau of ours against the baseline ({len(self.reports)} reports)"
+        return plot_live_tau(sorted(self.reports, key=lambda r: r.step), self.baseline, path, title=title,
+                             stop=policy if self.baseline is not None else None, stop_step=stopped, stop_reason=reason, horizon=self.host.horizon())
 
     def _guarded(self, name: str, step: int, log: Callable[[], object]) -> None:
         try:

@@ -56,7 +56,10 @@ class RunEnd:
                 self._keep_for_resume(runner.poll(), reason)
             self.publisher.record(None)
         finally:
-            self.run.unlock()
+            try:
+                self.publisher.finish_trackers(plot=publish)
+            finally:
+                self.run.unlock()
 
     def _keep_for_resume(self, outcomes: list, reason: str) -> None:
         """Training is failing: every outcome on disk, nothing logged; a snapshot not scored stays on disk

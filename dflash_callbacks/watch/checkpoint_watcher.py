@@ -94,7 +94,7 @@ class CheckpointWatcher:
         )
         self.checkpoints = Checkpoints(self.root, s.step_pattern, s.state_key, s.state_file, s.config, self.out,
                                        say=lambda line: print(line, file=sys.stderr, flush=True))
-        self.host = WatchHost(s.max_steps)
+        self.host = WatchHost(s.max_steps, s.trackers())
         self.engine = EvalEngine(EvalSettings(s.cache, s.target, s.baseline, scoring=self.spec.scoring,
                                               runner="thread", keep_last=0, dirpath=self.out.parent,
                                               baseline_cache_dir=s.baseline_cache_dir))

@@ -12,9 +12,13 @@ class WatchHost(Host):
     """The watcher as the engine's host: one process, lines on stdout and stderr, its W&B run, and the
     last step it has seen (a stop decided on a report at or beyond --max-steps only warns)."""
 
-    def __init__(self, max_steps: int | None):
+    def __init__(self, max_steps: int | None, trackers: list | None = None):
         self.max_steps, self.latest = max_steps, 0
         self.wandb_run = None
+        self.tracker_list = list(trackers or [])  # --tensorboard, --mlflow-uri
+
+    def trackers(self) -> list:
+        return list(self.tracker_list)
 
     def saw(self, step: int) -> None:
         """A checkpoint of `step` was submitted."""

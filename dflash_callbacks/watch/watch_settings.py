@@ -15,6 +15,7 @@ from ..settings import StopSettings
 DEFAULTS: dict[str, Any] = {  # the settings only `watch --checkpoints` takes, and their defaults
     "out": None, "state_key": None, "state_file": "training_state.pt", "drafter_config": None, "step_pattern": None,
     "settle_seconds": 30.0, "wandb_project": None, "wandb_name": None, "wandb_group": None, "max_steps": None,
+    "tensorboard": None, "mlflow_uri": None, "mlflow_experiment": None, "mlflow_run_id": None,
 }
 
 
@@ -45,6 +46,17 @@ class WatchSettings:
     wandb_project: str | None = None
     wandb_name: str | None = None
     wandb_group: str | None = None
+    tensorboard: Path | None = None  # a TensorBoard folder the reports go to as well
+    mlflow_uri: str | None = None  # an MLflow tracking URI, with mlflow_experiment (a run made there) or mlflow_run_id
+    mlflow_experiment: str | None = None
+    mlflow_run_id: str | None = None
+
+    def trackers(self) -> list:
+        """The TensorBoard and MLflow trackers these settings ask for (`engine/trackers/flags.py`)."""
+        from ..engine.trackers.flags import watcher_trackers
+
+        return watcher_trackers(None if self.tensorboard is None else str(self.tensorboard), self.mlflow_uri,
+                                self.mlflow_experiment, self.mlflow_run_id, run_name=self.out_folder.name)
 
     @property
     def out_folder(self) -> Path:

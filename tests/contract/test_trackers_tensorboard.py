@@ -108,7 +108,7 @@ def test_a_long_outage_is_summed_up_by_its_first_and_last_steps(tmp_path):
 def test_wrong_arguments_are_refused(tmp_path):
     with pytest.raises(ValueError, match="log_dir must be a folder's path"):
         TensorBoardTracker("")
-    with pytest.raises(TypeError, match="a tracker needs name, log_metrics"):
+    with pytest.raises(TypeError, match="each needs name, log_metrics"):
         Delivery([object()], print)
-    with pytest.raises(ValueError, match="two trackers have one name"):
+    with pytest.raises(ValueError, match="two have one name"):
         Delivery([TensorBoardTracker(tmp_path / "a"), TensorBoardTracker(tmp_path / "b")], print)

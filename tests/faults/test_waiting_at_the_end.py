@@ -44,7 +44,7 @@ def test_a_report_the_scorer_can_not_stop_in_time_is_recorded_not_dropped(world,
     """The thread scorer stops between tasks: inside one long task when wait_timeout runs out,
     it outlives the grace `close` gives it. Its step is still an error line, not nothing."""
     monkeypatch.setattr(background, "CANCEL_GRACE", 0.1)
-    slow = write_cache(world, tmp_path / "slow-cache", [("slow", 900, 4)])  # one task of a few seconds
+    slow = write_cache(world, tmp_path / "slow-cache", [("slow", 3000, 4)])  # one task of seconds (1 s at 900 here, idle)
     cb = eval_cb(world, tmp_path, cache=slow, wait_timeout=1.0, scoring={**SCORING, "anchors_per_forward": 1})
     with pytest.warns(UserWarning, match=r"step 2 failed: not scored: wait_timeout=1 s ran out at the end of training"):
         fit(world, tmp_path, [cb], max_steps=2)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from .base import Tracker
+from .base import Tracker, checked_trackers
 
 
 class Table(NamedTuple):
@@ -68,13 +68,7 @@ class Delivery:
     """Every report to every tracker; `errors[name]`: that tracker's failures so far."""
 
     def __init__(self, trackers: Sequence[Tracker], warn: Callable[[str], None]):
-        trackers = list(trackers)
-        wrong = [t for t in trackers if not isinstance(t, Tracker)]
-        if wrong:
-            raise TypeError(f"a tracker needs name, log_metrics, log_table, log_image and close; got {wrong[0]!r}")
-        names = [t.name for t in trackers]
-        if len(set(names)) < len(names):
-            raise ValueError(f"two trackers have one name (the summary could not tell them apart): {names}")
+        trackers = checked_trackers(trackers)
         self.destinations = [Destination(t) for t in trackers]
         self.warn = warn
         self.errors: dict[str, int] = {t.name: 0 for t in trackers}
