@@ -192,7 +192,7 @@ def score_costs(scoring: ScoringConfig, args: argparse.Namespace):
     for another target (the --target folder's shape), drafter, dtype or (an explicit) device, unless forced."""
     if scoring.costs is None:
         return None, []
-    from ..profile.costs import CostsError
+    from ..scoring.costs import CostsError
     from ..scoring.speed import config_costs
 
     drafter = None
@@ -214,7 +214,7 @@ def print_speedups(ours, baseline, costs, aggregate: str, cache: Path | None = N
                    force: bool = False) -> None:
     """The predicted speed-up table and the fastest line (`scoring.speed`), each task at its mean context in
     `cache` (None: the costs' middle length); a costs file of another device kind is refused unless `force`."""
-    from ..profile.costs import check_costs_fit
+    from ..scoring.costs import check_costs_fit
     from ..scoring.speed import speedup_table, task_contexts
 
     for line in check_costs_fit(costs, force, device_type=device_type):
@@ -307,7 +307,7 @@ def run_compare(args: argparse.Namespace) -> int:
     print(comparison_table(ours, baseline, args.aggregate, other=baseline.drafter))
     print(f"ours: {ours.served()}\n{baseline.drafter}: {baseline.served()}")  # each side's rule and cache settings
     if args.costs is not None:
-        from ..profile.costs import Costs, check_costs_fit
+        from ..scoring.costs import Costs, check_costs_fit
 
         costs = Costs.load(args.costs)
         for line in check_costs_fit(costs, args.force, dtype=ours.scoring.get("dtype")):

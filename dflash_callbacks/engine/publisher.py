@@ -266,7 +266,7 @@ class Publisher:
             self.host.warn(f"{self.settings.name}: {line}")
 
     def plot(self, path) -> object:
-        from ..plot import plot_live_tau
+        from .live_tau_plot import plot_live_tau
 
         policy = self.policies[self.stopped_by[0]] if self.stopped_by else self.policies[0] if self.policies else None
         stopped, reason = (self.stopped_by[1], self.stopped_by[2]) if self.stopped_by else (None, None)

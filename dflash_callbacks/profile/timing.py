@@ -25,7 +25,7 @@ from transformers import DynamicCache
 
 from .. import __version__
 from ..checks import dtype_name
-from .costs import Costs
+from ..scoring.costs import Costs
 from .rounds import Speculator, accept, chain, tree
 
 

@@ -22,7 +22,7 @@ from ..scoring.config import ScoringConfig
 from ..scoring.methods import Method
 from ..scoring.scorer import score_drafter
 from ..scoring.speed import speedup_values, task_contexts
-from .costs import Costs
+from ..scoring.costs import Costs
 from .decode import plain_decode, speculative_decode
 from .rounds import Speculator
 from .timing import CLOCKS, profile_costs

@@ -1,4 +1,4 @@
-"""Predicted speed-up: what a report's tau buys on a device whose costs were measured (`profile.costs.Costs`).
+"""Predicted speed-up: what a report's tau buys on a device whose costs were measured (`scoring.costs.Costs`).
 
 One speculative round at context length L drafts a block, verifies n tokens in one target forward and does
 its bookkeeping; in that time plain decoding makes T_round / T_target(1, L) tokens. So a method whose rounds
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..profile.costs import Costs, CostsError
+from .costs import Costs, CostsError
 from .intervals import MIN_TASKS, Comparison, Estimate, _resampled, paired_comparison
 from .methods import Method
 from .report import EvalReport
@@ -316,7 +316,7 @@ def config_costs(scoring, target: str | object | None = None, drafter_config=Non
     file is not a costs file, or, unless forced, in one line naming what it was measured on that differs from the
     scoring's device kind (`device_type`, default the config's device), dtype, the `target` folder's shape or the
     drafter's (`drafter_config`, or its `drafter_shape_given`; each checked where given)."""
-    from ..profile.costs import check_costs_fit
+    from .costs import check_costs_fit
 
     costs = Costs.load(scoring.costs)
     if device_type is None and scoring.device != "auto":

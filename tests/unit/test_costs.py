@@ -9,7 +9,7 @@ import torch
 from dflash_callbacks import load_drafter
 from dflash_callbacks.cache.extract import load_target
 from dflash_callbacks.demos.toy.world import toy_baseline_path, toy_target_path
-from dflash_callbacks.profile.costs import Costs, CostsError, check_costs_fit
+from dflash_callbacks.scoring.costs import Costs, CostsError, check_costs_fit
 from dflash_callbacks.profile.timing import profile_costs
 
 

@@ -10,7 +10,7 @@ from dflash_callbacks import load_drafter
 from dflash_callbacks.cli import main as cli_main
 from dflash_callbacks.demos.toy.world import toy_baseline_path
 from dflash_callbacks.model import TargetHead
-from dflash_callbacks.profile.costs import Costs, CostsError
+from dflash_callbacks.scoring.costs import Costs, CostsError
 from dflash_callbacks.scoring.config import ScoringConfig
 from dflash_callbacks.scoring.methods import Method
 from dflash_callbacks.scoring.scorer import score_drafter

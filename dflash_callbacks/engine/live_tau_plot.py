@@ -19,9 +19,9 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from .engine.stop import MIN_PROJECTION_POINTS, PROJECTION_CURVE, StopPolicy, fit_projection, projected_value
-from .scoring.methods import Monitor
-from .scoring.report import EvalReport
+from .stop import MIN_PROJECTION_POINTS, PROJECTION_CURVE, StopPolicy, fit_projection, projected_value
+from ..scoring.methods import Monitor
+from ..scoring.report import EvalReport
 
 OURS, BASELINE, STOP = "tab:blue", "black", "tab:red"
 
