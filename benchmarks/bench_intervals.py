@@ -144,12 +144,12 @@ STOP_MODELS = {  # the baseline at offset -0.8 (the coverage test's); ours at th
 }
 
 
-def part_stop(runs: int, reports: int) -> dict:
+def part_stop(runs: int, reports: int, models: int | None = None) -> dict:
     base_offset, found = -0.8, {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # patience 1's warning
         policies = {p: StopPolicy(monitor="vanilla/dense", min_ratio=0.9, patience=p, verbose=False) for p in (1, 2, 3)}
-    for setting, model in STOP_MODELS.items():
+    for setting, model in list(STOP_MODELS.items())[:models]:
         for aggregate in ("dense", "live"):
             for ratio in (0.9, 0.8):
                 started, offset = time.time(), offset_for(model, base_offset, aggregate, ratio)
@@ -189,11 +189,12 @@ def main() -> dict:
     p.add_argument("--reps", type=int, default=1000, help="simulated caches per coverage setting")
     p.add_argument("--runs", type=int, default=200, help="simulated runs per stop setting")
     p.add_argument("--reports", type=int, default=10, help="reports per simulated run")
+    p.add_argument("--stop-models", type=int, default=None, help="how many of the stop part's drafter models (default all)")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = p.parse_args()
     parts = {"coverage": lambda: part_coverage(args.reps), "task": lambda: part_task(args.reps // 4),
              "continuity": part_continuity,
-             "stop": lambda: part_stop(args.runs, args.reports)}
+             "stop": lambda: part_stop(args.runs, args.reports, args.stop_models)}
     figures = {part: parts[part]() for part in args.part}
     if args.json is not None:
         args.json.write_text(json.dumps(figures, indent=1) + "\n")

@@ -48,6 +48,7 @@ from dflash_callbacks.model.config import DrafterConfig, build_target_layer_ids 
 from dflash_callbacks.model.drafter import DFlashDrafter  # noqa: E402
 from dflash_callbacks.model.target_head import TargetHead  # noqa: E402
 from dflash_callbacks.scoring import scorer  # noqa: E402
+from dflash_callbacks.model import drafter as drafter_module  # noqa: E402
 from dflash_callbacks.scoring.config import ScoringConfig  # noqa: E402
 
 SIZES = {
@@ -66,6 +67,7 @@ class MemoryCache:
 
     path = "<synthetic, in memory>"
     fingerprint = "synthetic"
+    sampling = None  # greedy answers, as a cache without sampling settings
 
     def __init__(self, tasks: list[CacheTask], layer_ids: list[int], hidden_size: int, vocab_size: int):
         self._tasks = {t.name: t for t in tasks}
@@ -201,12 +203,12 @@ def main(argv=None) -> dict:
 
     # the floor: the scorer with the LM-head statistics replaced by the bare GEMM
     floor = FloorHead()
-    real = scorer.head_stats
-    scorer.head_stats = floor
+    real = drafter_module.head_stats  # where the drafter's head calls it
+    drafter_module.head_stats = floor
     try:
         _, floor_s, floor_peak = score(drafter, head, cache, config("torch"), after_warmup=floor.reset)
     finally:
-        scorer.head_stats = real
+        drafter_module.head_stats = real
     assert floor.rows == rows, (floor.rows, rows)
     result["floor"] = {"seconds": floor_s, "gemm_s": floor.gemm_s, "drafter_and_rest_s": floor_s - floor.gemm_s,
                        "gemm": floor.kind, "peak_gpu_bytes": floor_peak}

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))  # the naive scorer and its oracles
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests" / "support"))  # the naive scorer and its oracles
 from bench_kernels import human, make_inputs, measure, pin_mmap_threshold  # noqa: E402
 
 import dataclasses  # noqa: E402
@@ -41,7 +41,7 @@ import dataclasses  # noqa: E402
 from dflash_callbacks import DFlashDrafter, TargetHead, load_drafter  # noqa: E402
 from dflash_callbacks.model import build_drafter  # noqa: E402
 from dflash_callbacks.model.families import dflash2, dflash2_selector  # noqa: E402
-from dflash_callbacks.kernels import head_stats  # noqa: E402
+from dflash_callbacks.kernels.head_stats import head_stats  # noqa: E402
 from dflash_callbacks.scoring.config import ScoringConfig  # noqa: E402
 from dflash_callbacks.scoring.scorer import score_task  # noqa: E402
 from dflash_callbacks.demos.toy.world import build_toy_cache, toy_drafter_config, toy_target_path  # noqa: E402

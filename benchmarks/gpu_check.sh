@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check of the scoring kernels and of the training-thread stall (one CUDA device;
-# at most about 6 minutes on an H200 after the machine has started). Installs nothing; imports neither wandb nor
+# at most about 9 minutes on an H200 after the machine has started). Installs nothing; imports neither wandb nor
 # omegaconf. Steps, each under its own `timeout`, each writing its files into
 # OUTPUT_DIR as it finishes (a killed run keeps the finished steps' files):
 #
@@ -27,13 +27,19 @@
 #                 (bf16-true, AdamW) with and without the callbacks, a snapshot every
 #                 10 steps scored on the same GPU: step times, the stall per snapshot,
 #                 training time lost against the scorer's seconds, the scorer's peak memory.
+#   6. profile    (150 s) bench_profile.py --size production: the costs of one speculative round at the
+#                 production shape (a random target of 64 Qwen3 decoder layers at H 5120, V 248,320;
+#                 a random 1.78 B DFlash drafter, block 16 and 8), bf16: the target's forward of 1 to 33
+#                 tokens after 512, 2048 and 8192, the drafter's round, the bookkeeping; the costs JSON
+#                 and the predicted speed-up per token of tau of each method.
 #
-# The limits add up to 380 s plus a few seconds of setup. Not yet run on a GPU: the
+# The limits add up to 530 s plus a few seconds of setup. Not yet run on a GPU: the
 # limits are the budget, sized from estimates (see each script), not measurements.
 #
 # Usage: benchmarks/gpu_check.sh [OUTPUT_DIR]     (default: $OUT, else ./gpu-results)
 # Writes: env.txt, nvidia-smi.txt, pytest_head_stats.{txt,xml}, kernels.{md,json,log},
-# production.{md,json,log}, sweep.{md,json,log}, tempered.{md,json,log}, stall.{md,json,log}, summary.txt.
+# production.{md,json,log}, sweep.{md,json,log}, tempered.{md,json,log}, stall.{md,json,log},
+# profile.{md,log}, costs.json, summary.txt.
 # Exit status 0 when every step passed.
 #
 # GPU_CHECK_CPU_SMOKE=1 runs the same plumbing on the CPU at toy sizes (a missing GPU
@@ -94,11 +100,11 @@ step() {
 # 1. tests
 if [[ $smoke == 1 ]]; then
     tests_k=(-k "merge or split_plan or auto")  # the plumbing only: no CUDA here
-    device=cpu kernel_sizes=tiny production_size=toy sweep_sizes=tiny stall_size=toy
+    device=cpu kernel_sizes=tiny production_size=toy sweep_sizes=tiny stall_size=toy profile_size=toy
 else
     tests_k=()
     device=cuda kernel_sizes=production-task,production production_size=production sweep_sizes=production-task
-    stall_size=production
+    stall_size=production profile_size=production
 fi
 t0=$SECONDS
 rc=0
@@ -129,6 +135,8 @@ step tempered 30 python benchmarks/bench_tempered.py --device "$device" --sizes 
 step stall 75 python benchmarks/bench_stall.py --size "$stall_size" --device "$device" --work "$out_dir/stall-world" \
     --json "$out_dir/stall.json"
 rm -rf "$out_dir/stall-world"  # the synthetic target and cache (5 GB at production size)
+step profile 150 python benchmarks/bench_profile.py --size "$profile_size" --device "$device" \
+    --json "$out_dir/costs.json"
 
 # summary: the headline numbers of every JSON that exists
 python - "$out_dir" <<'PY' | tee -a "$summary" || true
@@ -182,6 +190,12 @@ if f.is_file():
           f"scorer peak {r['scorer_peak_memory_gib']} GiB")
 else:
     print("stall: no results")
+f = out / "profile.md"
+if f.is_file() and (out / "costs.json").is_file():
+    print("profile: " + next((line for line in f.read_text().splitlines() if line.startswith(("cpu", "NVIDIA"))),
+                             "see profile.md"))
+else:
+    print("profile: no results")
 PY
 
 note "gpu_check finished with status $status in $((SECONDS - started)) s; results in $out_dir"

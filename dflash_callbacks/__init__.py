@@ -7,8 +7,8 @@ from .lazy import exports
 
 __all__ = [
     "DFlashDrafter", "DrafterConfig", "DrafterEarlyStopping", "DrafterEvalCallback", "DrafterEvalTrainerCallback",
-    "DrafterEvaluator", "EvalReport", "EvalSettings", "ScoringConfig", "StopPolicy", "StopSettings", "TargetHead",
-    "TrailingBaselineStop", "build_drafter", "load_drafter", "save_drafter", "score_drafter",
+    "DrafterEvaluator", "EvalReport", "EvalSettings", "MlflowTracker", "ScoringConfig", "StopPolicy", "StopSettings",
+    "TargetHead", "TensorBoardTracker", "Tracker", "TrailingBaselineStop", "build_drafter", "load_drafter", "save_drafter", "score_drafter",
 ]
 __getattr__ = exports(__name__, {
     "StopPolicy": ".engine.stop", "EvalSettings": ".settings", "StopSettings": ".settings",
@@ -17,5 +17,7 @@ __getattr__ = exports(__name__, {
     "EvalReport": ".scoring.report", "ScoringConfig": ".scoring.config", "score_drafter": ".scoring.scorer",
     "DrafterEarlyStopping": ".callbacks", "DrafterEvalCallback": ".callbacks", "TrailingBaselineStop": ".callbacks",
     "DrafterEvaluator": ".loop", "DrafterEvalTrainerCallback": ".hf",
+    "Tracker": ".engine.trackers.base", "TensorBoardTracker": ".engine.trackers.tensorboard",
+    "MlflowTracker": ".engine.trackers.mlflow",
 })
 __version__ = "0.1.0"

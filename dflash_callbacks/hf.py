@@ -13,28 +13,34 @@ Trainer"). Its hooks, and what the engine does in them:
     on_train_end:           the last reports, then the run folder is released
     `with callback:`        around `trainer.train()`: a train() that raises keeps unscored snapshots
 
-Reports go to the active W&B run (`report_to="wandb"`; a row of its own each, none of the Trainer's lost)
-and to `log=` functions."""
+Reports go to the active W&B run (`report_to="wandb"`; a row of its own each, none of the Trainer's lost),
+to the Trainer's own TensorBoard and MLflow integrations (`report_to=["tensorboard", "mlflow"]`: their
+folder and run, `trackers/trainer_integrations.py`), to `trackers=` and to `log=` functions."""
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from typing_extensions import Unpack
 
 from torch import nn
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from .engine.drafters import check_drafter_config, drafter_config_of, refuse_collective_wrappers, resolve_drafter, unwrap
-from .engine.evaluator import EvalEngine
-from .engine.host import ActiveWandb, Host, TorchDistributed, as_loggers, log_functions
-from .engine.stop import StopPolicy
-from .engine.view import EngineView, stop_policies
+from .engine.eval_engine import EvalEngine
+from .engine.host import Host, TorchDistributed
+from .engine.trackers.base import Tracker, checked_trackers
+from .engine.trackers.log_functions import as_loggers, log_functions
+from .engine.trackers.trainer_integrations import calling_handler, trainer_trackers
+from .engine.trackers.wandb import ActiveWandb
+from .engine.stop import StopPolicy, stop_policies
+from .engine.adapter import EvalAdapter
 from .model import DrafterConfig
-from .settings import EvalSettings, built, describe, signature
+from .settings import EvalFields, EvalSettings, eval_settings
 
 
 class TrainerHost(Host):
@@ -43,6 +49,11 @@ class TrainerHost(Host):
     def __init__(self, callback: DrafterEvalTrainerCallback, args, state, control):
         self.callback, self.args, self.state, self.control = callback, args, state, control
         self.rank, self.world_size = args.process_index, args.world_size
+        self.integrations: list = []  # the Trainer's TensorBoard and MLflow callbacks' trackers (rank 0)
+
+    def update(self, state, control) -> None:
+        """The Trainer's state and control at this step (what `horizon` and `ending` read)."""
+        self.state, self.control = state, control
 
     def broadcast(self, obj: Any) -> Any:
         return TorchDistributed().broadcast(obj)  # the Trainer made the process group
@@ -56,6 +67,9 @@ class TrainerHost(Host):
     def wandb_runs(self):
         return self.callback.wandb.runs()
 
+    def trackers(self):
+        return [*self.callback.trackers, *self.integrations]
+
     def horizon(self) -> int | None:
         return self.state.max_steps if self.state.max_steps and self.state.max_steps > 0 else None
 
@@ -65,14 +79,19 @@ class TrainerHost(Host):
         return "control.should_training_stop is already set" if self.control.should_training_stop else None
 
 
-class DrafterEvalTrainerCallback(EngineView, TrainerCallback, ExportableState):
-    __doc__ = f"""Snapshot the Trainer's drafter every `every_n_steps` optimizer steps and score it in the background.
+class DrafterEvalTrainerCallback(EvalAdapter, TrainerCallback, ExportableState):
+    """Snapshot the Trainer's drafter every `every_n_steps` optimizer steps and score it in the background.
 
-    Takes an `EvalSettings` or its fields as keywords (cache, target, baseline also by position), and:
+    Takes an `EvalSettings` (`settings=`, as `Trainer(args=TrainingArguments(...))`) or its fields, and:
 
     Args:
-{describe(EvalSettings)}
-        stop, drafter_config, log, wandb: as DrafterEvaluator's.
+        cache, target, baseline: the hidden-state cache, the target's folder and the baseline (a drafter folder
+            or a saved report); by position or by name.
+        settings: an `EvalSettings` instead of its fields.
+        **fields: any other field of `EvalSettings` (every_n_steps, scoring, runner, ...: `EvalFields`;
+            docs/configuration.md lists each with its default).
+        stop, drafter_config, log, wandb, trackers: as DrafterEvaluator's; `report_to`'s TensorBoard and
+            MLflow integrations get the reports too, in their folder and run.
         drafter: the attribute path of the drafter on the Trainer's model, a function model -> drafter, or
             None when the model is the drafter. `dirpath` defaults to <output_dir>/<name>.
 
@@ -80,23 +99,25 @@ class DrafterEvalTrainerCallback(EngineView, TrainerCallback, ExportableState):
     `skipped`, `should_stop`, `stop_reason`; on rank 0 also `reports`, `baseline_report`, `run`.
     """
 
-    def __init__(self, *args: Any, stop: StopPolicy | Sequence[StopPolicy] | None = None,
+    def __init__(self, cache: str | os.PathLike[str] | None = None, target: str | os.PathLike[str] | None = None,
+                 baseline: str | os.PathLike[str] | None = None, *, settings: EvalSettings | None = None,
+                 stop: StopPolicy | Sequence[StopPolicy] | None = None,
                  drafter: str | Callable[[nn.Module], nn.Module] | None = "drafter",
-                 drafter_config: DrafterConfig | str | os.PathLike | None = None,
-                 log: Callable | Sequence[Callable] | None = None, wandb: Any = None, **fields: Any):
-        self.engine = EvalEngine(built(EvalSettings, args, fields, type(self).__name__))
+                 drafter_config: DrafterConfig | str | os.PathLike[str] | None = None,
+                 log: Callable | Sequence[Callable] | None = None, wandb: Any = None,
+                 trackers: Sequence[Tracker] | None = None, **fields: Unpack[EvalFields]):
+        given = {"cache": cache, "target": target, "baseline": baseline}
+        self.engine = EvalEngine(eval_settings(settings, given, fields, type(self).__name__))
         for policy in stop_policies(stop):
             self.engine.add_stop(policy)  # its monitor must be scored: checked now
         if not (drafter is None or isinstance(drafter, str) or callable(drafter)):
             raise TypeError("drafter must be an attribute path, a function model -> drafter, or None (the model)")
         self.drafter, self.drafter_config = drafter, check_drafter_config(drafter_config)
-        self.log, self.wandb = log_functions(log), ActiveWandb(wandb)
+        self.log, self.wandb, self.trackers = log_functions(log), ActiveWandb(wandb), checked_trackers(trackers)
         self._module: nn.Module | None = None
+        self._host: TrainerHost | None = None  # the Trainer as the engine's host, after on_train_begin
         self._finished = False
 
-    __init__.__signature__ = signature(EvalSettings, last=[inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
-                                                                             default=default) for name, default in (
-        ("stop", None), ("drafter", "drafter"), ("drafter_config", None), ("log", None), ("wandb", None))])
 
     # ------------------------------------------------------------------ state (trainer_state.json)
     def state(self) -> dict:
@@ -126,14 +147,16 @@ class DrafterEvalTrainerCallback(EngineView, TrainerCallback, ExportableState):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         """Every check, then the run folder (a resume's, when the Trainer resumes from a checkpoint)."""
-        host = TrainerHost(self, args, state, control)
+        self._host = host = TrainerHost(self, args, state, control)
+        if host.rank == 0:  # the integrations open their writer and run on rank 0 only, before this hook
+            host.integrations = trainer_trackers(calling_handler())
         self._module = unwrap(model) if self.drafter is None else resolve_drafter(model, self.drafter, type(self).__name__)
         refuse_collective_wrappers(self._module, model, f"{type(self).__name__}(drafter={self.drafter!r})")
         config = drafter_config_of(self._module, self.drafter_config, type(self).__name__, model,
                                    self.drafter or "the model")
         self._finished = False
         self.engine.check(host, self._module, config, host.horizon())
-        for policy in self.engine.stops.policies:
+        for policy in self.engine.policies:
             policy.reset()  # nothing of an earlier train() with these stops; a resume loads its own below
         saved = self._saved_state(state) if state.global_step > 0 else None
         if saved is not None:
@@ -144,7 +167,7 @@ class DrafterEvalTrainerCallback(EngineView, TrainerCallback, ExportableState):
         self.engine.copy_landed()
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.engine.host.state, self.engine.host.control = state, control
+        self._host.update(state, control)
         if self.engine.on_step(state.global_step, int(state.epoch or 0), self._module) is not None:
             control.should_training_stop = True
         if control.should_training_stop or 0 < state.max_steps <= state.global_step:

@@ -11,11 +11,12 @@ disk for a resume."""
 
 from __future__ import annotations
 
-import inspect
 import os
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from typing_extensions import Unpack
 
 import torch
 from torch import nn
@@ -24,13 +25,16 @@ from .checks import check_int, is_int
 from .engine.drafters import (
     check_drafter_config, drafter_config_of, optimizer_problems, refuse_collective_wrappers, unwrap,
 )
-from .engine.evaluator import EvalEngine
-from .engine.host import ActiveWandb, Host, TorchDistributed, as_loggers, log_functions
-from .engine.stop import StopPolicy
-from .engine.view import EngineView, stop_policies
+from .engine.eval_engine import EvalEngine
+from .engine.host import Host, TorchDistributed
+from .engine.trackers.base import Tracker, checked_trackers
+from .engine.trackers.log_functions import as_loggers, log_functions
+from .engine.trackers.wandb import ActiveWandb
+from .engine.stop import StopPolicy, stop_policies
+from .engine.adapter import EvalAdapter
 from .model import DrafterConfig
 from .scoring.service import PreflightError
-from .settings import EvalSettings, built, describe, signature
+from .settings import EvalFields, EvalSettings, eval_settings
 
 
 class LoopHost(Host):
@@ -49,6 +53,9 @@ class LoopHost(Host):
     def wandb_runs(self):
         return self.evaluator.wandb.runs()
 
+    def trackers(self):
+        return list(self.evaluator.trackers)
+
     def horizon(self) -> int | None:
         return self.evaluator.max_steps
 
@@ -58,13 +65,17 @@ class LoopHost(Host):
             else None
 
 
-class DrafterEvaluator(EngineView):
-    __doc__ = f"""Snapshot the drafter every `every_n_steps` steps of a plain loop and score it in the background.
+class DrafterEvaluator(EvalAdapter):
+    """Snapshot the drafter every `every_n_steps` steps of a plain loop and score it in the background.
 
-    Takes an `EvalSettings` or its fields as keywords (cache, target, baseline also by position), and:
+    Takes an `EvalSettings` (`settings=`) or its fields, and:
 
     Args:
-{describe(EvalSettings)}
+        cache, target, baseline: the hidden-state cache, the target's folder and the baseline (a drafter folder
+            or a saved report); by position or by name.
+        settings: an `EvalSettings` instead of its fields.
+        **fields: any other field of `EvalSettings` (every_n_steps, scoring, runner, ...: `EvalFields`;
+            docs/configuration.md lists each with its default).
         stop: a TrailingBaselineStop (any `StopPolicy`), or a list of them: `step()` returns True once one decides.
         drafter_config: a DrafterConfig or config.json path, when the drafter has none at `.config`.
         max_steps: the loop's last step, when known: the stop's projection horizon; a report of that step
@@ -72,30 +83,32 @@ class DrafterEvaluator(EngineView):
         log: a function `fn(metrics, step)`, or a list of them, that gets every report's numbers at the
             snapshot's step (TensorBoard: `lambda m, s: [writer.add_scalar(k, v, s) for k, v in m.items()]`).
         wandb: a W&B run to log to; None: the active `wandb.run` when there is one; False: never.
+        trackers: other destinations of every report (`TensorBoardTracker(folder)`, `MlflowTracker(uri, ...)`,
+            any `Tracker`): its keys at the snapshot's step, its per-task table, the live-tau plot at the end.
 
     Attributes (every rank): `metrics` (the latest means, NaN before the first report), `history`, `errors`,
     `should_stop`, `stop_reason`; on rank 0 also `reports`, `baseline_report`, `run`.
     """
 
-    def __init__(self, *args: Any, stop: StopPolicy | Sequence[StopPolicy] | None = None,
-                 drafter_config: DrafterConfig | str | os.PathLike | None = None, max_steps: int | None = None,
-                 log: Callable | Sequence[Callable] | None = None, wandb: Any = None, **fields: Any):
-        self.engine = EvalEngine(built(EvalSettings, args, fields, type(self).__name__))
+    def __init__(self, cache: str | os.PathLike[str] | None = None, target: str | os.PathLike[str] | None = None,
+                 baseline: str | os.PathLike[str] | None = None, *, settings: EvalSettings | None = None,
+                 stop: StopPolicy | Sequence[StopPolicy] | None = None,
+                 drafter_config: DrafterConfig | str | os.PathLike[str] | None = None, max_steps: int | None = None,
+                 log: Callable | Sequence[Callable] | None = None, wandb: Any = None,
+                 trackers: Sequence[Tracker] | None = None, **fields: Unpack[EvalFields]):
+        given = {"cache": cache, "target": target, "baseline": baseline}
+        self.engine = EvalEngine(eval_settings(settings, given, fields, type(self).__name__))
         for policy in stop_policies(stop):
             self.engine.add_stop(policy)  # its monitor must be scored: checked now
         self.drafter_config = check_drafter_config(drafter_config)
         self.max_steps = check_int("max_steps", max_steps, 1, optional=True)
-        self.log, self.wandb = log_functions(log), ActiveWandb(wandb)
+        self.log, self.wandb, self.trackers = log_functions(log), ActiveWandb(wandb), checked_trackers(trackers)
         self.last_step: int | None = None
         self._drafter: nn.Module | None = None
         self._hooks: list = []
         self._updates = self._updates_at_last_step = 0  # optimizer steps seen by the post-hook, and at the last step()
         self._closed = False
 
-    __init__.__signature__ = signature(EvalSettings, last=[inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
-                                                                             default=None)
-                                                           for name in ("stop", "drafter_config", "max_steps", "log",
-                                                                        "wandb")])
 
     # ------------------------------------------------------------------ before training
     def attach(self, drafter: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> None:
@@ -154,7 +167,7 @@ class DrafterEvaluator(EngineView):
                           UserWarning, stacklevel=2)
         self._updates_at_last_step, self.last_step = self._updates, step
         self.engine.on_step(step, 0, self._drafter)
-        return self.engine.should_stop
+        return self.engine.state.should_stop
 
     def sync(self) -> None:
         """Wait for a snapshot's copy to land: call it before writing the weights other than through the

@@ -6,9 +6,10 @@
 
 Every entry point takes the same names for the same settings (`settings_from`, with a field's aliases,
 e.g. Lightning's `every_n_train_steps` for `every_n_steps`; a name that is none of them is refused
-naming the closest). The adapters' signatures (`signature`), their docstrings' argument lists
-(`describe`), the YAML schemas and the CLI flags (`add_arguments`) are derived from the fields: a
-setting, its default and its help are written once, here. A settings object crosses a process or
+naming the closest). The YAML schemas and the CLI flags (`add_arguments`) are derived from the fields; the
+adapters take a settings object (`settings=`) or its fields as keywords, typed for a type checker by
+`EvalFields` / `LightningEvalFields` / `StopFields` (tests hold them to the fields: nothing is written twice
+unchecked). A settings object crosses a process or
 run.json as one dict (`to_dict`) and is rebuilt once on the far side (`from_dict`).
 
 No torch here: a command's `--help` and its refusals answer before torch loads.
@@ -19,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import inspect
 import os
 import re
 import types
@@ -27,7 +27,9 @@ import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from typing_extensions import TypedDict
 
 from .checks import check_bool, check_choice, check_int, check_number, problems_of
 from .scoring.config import ScoringConfig
@@ -83,52 +85,6 @@ def settings_from(cls: type, given: Mapping[str, Any], owner: str):
             if key in alias:
                 message = re.sub(rf"\b{alias[key]}\b", key, message)
         raise ValueError(message) from None
-
-
-def signature(cls: type, *, last: Iterable[inspect.Parameter] = (),
-              rename: Mapping[str, str] | None = None) -> inspect.Signature:
-    """An adapter's signature: one parameter per field of `cls` (named as `rename` says: an alias the
-    adapter's framework spells it by; the first `POSITIONAL` fields may be given by position), then
-    `last`."""
-    rename, positional = rename or {}, getattr(cls, "POSITIONAL", 0)
-    hints = typing.get_type_hints(cls)
-    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    for i, f in enumerate(fields_of(cls)):
-        default = f.default if f.default is not MISSING else (
-            inspect.Parameter.empty if f.default_factory is MISSING else None)
-        kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if i < positional else inspect.Parameter.KEYWORD_ONLY
-        params.append(inspect.Parameter(rename.get(f.name, f.name), kind, default=default, annotation=hints[f.name]))
-    params += list(last)
-    return inspect.Signature(params)
-
-
-def built(cls: type, args: tuple, fields: Mapping[str, Any], owner: str):
-    """What an adapter was given: a `cls` object alone, or its fields (the first `cls.POSITIONAL` of them
-    may come by position, in order)."""
-    if args and isinstance(args[0], cls):
-        if len(args) > 1 or fields:
-            raise TypeError(f"{owner}() takes a {cls.__name__} or its fields, not both")
-        return args[0]
-    positional = [f.name for f in fields_of(cls)][: getattr(cls, "POSITIONAL", 0)]
-    if len(args) > len(positional):
-        raise TypeError(f"{owner}() takes {len(positional)} settings by position ({', '.join(positional)}) or a "
-                        f"{cls.__name__}; got {len(args)}: give the others by name")
-    twice = [name for name in positional[: len(args)] if name in fields]
-    if twice:
-        raise TypeError(f"{owner}() got {', '.join(twice)} by position and by name")
-    return settings_from(cls, {**dict(zip(positional, args)), **fields}, owner)
-
-
-def describe(cls: type, *, rename: Mapping[str, str] | None = None, indent: str = "        ") -> str:
-    """The Args lines of `cls`'s fields, as a docstring lists them."""
-    rename = rename or {}
-    lines = []
-    for f in fields_of(cls):
-        name = rename.get(f.name, f.name)
-        others = [a for a in (f.name, *f.metadata.get("aliases", ())) if a != name]
-        also = f" (also `{'`, `'.join(others)}`)" if others else ""
-        lines.append(f"{indent}{name}{also}: {f.metadata['help']}")
-    return "\n".join(lines)
 
 
 def to_dict(settings) -> dict[str, Any]:
@@ -377,3 +333,73 @@ def _monitor(text: Any) -> None:
         Monitor.parse(text)
     except ValueError as e:
         raise ValueError(f"`monitor`: {e}") from None
+
+
+# ------------------------------------------------------------------ the adapters' keywords, as a type checker sees them
+class EvalFields(TypedDict, total=False):
+    """The fields of `EvalSettings` an adapter takes as keywords (cache, target and baseline come by
+    position or name before them): a misspelled or mistyped one is a type checker's error."""
+
+    every_n_steps: int
+    scoring: ScoringConfig | Mapping[str, Any] | None
+    runner: Literal["thread", "process", "external"]
+    device: str | None
+    busy: Literal["skip", "queue"]
+    max_pending: int
+    keep_last: int
+    on_error: Literal["warn", "raise"]
+    wait_on_end: bool
+    dirpath: str | os.PathLike[str] | None
+    baseline_cache_dir: str | os.PathLike[str] | None
+    wait_timeout: float
+    name: str
+    verbose: bool
+    sync_every_n_steps: int
+
+
+class LightningEvalFields(EvalFields, total=False):
+    """`EvalFields`, and every_n_steps under Lightning's own spelling (`ModelCheckpoint`'s) too."""
+
+    every_n_train_steps: int
+
+
+class StopFields(TypedDict, total=False):
+    """The fields of `StopSettings` a stop takes as keywords."""
+
+    monitor: str
+    min_ratio: float | None
+    min_delta: float | None
+    patience: int
+    grace_steps: int
+    projection: bool
+    projection_window: int
+    action: Literal["stop", "warn"]
+    verbose: bool
+    confidence: float | None
+
+
+def eval_settings(settings: EvalSettings | None, positional: Mapping[str, Any], fields: Mapping[str, Any],
+                  owner: str) -> EvalSettings:
+    """What an adapter was given: an `EvalSettings` (`settings=`), or its fields: cache, target and baseline
+    (`positional`, None where not given) and the others as keywords."""
+    given = {k: v for k, v in positional.items() if v is not None}
+    if settings is not None:
+        if not isinstance(settings, EvalSettings):
+            raise TypeError(f"{owner}(settings=...) takes an EvalSettings; got {type(settings).__name__}")
+        if given or fields:
+            raise TypeError(f"{owner}() takes settings=EvalSettings(...) or its fields, not both")
+        return settings
+    return settings_from(EvalSettings, {**given, **fields}, owner)
+
+
+def stop_settings(settings: StopSettings | str | None, fields: Mapping[str, Any], owner: str) -> StopSettings:
+    """What a stop was given: a `StopSettings`, or its fields (the monitor also by position)."""
+    if isinstance(settings, StopSettings):
+        if fields:
+            raise TypeError(f"{owner}() takes a StopSettings or its fields, not both")
+        return settings
+    if settings is not None and not isinstance(settings, str):
+        raise TypeError(f"{owner}() takes a StopSettings, or the monitor by position; got {type(settings).__name__}")
+    if settings is not None and "monitor" in fields:
+        raise TypeError(f"{owner}() got monitor by position and by name")
+    return settings_from(StopSettings, {**({"monitor": settings} if settings is not None else {}), **fields}, owner)

@@ -64,11 +64,23 @@ def zlab_tiny() -> Path:
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Reports lost, duplicated or mismatched across every audited run fail the session."""
+    """Reports lost, duplicated or mismatched across every audited run fail the session. Under
+    pytest-xdist each worker hands its counts to the controller, which adds them up."""
     from runs import AUDIT
 
-    if AUDIT["lost"] or AUDIT["duplicated"] or AUDIT["mismatched"]:
+    if hasattr(session.config, "workeroutput"):  # an xdist worker
+        session.config.workeroutput["dflash_audit"] = dict(AUDIT)
+    elif AUDIT["lost"] or AUDIT["duplicated"] or AUDIT["mismatched"]:
         session.exitstatus = 1
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """The controller of an xdist run: a finished worker's audit counts join the session's."""
+    from runs import AUDIT
+
+    for key, value in getattr(node, "workeroutput", {}).get("dflash_audit", {}).items():
+        AUDIT[key] += value
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -19,48 +19,54 @@ The hooks, and what the engine does in them:
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import Callable
 from typing import Any
+
+from typing_extensions import Unpack
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, EarlyStopping
 from torch import nn
 
 from ..engine.drafters import check_drafter_config, drafter_config_of, refuse_collective_wrappers, resolve_drafter
-from ..engine.evaluator import EvalEngine
-from ..engine.view import EngineView
+from ..engine.eval_engine import EvalEngine
+from ..engine.adapter import EvalAdapter
 from ..model import DrafterConfig
-from ..settings import LIGHTNING_NAMES, EvalSettings, built, describe, signature
+from ..settings import LIGHTNING_NAMES, EvalSettings, LightningEvalFields, eval_settings
 from .host import LightningHost, fit_ends
 
 RENAME = LIGHTNING_NAMES  # Lightning's own spelling (`ModelCheckpoint`'s every_n_train_steps); both are taken
 
 
-class DrafterEvalCallback(EngineView, Callback):
-    __doc__ = f"""Snapshot the drafter every `every_n_train_steps` steps and score it in the background.
+class DrafterEvalCallback(EvalAdapter, Callback):
+    """Snapshot the drafter every `every_n_train_steps` steps and score it in the background.
 
-    Takes an `EvalSettings` or its fields as keywords, and where the drafter is.
+    Takes an `EvalSettings` (`settings=`) or its fields, and where the drafter is.
 
     Args:
-{describe(EvalSettings, rename=RENAME)}
+        cache, target, baseline: the hidden-state cache, the target's folder and the baseline (a drafter folder
+            or a saved report); by position or by name.
+        settings: an `EvalSettings` instead of its fields.
+        **fields: any other field of `EvalSettings` (every_n_train_steps, also spelled every_n_steps,
+            scoring, runner, ...: `LightningEvalFields`;
+            docs/configuration.md lists each with its default).
         drafter: attribute path on the LightningModule, or a function module -> drafter.
         drafter_config: a DrafterConfig or config.json path, when the drafter has none at `.config`.
     """
 
-    def __init__(self, *args: Any, drafter: str | Callable[[pl.LightningModule], nn.Module] = "drafter",
-                 drafter_config: DrafterConfig | str | os.PathLike | None = None, **fields: Any):
+    def __init__(self, cache: str | os.PathLike[str] | None = None, target: str | os.PathLike[str] | None = None,
+                 baseline: str | os.PathLike[str] | None = None, *, settings: EvalSettings | None = None,
+                 drafter: str | Callable[[pl.LightningModule], nn.Module] = "drafter",
+                 drafter_config: DrafterConfig | str | os.PathLike[str] | None = None,
+                 **fields: Unpack[LightningEvalFields]):
         super().__init__()
-        self.engine = EvalEngine(built(EvalSettings, args, fields, type(self).__name__), names=RENAME)
+        given = {"cache": cache, "target": target, "baseline": baseline}
+        self.engine = EvalEngine(eval_settings(settings, given, fields, type(self).__name__), names=RENAME)
         if not (isinstance(drafter, str) or callable(drafter)):
             raise TypeError("drafter must be an attribute name or a function LightningModule -> drafter")
         self.drafter, self.drafter_config = drafter, check_drafter_config(drafter_config)
 
-    __init__.__signature__ = signature(EvalSettings, rename=RENAME, last=[
-        inspect.Parameter("drafter", inspect.Parameter.KEYWORD_ONLY, default="drafter", annotation=str | Callable),
-        inspect.Parameter("drafter_config", inspect.Parameter.KEYWORD_ONLY, default=None,
-                          annotation=DrafterConfig | str | os.PathLike | None)])
 
     @property
     def every_n_train_steps(self) -> int:

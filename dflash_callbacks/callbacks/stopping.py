@@ -14,15 +14,14 @@ results.jsonl, so reports that arrived after the checkpoint still count.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks.callback import Callback
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from ..engine.stop import StopPolicy
-from ..settings import StopSettings, signature
+from ..settings import StopFields, StopSettings
 from .eval_callback import DrafterEvalCallback, eval_callbacks
 
 
@@ -32,16 +31,15 @@ class TrailingBaselineStop(StopPolicy, Callback):
         "\n        eval_callback: the ``name`` of the DrafterEvalCallback to follow; ``None``: the only one in\n"
         "            ``trainer.callbacks``.\n\n    Attributes:", 1)
 
-    def __init__(self, *args: Any, eval_callback: str | None = None, **fields: Any) -> None:
-        StopPolicy.__init__(self, *args, **fields)
+    def __init__(self, settings: StopSettings | str | None = None, *, eval_callback: str | None = None,
+                 **fields: Unpack[StopFields]) -> None:
+        StopPolicy.__init__(self, settings, **fields)
         Callback.__init__(self)
         if eval_callback is not None and not isinstance(eval_callback, str):
             raise ValueError(f"`eval_callback` must be the name of a DrafterEvalCallback or None; got {eval_callback!r}")
         self.eval_callback = eval_callback
         self.source: DrafterEvalCallback | None = None
 
-    __init__.__signature__ = signature(StopSettings, last=[inspect.Parameter(
-        "eval_callback", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=str | None)])
 
     @property
     @override
@@ -54,16 +52,16 @@ class TrailingBaselineStop(StopPolicy, Callback):
         """Link to the report source and check the monitor against what it scores, before training."""
         if stage != "fit":
             return
-        self.reset()  # nothing of an earlier fit with this callback: its reason, its count
         if self.source is not None:
-            self.source.engine.stops.remove(self)
+            self.source.engine.remove_stop(self)
+        self.reset()  # nothing of an earlier fit with this callback: its reason, its count
         self.source = find_source(trainer.callbacks, self.eval_callback)
         self.source.engine.add_stop(self)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.source is not None:
-            self.source.engine.stops.remove(self)
+            self.source.engine.remove_stop(self)
 
     @override
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:

@@ -1,4 +1,4 @@
-"""`dflash-callbacks extract | score | compare | watch | plot | demo`.
+"""`dflash-callbacks extract | score | compare | watch | plot | profile | demo`.
 
 An ordinary mistake (a wrong path, a folder of the wrong kind, a setting that can not
 work here) prints one `error: ...` line per problem and exits with status 2; `--debug`
@@ -14,7 +14,7 @@ import os
 import sys
 
 from ..checks import did_you_mean
-from . import demo, extract, plot, score, watch
+from . import demo, extract, plot, profile, score, watch
 from .usage import USER_ERRORS, UsageError  # noqa: F401  (the CLI's error, importable from here)
 
 COMMANDS = {  # command -> (the function adding its arguments, the function running it, its help)
@@ -31,6 +31,9 @@ COMMANDS = {  # command -> (the function adding its arguments, the function runn
               "checkpoints a trainer saves (--checkpoints)"),
     "plot": (plot.add_plot_arguments, plot.run_plot,
              "draw a run folder's live tau per report against the baseline, with intervals and the stop (a PNG)"),
+    "profile": (profile.add_profile_arguments, profile.run_profile,
+                "time the target's verify forward, the drafter's round and a round's bookkeeping on a device: the "
+                "costs JSON score --costs predicts speed-ups from"),
 }
 """Each command's module imports what it runs when it runs it: a help, or a refused argument, answers
 before torch loads."""

@@ -121,7 +121,7 @@ def run_plot(args: argparse.Namespace) -> int:
     horizon = args.max_steps if args.max_steps is not None else about.get("max_steps")
 
     from ..engine.stop import StopPolicy
-    from ..plot import plot_live_tau, replay_stop
+    from ..engine.live_tau_plot import plot_live_tau, replay_stop
 
     baseline, said = baseline_report(about, reports[-1], args.baseline, args.baseline_cache_dir)
     if said:

@@ -136,10 +136,14 @@ def run_score(args: argparse.Namespace) -> int:
     if args.json is not None and args.baseline_json is not None and args.json.resolve() == args.baseline_json.resolve():
         problems.append(f"--json and --baseline-json are both {args.json}: give each report its own file")
     problems += drafter_problems(args) + path_problems(args)
+    costs = None
     try:
         scoring = scoring_config(args)
     except ValueError as e:
         problems += str(e).splitlines()
+    else:
+        costs, more = score_costs(scoring, args)
+        problems += more
     if problems:  # every one of them before torch loads (the drafter's config is read with its family, which
         # needs torch: what its block size refuses, preflight says)
         raise UsageError("\n".join(problems))
@@ -177,7 +181,46 @@ def run_score(args: argparse.Namespace) -> int:
         print(f"warning: {note}", file=sys.stderr)
     print(comparison_table(ours, baseline, args.aggregate))
     print(f"ours: {ours.served()}" + ("" if baseline is None else f"\nthe baseline: {baseline.served()}"))
+    if costs is not None:
+        print_speedups(ours, baseline, costs, args.aggregate, args.cache, device_type=scoring.resolved_device().type,
+                       force=scoring.force_costs)
     return 0
+
+
+def score_costs(scoring: ScoringConfig, args: argparse.Namespace):
+    """(the costs `--costs` names or None, the problems with them): what is not a costs file, or a file measured
+    for another target (the --target folder's shape), drafter, dtype or (an explicit) device, unless forced."""
+    if scoring.costs is None:
+        return None, []
+    from ..scoring.costs import CostsError
+    from ..scoring.speed import config_costs
+
+    drafter = None
+    if args.drafter.is_dir() and (args.drafter / "config.json").is_file():
+        from ..scoring.speed import drafter_folder_shape
+
+        drafter = drafter_folder_shape(args.drafter)  # None where it can not tell: the drafter's read says why
+    target = args.target if (args.target / "config.json").is_file() else None
+    try:
+        costs, warnings = config_costs(scoring, target, drafter_shape_given=drafter)
+    except (CostsError, OSError, KeyError) as e:
+        return None, [f"--costs {scoring.costs}: {e}"]
+    for line in warnings:
+        print(f"warning: --costs {scoring.costs}: {line}", file=sys.stderr)
+    return costs, []
+
+
+def print_speedups(ours, baseline, costs, aggregate: str, cache: Path | None = None, *, device_type: str | None = None,
+                   force: bool = False) -> None:
+    """The predicted speed-up table and the fastest line (`scoring.speed`), each task at its mean context in
+    `cache` (None: the costs' middle length); a costs file of another device kind is refused unless `force`."""
+    from ..scoring.costs import check_costs_fit
+    from ..scoring.speed import speedup_table, task_contexts
+
+    for line in check_costs_fit(costs, force, device_type=device_type):
+        print(f"warning: the costs: {line}", file=sys.stderr)
+    contexts = None if cache is None else task_contexts(cache, ours)
+    print(speedup_table(ours, baseline, costs, aggregate, contexts))
 
 
 def add_compare_arguments(p: argparse.ArgumentParser) -> None:
@@ -187,7 +230,11 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step", type=int, default=None, help="with a results.jsonl: the step to compare (default: the last)")
     p.add_argument("--aggregate", choices=("live", "dense"), default="live")
     p.add_argument("--force", action="store_true", help="compare even if the cache, target, block size, tasks, methods "
-                                                        "or scoring fields differ (what is dropped is said)")
+                                                        "or scoring fields differ (what is dropped is said), or the "
+                                                        "--costs file was measured in another dtype")
+    p.add_argument("--costs", type=Path, default=None,
+                   help="a costs file of the serving device (`dflash-callbacks profile`): also print each method's "
+                        "predicted speed-up, ours, the baseline's and the paired ratio, and the fastest configuration")
 
 
 def load_ours(path: Path, step: int | None):
@@ -259,4 +306,12 @@ def run_compare(args: argparse.Namespace) -> int:
               file=sys.stderr)
     print(comparison_table(ours, baseline, args.aggregate, other=baseline.drafter))
     print(f"ours: {ours.served()}\n{baseline.drafter}: {baseline.served()}")  # each side's rule and cache settings
+    if args.costs is not None:
+        from ..scoring.costs import Costs, check_costs_fit
+
+        costs = Costs.load(args.costs)
+        for line in check_costs_fit(costs, args.force, dtype=ours.scoring.get("dtype")):
+            print(f"warning: --costs {args.costs}: {line}", file=sys.stderr)
+        cache = Path(ours.cache["path"]) if ours.cache.get("path") else None
+        print_speedups(ours, baseline, costs, args.aggregate, cache if cache is not None and cache.is_dir() else None)
     return 0

@@ -1,6 +1,7 @@
 """`dflash-callbacks watch`: one command, two watchers, exactly one of
 - `--dir DIR`: the run folders of `DrafterEvalCallback(runner="external")` (`watch/runs.py`);
-- `--checkpoints DIR`: the checkpoints any trainer saves, with no change to it (`watch/checkpoints.py`).
+- `--checkpoints DIR`: the checkpoints any trainer saves, with no change to it (`watch/checkpoint_watcher.py`,
+  a `CheckpointWatcher` built from the `WatchSettings` its flags fill).
 Both take the cache, target, baseline, polling and scoring flags; `--checkpoints` takes its own, and
 the stop's (`StopSettings`' fields, as TrailingBaselineStop takes them), which `--dir` refuses.
 """
@@ -18,12 +19,10 @@ from ..settings import StopSettings, add_arguments, given_arguments
 from .usage import UsageError
 from ..scoring.methods import unscored_monitor
 from ..watch.nearby import RUN_FILE, runs_hint
+from ..watch.watch_settings import DEFAULTS, WatchSettings
 from .score import BASELINE_CACHE_HELP, add_scoring_arguments, path_problems, scoring_config, scoring_flag
 
-CHECKPOINT_FLAGS: dict[str, Any] = {  # dest -> default: the flags only `watch --checkpoints` takes
-    "out": None, "state_key": None, "state_file": "training_state.pt", "drafter_config": None, "step_pattern": None,
-    "settle_seconds": 30.0, "wandb_project": None, "wandb_name": None, "wandb_group": None, "max_steps": None,
-}
+CHECKPOINT_FLAGS: dict[str, Any] = DEFAULTS  # dest -> default: the flags only `watch --checkpoints` takes
 STOP_FLAGS = ("verbose", "confidence")  # the StopSettings fields that are no flag: a watcher prints every line
 
 
@@ -62,6 +61,14 @@ def add_watch_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--wandb-project", help="log the reports to this W&B project (default: no W&B)")
     g.add_argument("--wandb-name", help="the W&B run's name")
     g.add_argument("--wandb-group", help="the W&B group, e.g. the training run's, to see both together")
+    g.add_argument("--tensorboard", type=Path, metavar="DIR", help="write the reports to this TensorBoard folder as well (extra: "
+                   "dflash-callbacks[tensorboard])")
+    g.add_argument("--mlflow-uri", metavar="URI", help="log the reports to this MLflow tracking server or store (http://host:port, "
+                   "sqlite:///path; extra: dflash-callbacks[mlflow]), in a run made in --mlflow-experiment or the run "
+                   "--mlflow-run-id")
+    g.add_argument("--mlflow-experiment", metavar="NAME", help="with --mlflow-uri: the experiment a run is made in, named for the run "
+                   "folder")
+    g.add_argument("--mlflow-run-id", metavar="ID", help="with --mlflow-uri: the run the reports go to (e.g. the training's own)")
     g.add_argument("--max-steps", type=int, help="the training's last step: the projection's horizon; a report there "
                                                  "only warns (training ends anyway)")
     stop = p.add_argument_group("watch --checkpoints DIR --baseline B: the stop (TrailingBaselineStop's settings; "
@@ -92,9 +99,9 @@ def run_watch(args: argparse.Namespace) -> int:
             problems += str(e).splitlines()
         if problems:
             raise UsageError("\n".join(problems))
-        from ..watch.checkpoints import run_watch_checkpoints
+        from ..watch.checkpoint_watcher import run_watch_checkpoints
 
-        return run_watch_checkpoints(args, settings, scoring)
+        return run_watch_checkpoints(settings)
     misplaced = [flag(dest) for dest in [*CHECKPOINT_FLAGS, *given_arguments(args, StopSettings)] if hasattr(args, dest)]
     if misplaced:
         problems.append(f"{', '.join(misplaced)} go with --checkpoints, not --dir")
@@ -124,10 +131,10 @@ def given_settings(args: argparse.Namespace) -> dict[str, str]:
     return {name: scoring_flag(name) for name in given_arguments(args, ScoringConfig) if name in numbers}
 
 
-def checkpoint_settings(args: argparse.Namespace, scoring: ScoringConfig | None = None) -> dict[str, Any]:
-    """The flags of `watch --checkpoints`, defaults filled in and checked, with the stop's settings ("stop": a
-    StopSettings, or None without --baseline; its monitor one of the methods `scoring` scores); UsageError
-    listing every problem."""
+def checkpoint_settings(args: argparse.Namespace, scoring: ScoringConfig | None = None) -> WatchSettings:
+    """The flags of `watch --checkpoints` as the watcher's `WatchSettings`, defaults filled in and checked, with
+    the stop's settings (`stop`: a StopSettings, or None without --baseline; its monitor one of the methods
+    `scoring` scores); UsageError listing every problem."""
     from ..model.config import DrafterConfig
 
     given = {dest for dest in CHECKPOINT_FLAGS if hasattr(args, dest)}
@@ -176,9 +183,19 @@ def checkpoint_settings(args: argparse.Namespace, scoring: ScoringConfig | None 
         problems.append(f"--max-steps must be an integer >= 1; got {s['max_steps']}")
     if s["wandb_project"] is None and given & {"wandb_name", "wandb_group"}:
         problems.append("--wandb-name and --wandb-group name a run of --wandb-project: give the project")
+    try:
+        from ..engine.trackers.flags import watcher_trackers
+
+        watcher_trackers(None if s["tensorboard"] is None else str(s["tensorboard"]), s["mlflow_uri"],
+                         s["mlflow_experiment"], s["mlflow_run_id"])
+    except ValueError as e:
+        problems.append(str(e))
     s["out"] = s["out"] if s["out"] is not None else root / "dflash-eval"
     if s["out"].exists() and not s["out"].is_dir():
         problems.append(f"--out {s['out']} is a file: give the folder the reports go to")
     if problems:
         raise UsageError("\n".join(problems))
-    return s
+    return WatchSettings(checkpoints=root, cache=args.cache, target=args.target, baseline=args.baseline,
+                         baseline_cache_dir=args.baseline_cache_dir,
+                         scoring=scoring if scoring is not None else ScoringConfig(), poll_seconds=args.poll_seconds,
+                         idle_exit=args.idle_exit, once=args.once, **s)

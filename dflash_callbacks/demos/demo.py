@@ -39,9 +39,9 @@ from ..callbacks import TrailingBaselineStop
 from ..callbacks.schema import build_eval_callback, build_stop_callback
 from ..scoring.intervals import paired_comparison
 from ..scoring.methods import Monitor
-from ..engine.reports import final_table
+from ..engine.results_line import final_table
 from ..scoring.report import EvalReport, family_title
-from ..plot import plot_live_tau
+from ..engine.live_tau_plot import plot_live_tau
 from .toy.threads import torch_threads
 from .settings import DemoConfig, TrainConfig, check_demo, demo_config  # noqa: F401  (the demo's settings)
 

@@ -5,5 +5,5 @@ they adapt."""
 
 from ..lazy import exports
 
-__getattr__ = exports(__name__, {"EvalEngine": ".evaluator", "Host": ".evaluator", "StopPolicy": ".stop"})
+__getattr__ = exports(__name__, {"EvalEngine": ".eval_engine", "Host": ".host", "StopPolicy": ".stop"})
 __all__ = ["EvalEngine", "Host", "StopPolicy"]

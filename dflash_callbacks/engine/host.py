@@ -4,16 +4,15 @@ Each adapter gives the engine a Host (Lightning's Trainer, the plain loop, the t
 Trainer, the checkpoint watcher): its ranks and their one collective, where run folders go,
 where metrics and W&B rows go, the loop's last step and whether it is ending, and how it says
 things. The defaults are one process with no logger, no known last step, and messages through
-`logging` / `warnings`. The parts below (torch.distributed's ranks, a list of log functions, the
-active W&B run) are composed by the hosts that need them.
+`logging` / `warnings`. torch.distributed's ranks (`TorchDistributed`) are composed by the hosts that
+need them, and so are the destinations in `trackers/` (`log=` functions, the active W&B run).
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +58,11 @@ class Host:
         """The W&B runs that get the metrics, tables and curves."""
         return []
 
+    def trackers(self) -> list:
+        """The other destinations of the reports (`trackers/base.Tracker`: TensorBoard, MLflow, the user's
+        own), rank 0, looked up once, at the first report."""
+        return []
+
     def set_metrics(self, metrics: dict[str, float]) -> None:
         """The latest means (every rank): Lightning's `callback_metrics`, the plain loop's `metrics`."""
 
@@ -98,55 +102,3 @@ class TorchDistributed:
         box = [obj]
         torch.distributed.broadcast_object_list(box, src=0, device=device)
         return box[0]
-
-
-def log_functions(log: Callable | Sequence[Callable] | None) -> list[Callable[[dict, int], object]]:
-    """`log=` of the plain-loop and transformers adapters, as a list (TypeError for anything else)."""
-    functions = [] if log is None else [log] if callable(log) else list(log)
-    if not all(callable(fn) for fn in functions):
-        raise TypeError("log must be a function fn(metrics, step) or a list of them")
-    return functions
-
-
-def as_loggers(functions: list[Callable[[dict, int], object]]) -> list[Logger]:
-    return [(getattr(fn, "__qualname__", type(fn).__name__), fn) for fn in functions]
-
-
-class ActiveWandb:
-    """The W&B run reports go to: the one given, else the active `wandb.run` when the script has started
-    one (wandb is never imported here), never with `False`. Each run gets a `WandbRows` writer."""
-
-    def __init__(self, given: Any = None):
-        self.given = given
-        self._rows: dict[int, Any] = {}
-
-    def runs(self) -> list[WandbRun]:
-        run = self.given
-        if run is None:
-            module = sys.modules.get("wandb")
-            run = getattr(module, "run", None) if module is not None else None
-        if run is None or run is False:
-            return []
-        rows = self._rows.setdefault(id(run), WandbRows(run))
-        return [("wandb", run, rows.log)]
-
-
-class WandbRows:
-    """Writes our rows into a W&B run that the training loop may log to as well, with or without
-    `step=`: each report in a row of its own, and W&B's step counter never moved past a step the loop
-    has yet to log (W&B drops a row whose step is below its counter).
-
-    A report joins the run's current row, uncommitted (the loop's next log commits it with its own).
-    Only when our previous report still sits in that row (the loop has not logged since) is it
-    committed first, which moves the counter one past the loop's last step."""
-
-    def __init__(self, run):
-        self.run = run
-        self.row: int | None = None  # the step of the row our last report joined
-
-    def log(self, payload: dict, step: int) -> None:
-        """`payload`, of the report of training step `step` (which it holds as PREFIX/step)."""
-        if self.row is not None and self.run.step == self.row:
-            self.run.log({}, commit=True)
-        self.run.log(payload, commit=False)
-        self.row = self.run.step

@@ -88,6 +88,9 @@ class ScoringConfig:
     ddtree_budgets: list[int] = _field(factory=lambda: [4, 8], numbers=True, aliases=("budgets",),
                                        help="DDTree node budgets N")
     topk: list[int] = _field(factory=list, numbers=True, help="top@k widths (an upper bound, not a node budget)")
+    ddtree_sweep: int | None = _field(None, help="also every DDTree budget from 1 to N (added to ddtree_budgets): "
+                                                  "the closed form reads every budget from one pass, and the "
+                                                  "fastest configuration is then chosen over all of them")
     window: int | None = _field(None, numbers=True, help="score the anchors in the first N tokens of each completion "
                                                          "(None: all)")
     block_size: int | None = _field(None, numbers=True, help="the block size scored (None: the drafter's)")
@@ -131,11 +134,19 @@ class ScoringConfig:
                                                 help="a drafter with a confidence head (DSpark): score the draft cut "
                                                      "before the first slot whose confidence is below this (0 to 1, "
                                                      "as DeepSpec's evaluation); None: the full block")
+    costs: str | None = _field(None, help="a costs file of the serving device (`dflash-callbacks profile`, or the "
+                                          "engine's step times in its format): predict each method's speed-up and "
+                                          "the fastest configuration (None: tau only)")
+    force_costs: bool = _field(False, help="use a costs file measured on another device, dtype or target or drafter "
+                                           "shape (refused otherwise, naming the mismatch)")
 
     def __post_init__(self) -> None:
         """Every bad field at once, one line each (the CLIs print one `error:` line per line)."""
         problems = problems_of(
             lambda: check_int_list("ddtree_budgets", self.ddtree_budgets, 1, MAX_DDTREE_BUDGET),
+            lambda: check_int("ddtree_sweep", self.ddtree_sweep, 1, optional=True) is None
+            or self.ddtree_sweep <= MAX_DDTREE_BUDGET or _bad(
+                f"ddtree_sweep must be at most {MAX_DDTREE_BUDGET}; got {self.ddtree_sweep!r}"),
             lambda: check_int_list("topk", self.topk, 1),
             lambda: check_int("window", self.window, 1, optional=True),
             lambda: check_int("block_size", self.block_size, 2, optional=True),
@@ -169,11 +180,17 @@ class ScoringConfig:
             lambda: check_choice("estimators", self.estimators, ESTIMATORS),
             lambda: check_int("coin_seed", self.coin_seed, 0),
             lambda: check_probability("confidence_threshold", self.confidence_threshold),
+            lambda: self.costs is None or (isinstance(self.costs, str) and self.costs) or _bad(
+                f"costs must be None or the path of a costs file (`dflash-callbacks profile --out PATH`); got "
+                f"{self.costs!r}"),
+            lambda: check_bool("force_costs", self.force_costs),
         )
         if problems:
             raise ValueError("\n".join(problems))
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen: copied once, here)
-        put("ddtree_budgets", [int(n) for n in self.ddtree_budgets])
+        sweep = [] if self.ddtree_sweep is None else range(1, self.ddtree_sweep + 1)
+        put("ddtree_budgets", sorted({int(n) for n in [*self.ddtree_budgets, *sweep]}) if sweep
+            else [int(n) for n in self.ddtree_budgets])
         put("topk", [int(k) for k in self.topk])
         put("block_sizes", [int(b) for b in self.block_sizes])
         put("attentions", list(self.attentions))

@@ -496,28 +496,3 @@ def resolution_warning(baseline: EvalReport, monitor: str, min_ratio: float) -> 
             f"baseline's own 95% interval, {value:.2f} [{lo:.2f}, {hi:.2f}], is +-{50 * (hi - lo) / value:.0f}% of "
             f"its mean, wider than the {100 * (1 - min_ratio):.2g}% margin; about {needed} tasks would resolve it "
             f"(a larger task set: {larger}); the stop still runs")
-
-
-def interval_metrics(prefix: str, report: EvalReport, baseline: EvalReport | None = None,
-                     comparisons: dict[str, dict[str, Comparison]] | None = None) -> dict[str, float]:
-    """The logged interval keys beside each run-level mean: PREFIX/METHOD/AGG/mean_lo and _hi
-    (ours), and with a baseline PREFIX/baseline/..., PREFIX/delta/... and PREFIX/ratio/...
-    /mean_lo and _hi (delta and ratio paired: `comparisons`, or computed here). Empty for a
-    report without intervals (written before scorer version 4)."""
-    if report.intervals is None:
-        return {}
-    out = {}
-    for method in report.methods:
-        for aggregate in AGGREGATES:
-            lo, hi = report.interval(f"{method}/{aggregate}")
-            out.update({f"{prefix}/{method}/{aggregate}/mean_lo": lo, f"{prefix}/{method}/{aggregate}/mean_hi": hi})
-    if baseline is None or baseline.intervals is None:
-        return out
-    comparisons = comparisons if comparisons is not None else paired_comparison(report, baseline)
-    for monitor, per_task in comparisons.items():
-        lo, hi = baseline.interval(monitor)
-        mean = per_task["mean"]
-        for kind, (low, high) in {"baseline": (lo, hi), "delta": (mean.delta.lo, mean.delta.hi),
-                                  "ratio": (mean.ratio.lo, mean.ratio.hi)}.items():
-            out.update({f"{prefix}/{kind}/{monitor}/mean_lo": low, f"{prefix}/{kind}/{monitor}/mean_hi": high})
-    return out

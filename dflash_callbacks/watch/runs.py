@@ -46,7 +46,7 @@ from ..scoring.config import ScoringConfig
 from ..scoring.report import EvalReport
 from ..scoring.service import ScoringService, ServiceSpec, preflight, recorded_weights, weights_fingerprint
 from ..engine.run_folder import HEARTBEAT_FILE, RunFolder, is_run_folder, write_heartbeat
-from ..engine.runners import describe
+from ..engine.runners.jobs import describe
 from .nearby import runs_hint
 
 

@@ -22,9 +22,10 @@ from dflash_callbacks.cache.tasks import Task
 from dflash_callbacks.cli import build_parser, main as cli_main
 from dflash_callbacks.cli.score import scoring_config
 from dflash_callbacks.cli.watch import given_settings
-from dflash_callbacks.engine import runners
+from dflash_callbacks.engine.runners import external_scorer
 from dflash_callbacks.engine.run_folder import RunFolder
-from dflash_callbacks.engine.runners import BackgroundRunner, Job, SnapshotOutcome
+from dflash_callbacks.engine.runners.background import BackgroundRunner
+from dflash_callbacks.engine.runners.jobs import Job, SnapshotOutcome
 from dflash_callbacks.engine.snapshot import Snapshot
 from dflash_callbacks.model import DrafterConfig, load_drafter
 from dflash_callbacks.model.target_head import head_fingerprint
@@ -218,7 +219,7 @@ def test_a_watcher_whose_flags_or_cache_conflict_with_a_run_is_refused_and_write
     each says so in one line naming the setting, both values and the fix, however often it
     polls, and writes nothing into the run's folder, not even a heartbeat: the run, which no
     watcher scores, says it has none."""
-    monkeypatch.setattr(runners, "WATCHER_TIMEOUT", 1.5)
+    monkeypatch.setattr(external_scorer, "WATCHER_TIMEOUT", 1.5)
     other = write_cache(world, tmp_path / "other-cache", [("other", 12, 3)])
     cb = eval_cb(world, tmp_path, runner="external", keep_last=2)
     with Watching(world, tmp_path / "d", "--window", "2") as flagged, \
@@ -567,7 +568,7 @@ def test_a_snapshot_baseline_is_taken_from_the_watcher_and_another_watchers_is_r
     in a run and replaces it with its own."""
     import threading
 
-    from dflash_callbacks.engine.runners import ExternalScorer
+    from dflash_callbacks.engine.runners.external_scorer import ExternalScorer
     from dflash_callbacks.scoring.service import weights_fingerprint
 
     other = other_baseline(world, tmp_path)
@@ -608,7 +609,7 @@ def test_a_snapshot_baseline_is_taken_from_the_watcher_and_another_watchers_is_r
 
 def test_a_non_finite_failure_reads_alike_from_every_runner():
     """A worker's or a watcher's failure keeps its own words, so a NaN there is known as one."""
-    from dflash_callbacks.engine.runners import ScorerError, describe, is_non_finite
+    from dflash_callbacks.engine.runners.jobs import ScorerError, describe, is_non_finite
     from dflash_callbacks.scoring.scorer import NonFiniteError
 
     here = describe(NonFiniteError("the drafter's logits are NaN"))

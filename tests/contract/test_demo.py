@@ -18,7 +18,7 @@ from matplotlib.figure import Figure
 from dflash_callbacks.engine.stop import fit_projection, projected_value
 from dflash_callbacks.callbacks.schema import build_stop_callback
 from dflash_callbacks.demos.settings import demo_config
-from dflash_callbacks.plot import draw_tau, live_tau_figure
+from dflash_callbacks.engine.live_tau_plot import draw_tau, live_tau_figure
 from dflash_callbacks.scoring.report import EvalReport, read_results
 
 from runs import DEADLINE

@@ -56,6 +56,7 @@ def ranks(root: Path) -> list[dict]:
     return out
 
 
+@pytest.mark.slow
 def test_ddp_rank0_scores_alone_ranks_stop_together_and_a_failing_slow_scorer_does_not_hang(world, tmp_path):
     """Two DDP ranks, two eval callbacks on rank 0:
     - one scores the world's cache; TrailingBaselineStop(min_ratio=5) against the baseline
@@ -104,6 +105,7 @@ def test_ddp_rank0_scores_alone_ranks_stop_together_and_a_failing_slow_scorer_do
     assert_clean(root / "dflash") and assert_clean(root / "dflash-1")
 
 
+@pytest.mark.slow
 def test_fsdp2_capture_gathers_the_full_state_on_rank0_and_the_callback_keeps_ranks_in_step(world, tmp_path):
     """Lightning's ModelParallelStrategy (FSDP2 `fully_shard` of the drafter) on 2 CPU processes.
 
@@ -140,6 +142,7 @@ def test_fsdp2_capture_gathers_the_full_state_on_rank0_and_the_callback_keeps_ra
         assert all(f.get_slice(k).get_shape() == g.get_slice(k).get_shape() for k in g.keys())
 
 
+@pytest.mark.slow
 def test_ddp_drafter_early_stopping_and_a_monitored_checkpoint_end_together_counting_each_report_once(world, tmp_path):
     """Two DDP ranks with DrafterEarlyStopping (patience 3, never improving) and ModelCheckpoint on a dflash key,
     and a validation loop after every batch. The means were in callback_metrics on rank 0 only: EarlyStopping

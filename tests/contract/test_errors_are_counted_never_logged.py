@@ -19,8 +19,7 @@ from lightning.pytorch.loggers import CSVLogger
 from dflash_callbacks import save_drafter
 from dflash_callbacks.callbacks.host import LightningHost
 from dflash_callbacks.cli import main as cli_main
-from dflash_callbacks.engine.evaluator import EvalEngine
-from dflash_callbacks.engine.publish import Publisher
+from dflash_callbacks.engine.eval_engine import EvalEngine
 from dflash_callbacks.engine.run_folder import RunFolder
 from dflash_callbacks.scoring.report import EvalReport
 from dflash_callbacks.scoring.scorer import NonFiniteError
@@ -106,16 +105,16 @@ def test_a_report_or_line_that_is_not_strict_json_is_an_error_line_dropped_never
     run, failures, seen = RunFolder.create(tmp_path / "d", "r"), [], []
     trainer = pl.Trainer(logger=False, accelerator="cpu", enable_progress_bar=False, enable_model_summary=False)
     engine = EvalEngine(EvalSettings(world / "cache", world / "target", scoring=SCORING, verbose=False))
-    engine.host = engine.reports.host = LightningHost(trainer)
-    engine.reports.fail = failures.append
-    engine.reports.publisher = Publisher("dflash", run, failures.append, engine.host.loggers, engine.host.wandb_runs)
+    engine.host = engine.publisher.host = LightningHost(trainer)
+    engine.publisher.fail = failures.append
+    engine.publisher.start(run, [])
     engine.subscribe(lambda report, baseline: seen.append(report.step))
-    engine.reports.publish(bad, 1.0)
+    engine.publisher.publish(bad, 1.0)
     assert not trainer.callback_metrics and seen == [] and failures == [
         "step 4: the report is refused, none of its numbers is logged: not a report: seconds is nan, not a finite number"]
-    engine.reports.publisher.record({"step": 5, "snapshot_id": "d" * 16, "error": "x", "seconds": float("inf")})
-    assert "line of step 5 is not strict JSON" in failures[1] and engine.reports.publisher.unsaved == []
-    engine.reports.publish(later, 1.0)
+    engine.publisher.record({"step": 5, "snapshot_id": "d" * 16, "error": "x", "seconds": float("inf")})
+    assert "line of step 5 is not strict JSON" in failures[1] and engine.publisher.unsaved == []
+    engine.publisher.publish(later, 1.0)
     lines = [json.loads(line) for line in run.results_path.read_text().splitlines()]
     assert [(r["step"], "error" in r) for r in lines] == [(4, True), (6, False)] and seen == [6] and len(failures) == 2
     assert lines[0]["error"] == failures[0] and lines[0]["snapshot_id"] == "b" * 16

@@ -31,7 +31,7 @@ from dflash_callbacks.scoring.report import EvalReport
 from dflash_callbacks.scoring.table import comparison_table
 from dflash_callbacks.scoring.service import PreflightError
 
-from dflash_callbacks.watch.checkpoints import hf_folder
+from dflash_callbacks.watch.checkpoint_files import hf_folder
 
 from loops import hf_fit, plain_fit
 from runs import assert_clean, run_dir

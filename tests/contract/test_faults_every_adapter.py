@@ -4,7 +4,8 @@ adapters.py): a scorer failing mid-run, NaN weights at one step, a results file 
 scoring worker killed while it scores, a training process SIGKILLed and resumed from its checkpoint. Each
 time training goes on, the failure is an error line for its step and counted, none of its numbers is
 logged, and no finished evaluation is lost: every run folder goes through the audit (runs.py). The two
-kills are slow (a worker process, a training script)."""
+kills are slow (a worker process, a training script). The engine's own faults run through one adapter
+(`ENGINE_FAULTS_THROUGH`); the resume, which each adapter does its own way, through all three."""
 
 from __future__ import annotations
 
@@ -38,6 +39,13 @@ def adapter(request, world):
     return ADAPTERS[request.param](world)
 
 
+ENGINE_FAULTS_THROUGH = ["loop"]
+"""A fault the engine handles (a scorer that fails, NaN weights, an unwritable results file, a killed
+worker) takes the same path under every adapter: it runs once, through the plain loop, the thinnest
+adapter. What differs per adapter (its checkpoint, its resume, its loggers) runs under every one."""
+
+
+@pytest.mark.parametrize("adapter", ENGINE_FAULTS_THROUGH, indirect=True)
 def test_a_scorer_failing_mid_run_is_an_error_line_per_snapshot_and_training_finishes(adapter, tmp_path):
     """The evaluation cache is zeroed once the first report is in: every later snapshot is an error line.
     Training waits at step 2 until its snapshot is scored, so that the report is published while training
@@ -62,6 +70,7 @@ def test_a_scorer_failing_mid_run_is_an_error_line_per_snapshot_and_training_fin
     assert_clean(tmp_path / "d", ev.reports)
 
 
+@pytest.mark.parametrize("adapter", ENGINE_FAULTS_THROUGH, indirect=True)
 def test_nan_weights_at_one_step_are_an_error_line_and_never_a_logged_number(adapter, tmp_path):
     """At step 4, after its optimizer step, one weight is NaN while the snapshot is taken, and restored
     right after: steps 2 and 6 are scored and logged, step 4 is an error line and only the error count."""
@@ -96,6 +105,7 @@ def test_nan_weights_at_one_step_are_an_error_line_and_never_a_logged_number(ada
     assert_clean(tmp_path / "d", ev.reports)
 
 
+@pytest.mark.parametrize("adapter", ENGINE_FAULTS_THROUGH, indirect=True)
 def test_a_results_file_unwritable_for_a_while_costs_no_report(adapter, tmp_path):
     """After the first report a folder takes the place of results.jsonl (every append fails); after the
     third it is put back: training goes on, each failure is counted, the reports are still logged, and the
@@ -112,6 +122,7 @@ def test_a_results_file_unwritable_for_a_while_costs_no_report(adapter, tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("adapter", ENGINE_FAULTS_THROUGH, indirect=True)
 def test_a_killed_scoring_worker_fails_its_step_and_a_new_worker_scores_the_next(adapter, tmp_path):
     """runner="process": the worker is SIGKILLed while it scores step 2, as soon as it has loaded the
     snapshot's weights (the file's atime moves past its mtime), with a cache that takes it a second or more

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from dflash_callbacks import DrafterEvalTrainerCallback, DrafterEvaluator
-from dflash_callbacks.engine.reports import final_table
+from dflash_callbacks.engine.results_line import final_table
 
 from loops import SCORING, hf_fit, plain_fit
 

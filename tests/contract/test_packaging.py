@@ -50,8 +50,8 @@ def test_the_engine_and_the_plain_loop_import_no_training_framework():
     `watch` commands load neither Lightning nor the transformers Trainer (the drafter keeps its
     transformers building blocks)."""
     code = ("import sys; import dflash_callbacks.engine, dflash_callbacks.loop, dflash_callbacks.scoring.service, "
-            "dflash_callbacks.watch.checkpoints, dflash_callbacks.watch.runs, dflash_callbacks.engine.runners, "
-            "dflash_callbacks.engine.evaluator, dflash_callbacks.cli.score, dflash_callbacks.cli.watch; "
+            "dflash_callbacks.watch.checkpoint_watcher, dflash_callbacks.watch.runs, dflash_callbacks.engine.runners, "
+            "dflash_callbacks.engine.eval_engine, dflash_callbacks.cli.score, dflash_callbacks.cli.watch; "
             "from dflash_callbacks import DrafterEvaluator; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning') "
             "or m in ('transformers.trainer', 'transformers.trainer_callback')))")

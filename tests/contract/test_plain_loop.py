@@ -116,6 +116,7 @@ def test_every_mistake_is_listed_before_the_first_step(world, tmp_path):
         evaluator(world, tmp_path, stop=TrailingBaselineStop(monitor="ddtree@8/live"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
 def test_two_ranks_score_on_rank0_alone_and_stop_together(world, tmp_path, parallel):
     """torchrun, 2 gloo processes: the drafter in DDP, or sharded per layer by FSDP2 `fully_shard` (the

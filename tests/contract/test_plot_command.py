@@ -13,7 +13,7 @@ import pytest
 
 from dflash_callbacks import DrafterEvaluator, TrailingBaselineStop
 from dflash_callbacks.cli import main
-from dflash_callbacks.plot import live_tau_figure
+from dflash_callbacks.engine.live_tau_plot import live_tau_figure
 
 from loops import SCORING, plain_fit
 from runs import run_dir, wait_until

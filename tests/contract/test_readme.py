@@ -65,6 +65,7 @@ def run_example(name: str, cwd: Path, world: Path) -> subprocess.CompletedProces
     return run
 
 
+@pytest.mark.slow
 def test_the_example_runs_as_written(tmp_path, toy_world_folder, home_sandbox):
     """As a user runs it; its run folder lands under runs/attach-example/dflash/, and its baseline
     report in the session's sandbox (conftest.py), never in the real home folder."""
@@ -78,6 +79,7 @@ def test_the_example_runs_as_written(tmp_path, toy_world_folder, home_sandbox):
     assert cached and not [name for name in cached if (real / name).exists() and (real / name).stat().st_mtime >= started]
 
 
+@pytest.mark.slow
 def test_the_plain_loop_example_runs_as_written(tmp_path, toy_world_folder):
     """examples/plain_loop.py: DrafterEvaluator in a plain loop; its run folder lands under its dirpath
     with a report every 50 of its 150 steps."""
@@ -87,6 +89,7 @@ def test_the_plain_loop_example_runs_as_written(tmp_path, toy_world_folder):
     assert [json.loads(line)["step"] for line in (folder / "results.jsonl").read_text().splitlines()] == [50, 100, 150]
 
 
+@pytest.mark.slow
 def test_the_hf_trainer_example_runs_as_written(tmp_path, toy_world_folder):
     """examples/hf_trainer.py: a transformers Trainer with the callback; its run folder lands under
     <output_dir>/dflash/ with a report every 20 of its 60 steps."""

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dflash_callbacks import DrafterEvaluator, TrailingBaselineStop
-from dflash_callbacks.engine import reports
+from dflash_callbacks.engine import publisher
 from dflash_callbacks.scoring.report import EvalReport
 
 from loops import SCORING, DrafterModel
@@ -24,14 +24,14 @@ from train_run import shared_world, world_paths
 
 def test_the_setup_warning_is_made_on_the_runners_thread(tmp_path_factory, tmp_path, monkeypatch):
     world = SimpleNamespace(**world_paths(shared_world(tmp_path_factory.getbasetemp() / "reliability-world")))
-    made_on, original = [], reports.resolution_warning
+    made_on, original = [], publisher.resolution_warning
 
     def slow_warning(baseline: EvalReport, monitor: str, min_ratio: float) -> str | None:
         made_on.append(threading.current_thread().name)
         time.sleep(1.0)  # as long as counting tasks one at a time took
         return original(baseline, monitor, min_ratio)
 
-    monkeypatch.setattr(reports, "resolution_warning", slow_warning)
+    monkeypatch.setattr(publisher, "resolution_warning", slow_warning)
     stop = TrailingBaselineStop(monitor="ddtree@4/live", min_ratio=1 - 1e-9, action="warn", verbose=False)
     evaluator = DrafterEvaluator(cache=world.cache, target=world.target, baseline=world.baseline, every_n_steps=100,
                                  scoring=SCORING, dirpath=tmp_path / "d", baseline_cache_dir=tmp_path / "bc",

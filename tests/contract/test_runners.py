@@ -181,6 +181,7 @@ def test_a_resume_with_another_runner_is_scored_by_it(tmp_path):
     assert_clean(tmp_path / "d", second.reports)
 
 
+@pytest.mark.slow
 def test_the_process_worker_never_runs_the_training_script_again(tmp_path):
     """A training script without an `if __name__ == "__main__":` guard: a multiprocessing
     spawn would run all of it again in the worker (a second training run there, and the

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from dflash_callbacks.callbacks.eval_callback import DrafterEvalCallback
 from dflash_callbacks.callbacks.host import LightningHost
 from dflash_callbacks.callbacks.stopping import TrailingBaselineStop
-from dflash_callbacks.engine.schedule import Schedule
+from dflash_callbacks.engine.snapshot_schedule import Schedule
 
 from made_reports import BASE, make_report
 
@@ -58,9 +58,7 @@ class ScriptedReports(DrafterEvalCallback):
         engine.host, engine._started = LightningHost(trainer), True
         engine._fresh({"history": self.history0})
         engine.schedule = Schedule(engine.settings, None, {})
-        engine.reports.baseline = self.base
-        for policy in engine.stops.policies:
-            policy.load_history(engine.history)
+        engine.publisher.baseline = self.base
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.publish(trainer, self.values.get(trainer.global_step))
@@ -70,7 +68,7 @@ class ScriptedReports(DrafterEvalCallback):
         pass
 
     def on_train_end(self, trainer, pl_module):
-        self.engine.reports.closing = True
+        self.engine.publisher.close()
         self.publish(trainer, self.at_end)
 
     def _module(self, pl_module):
@@ -81,7 +79,7 @@ class ScriptedReports(DrafterEvalCallback):
             return
         report = make_report(value, trainer.global_step)
         self.engine.state.add({"step": report.step, "mean": report.mean})
-        self.engine.reports.notify(report, None)
+        self.engine.publisher.notify(report)
 
 
 def fit(stop: TrailingBaselineStop, values: dict[int, float], max_steps: int = 20, at_end: float | None = None,
@@ -148,10 +146,10 @@ def test_a_second_fit_with_the_same_callback_starts_fresh():
     stop = TrailingBaselineStop(min_ratio=0.9, patience=1, verbose=False)
     source = ScriptedReports({2: 1.0})
     assert fit(stop, {}, source=source).global_step == 2 and stop.stopped_step == 2
-    source.engine.stops.pending = (0, stop.stop_reason)  # what rank 0 holds when training ends before the sync
+    source.engine.state.decided = (0, stop.stop_reason)  # what rank 0 holds when training ends before the sync
     source.values = {4: 5.0}
     trainer = fit(stop, {}, source=source)
-    assert trainer.global_step == 20 and (stop.stopped_step, stop.stop_reason, source.engine.stops.pending) == (0, None, None)
+    assert trainer.global_step == 20 and (stop.stopped_step, stop.stop_reason, source.engine.state.decided) == (0, None, None)
     assert stop.history == [(4, 5.0)] and stop.wait_count == 0
 
 

@@ -20,7 +20,7 @@ from transformers import EarlyStoppingCallback, TrainerCallback
 
 from dflash_callbacks import TrailingBaselineStop
 from dflash_callbacks.engine.run_folder import RunFolder
-from dflash_callbacks.engine.runners import SnapshotOutcome
+from dflash_callbacks.engine.runners.jobs import SnapshotOutcome
 from dflash_callbacks.hf import DrafterEvalTrainerCallback
 from dflash_callbacks.scoring.service import PreflightError, ScoringService, ServiceSpec
 
@@ -270,6 +270,7 @@ def test_restoring_callbacks_by_recreating_them_is_refused_when_the_trainer_is_m
     assert counter.steps == 0 and not (tmp_path / "d").exists()
 
 
+@pytest.mark.slow
 def test_two_ranks_under_ddp_score_on_rank0_alone_and_stop_together(world, tmp_path):
     """torchrun, 2 gloo processes: the Trainer wraps the model in DDP. Rank 0 scores alone; every report is
     written once; the stop sets `should_training_stop` on both ranks at the same step; rank 1 holds rank 0's

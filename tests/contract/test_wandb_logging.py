@@ -9,7 +9,9 @@ from torch.utils.data import DataLoader
 from dflash_callbacks import DFlashDrafter
 from dflash_callbacks.callbacks import DrafterEvalCallback
 from dflash_callbacks.callbacks.host import LightningHost
-from dflash_callbacks.engine.publish import Publisher
+from dflash_callbacks.engine.publisher import Publisher
+from dflash_callbacks.engine.run_state import RunState
+from dflash_callbacks.settings import EvalSettings
 from dflash_callbacks.engine.run_folder import RunFolder
 from dflash_callbacks.scoring.service import ScoringService, ServiceSpec
 from dflash_callbacks.demos.training import CacheSequences, DFlashTrainingModule, collate_sequences
@@ -84,9 +86,11 @@ def published_to_offline_wandb(tmp_path, prefix: str, reports_and_baselines) -> 
     trainer = pl.Trainer(logger=logger, accelerator="cpu", enable_progress_bar=False, enable_model_summary=False)
     failures = []
     host = LightningHost(trainer)
-    publisher = Publisher(prefix, RunFolder.create(tmp_path / "d", "r"), failures.append, host.loggers,
-                          host.wandb_runs)
-    published = [publisher.publish(report, base, 1.0, 0) for report, base in reports_and_baselines]
+    settings = EvalSettings(tmp_path / "cache", tmp_path / "target", name=prefix, verbose=False)
+    publisher = Publisher(settings, host, RunState(prefix, [], False), [], [], lambda: None)
+    publisher.fail = failures.append
+    publisher.start(RunFolder.create(tmp_path / "d", "r"), [])
+    published = [publisher.write(report, base, 1.0) for report, base in reports_and_baselines]
     wandb.finish()
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
     return read_run(run_dir), failures, published

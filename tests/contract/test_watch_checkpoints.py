@@ -121,14 +121,14 @@ def test_a_checkpoint_deleted_or_of_another_shape_after_start_is_an_error_line_n
     that appears later (naming its config.json). The others are scored, and the watcher goes on."""
     from dflash_callbacks.cli.score import scoring_config
     from dflash_callbacks.cli.watch import checkpoint_settings
-    from dflash_callbacks.watch.checkpoints import CheckpointWatcher
+    from dflash_callbacks.watch.checkpoint_watcher import CheckpointWatcher
 
     root, out = tmp_path / "ckpts", tmp_path / "ckpts" / "dflash-eval"
     save_drafter(root / "checkpoint-2", world.config, trained(world, 2))
     (root / "checkpoint-2" / "trainer_state.json").write_text("{}")  # the Trainer's marker: complete at once
     save_drafter(root / "checkpoint-4", world.config, trained(world, 4))  # no marker: settles for 60 s
     args = build_parser().parse_args(watch_args(world, root, "--settle-seconds", "60"))
-    watcher = CheckpointWatcher(args, checkpoint_settings(args), scoring_config(args))
+    watcher = CheckpointWatcher(checkpoint_settings(args, scoring_config(args)))
     watcher.check()
     assert watcher.scan() == 1 and watcher.seen.keys() == {2, 4}
     shutil.rmtree(root / "checkpoint-4")

@@ -26,7 +26,7 @@ from safetensors import safe_open
 from dflash_callbacks import TrailingBaselineStop
 from dflash_callbacks.cache.format import HiddenStateCache
 from dflash_callbacks.cli import main as cli_main
-from dflash_callbacks.engine import runners
+from dflash_callbacks.engine.runners import background, jobs, process_scorer
 from dflash_callbacks.engine.run_folder import RunFolder
 from dflash_callbacks.model import save_drafter
 from dflash_callbacks.scoring.service import ServiceSpec
@@ -94,7 +94,7 @@ def test_sigkilled_training_takes_its_scoring_worker_with_it(world, tmp_path):
     precise, workers = reads_update_atime(tmp_path), []
 
     def worker_started() -> bool:
-        workers[:] = [pid for pid in worker_pids(proc.pid) if b"worker_main" in command_line(pid)]
+        workers[:] = [pid for pid in worker_pids(proc.pid) if b"runners.process_worker" in command_line(pid)]
         return bool(workers)
 
     def scoring() -> bool:  # a snapshot's weights read since they were written (where atime records reads)
@@ -129,7 +129,7 @@ def test_the_process_workers_answers_survive_a_ctrl_c_a_sigterm_and_text_printed
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]))
     paths = world_paths(world)
     spec = ServiceSpec(str(paths["cache"]), str(paths["target"]), str(paths["baseline"]), SCORING, str(tmp_path / "bc"))
-    scorer = runners.ProcessScorer(spec, None, threading.Event(), threading.Event())
+    scorer = process_scorer.ProcessScorer(spec, None, threading.Event(), threading.Event())
 
     def interrupt():  # as soon as the worker ignores them (before the fix it never did: nothing is sent)
         wait_until(lambda: scorer.process and ignores(scorer.process.pid, signal.SIGINT, signal.SIGTERM),
@@ -144,7 +144,7 @@ def test_the_process_workers_answers_survive_a_ctrl_c_a_sigterm_and_text_printed
     try:
         baseline = scorer.baseline()
         thread.join()
-        again = scorer.score(runners.Job(0, "x", folder=paths["baseline"]))
+        again = scorer.score(jobs.Job(0, "x", folder=paths["baseline"]))
     finally:
         scorer.close()
     assert sent == [signal.SIGINT, signal.SIGTERM] and baseline.tasks == again.tasks and scorer.restarts == 0
@@ -208,7 +208,7 @@ def test_external_runner_killed_and_resumed_adopts_the_watchers_report_and_the_s
     assert_clean(root / "dflash", cb.reports)
 
 
-@pytest.mark.parametrize("tasks, grace", [([("slow", 300, 4), ("slow2", 300, 4)], runners.CANCEL_GRACE),
+@pytest.mark.parametrize("tasks, grace", [([("slow", 300, 4), ("slow2", 300, 4)], background.CANCEL_GRACE),
                                           ([("slow", 900, 4)], 0.1)], ids=["cancelled", "abandoned"])
 
 
@@ -217,7 +217,7 @@ def test_a_snapshot_cancelled_when_the_fit_fails_is_scored_by_the_resume(world, 
     is being scored leaves it on disk unscored, with no error line: the resume scores it, as
     it would after a SIGKILL. Cancelled between two tasks, or abandoned inside one task that
     outlives the grace (it was an error line, so the resume never scored it)."""
-    monkeypatch.setattr(runners, "CANCEL_GRACE", grace)
+    monkeypatch.setattr(background, "CANCEL_GRACE", grace)
     slow = write_cache(world, tmp_path / "slow-cache", tasks)
 
     class Preempted(pl.Callback):

@@ -11,7 +11,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 
-from dflash_callbacks.engine import runners
+from dflash_callbacks.engine.runners import background, external_scorer
 
 from runs import assert_clean, records, wait_until
 from train_run import SCORING, eval_cb, fit, shared_world, write_cache
@@ -43,8 +43,8 @@ def test_reports_still_pending_when_wait_timeout_runs_out_are_recorded_not_dropp
 def test_a_report_the_scorer_can_not_stop_in_time_is_recorded_not_dropped(world, tmp_path, monkeypatch):
     """The thread scorer stops between tasks: inside one long task when wait_timeout runs out,
     it outlives the grace `close` gives it. Its step is still an error line, not nothing."""
-    monkeypatch.setattr(runners, "CANCEL_GRACE", 0.1)
-    slow = write_cache(world, tmp_path / "slow-cache", [("slow", 900, 4)])  # one task of a few seconds
+    monkeypatch.setattr(background, "CANCEL_GRACE", 0.1)
+    slow = write_cache(world, tmp_path / "slow-cache", [("slow", 3000, 4)])  # one task of seconds (1 s at 900 here, idle)
     cb = eval_cb(world, tmp_path, cache=slow, wait_timeout=1.0, scoring={**SCORING, "anchors_per_forward": 1})
     with pytest.warns(UserWarning, match=r"step 2 failed: not scored: wait_timeout=1 s ran out at the end of training"):
         fit(world, tmp_path, [cb], max_steps=2)
@@ -58,7 +58,7 @@ def test_a_report_the_scorer_can_not_stop_in_time_is_recorded_not_dropped(world,
 
 
 def test_external_runner_without_a_watcher_says_so_and_does_not_wait_an_hour(world, tmp_path, monkeypatch):
-    monkeypatch.setattr(runners, "WATCHER_TIMEOUT", 1.5)
+    monkeypatch.setattr(external_scorer, "WATCHER_TIMEOUT", 1.5)
     cb = eval_cb(world, tmp_path, runner="external", keep_last=2)  # wait_timeout 300
     started = time.time()
     with pytest.warns(UserWarning, match=r"no `dflash-callbacks watch` has written to .* for 2 s; step 2 was not scored"):
@@ -71,7 +71,7 @@ def test_external_runner_without_a_watcher_says_so_and_does_not_wait_an_hour(wor
 def test_without_a_watcher_the_end_of_fit_does_not_wait_again_for_each_snapshot(world, tmp_path, monkeypatch):
     """Four snapshots pending at the end of a run no watcher ever served: `fit` ends at once, not
     after WATCHER_TIMEOUT per snapshot (each wait used to start its own clock)."""
-    monkeypatch.setattr(runners, "WATCHER_TIMEOUT", 3.0)
+    monkeypatch.setattr(external_scorer, "WATCHER_TIMEOUT", 3.0)
     cb = eval_cb(world, tmp_path, runner="external", keep_last=4, busy="queue", max_pending=4)
 
     class Timing(pl.Callback):  # the run outlives WATCHER_TIMEOUT; then the time fit spends at its end

@@ -1,6 +1,7 @@
 import dataclasses
 import inspect
 import re
+import typing
 
 import pytest
 import yaml
@@ -12,6 +13,9 @@ from dflash_callbacks import (
 )
 from dflash_callbacks.callbacks.schema import CallbacksConfig, EvalConfig, StopConfig, build_callbacks
 from dflash_callbacks.config_files import CONF_DIR, load_config
+from dflash_callbacks.settings import (
+    LIGHTNING_NAMES, EvalSettings, LightningEvalFields, StopFields, StopSettings,
+)
 from dflash_callbacks.demos.settings import DEMO_YAML, DemoConfig, TrainConfig, demo_config
 
 from suite_paths import REPO
@@ -141,9 +145,34 @@ def test_scoring_config_names_every_bad_field_at_once():
 # ---------------------------------------------------------------- one default, everywhere
 
 
+def settings_taken(cls) -> tuple[type | None, dict[str, str]]:
+    """The settings class an entry point takes the fields of as keywords (`**fields: Unpack[...]`), and the
+    names it takes them under."""
+    hint = typing.get_type_hints(cls.__init__, include_extras=True).get("fields")
+    if hint is None:
+        return None, {}
+    (typed,) = typing.get_args(hint)
+    settings = StopSettings if typed is StopFields else EvalSettings
+    return settings, LIGHTNING_NAMES if typed is LightningEvalFields else {}
+
+
+def accepted(cls) -> list[str]:
+    """Every argument an entry point takes: its own parameters and the settings' fields."""
+    settings, rename = settings_taken(cls)
+    own = [name for name in inspect.signature(cls.__init__).parameters if name not in ("self", "settings", "fields")]
+    return own + ([rename.get(f.name, f.name) for f in dataclasses.fields(settings)] if settings else [])
+
+
 def signature_defaults(cls) -> dict:
-    return {name: p.default for name, p in inspect.signature(cls.__init__).parameters.items()
-            if name != "self" and p.default is not inspect.Parameter.empty}
+    """Each argument's default: its own parameter's, or its settings field's (a field with a factory: None)."""
+    settings, rename = settings_taken(cls)
+    fields = {f.name: f for f in dataclasses.fields(settings)} if settings else {}
+    out = {name: p.default for name, p in inspect.signature(cls.__init__).parameters.items()
+           if name not in ("self", "settings", "fields", *fields) and p.default is not inspect.Parameter.empty}
+    for name, f in fields.items():
+        if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
+            out[rename.get(name, name)] = None if f.default is dataclasses.MISSING else f.default
+    return out
 
 
 def schema_defaults(schema) -> dict:
@@ -191,7 +220,7 @@ def test_the_other_entry_points_tables_hold_every_argument_they_do_not_share_wit
     documented = documented_defaults(f"## {cls.__name__}")
     assert {k: ours.get(k, "not an argument") for k in documented} == documented
     assert {k for k, v in ours.items() if k not in callback or callback[k] != v} <= set(documented)
-    assert {k for k in inspect.signature(cls.__init__).parameters if k != "self"} >= \
+    assert set(accepted(cls)) >= \
         {k for k in callback if k not in ("every_n_train_steps", "drafter")} | set(documented)
 
 

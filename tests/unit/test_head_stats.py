@@ -563,6 +563,7 @@ def _interpreter_stats(results, name: str, job: str) -> HeadStats:
     return merge_splits(parts, make_case(name)[2], width, make_case(name)[3])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("name, job", TRITON_JOBS)
 def test_triton_interpreter_matches_reference(name, job, interpreter_results):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dflash_callbacks.scoring.intervals import (
-    RESAMPLES, Estimate, Resampled, block_lengths, circular_block_sums, interval_below, interval_metrics,
+    RESAMPLES, Estimate, Resampled, block_lengths, circular_block_sums, interval_below,
     paired_comparison, report_intervals, resolution_warning, t_quantile, tasks_to_resolve,
 )
 from dflash_callbacks.scoring.report import EvalReport
@@ -353,7 +353,7 @@ def toy_reports(toy_cache, toy_target):
 def test_the_toy_baseline_against_itself_and_against_a_worse_drafter(toy_reports):
     baseline, _, worse = toy_reports
     itself = paired_comparison(baseline, baseline)
-    assert len(itself) == 9  # vanilla, ddtree@4, ddtree@8; dense, live and pooled
+    assert len(itself) == 6  # vanilla, ddtree@4, ddtree@8; dense and live
     for per_task in itself.values():
         for found in per_task.values():
             assert found.ratio.lo <= 1.0 <= found.ratio.hi and found.delta.lo <= 0.0 <= found.delta.hi
@@ -380,27 +380,3 @@ def test_three_tasks_give_wider_intervals_than_ten_and_the_setup_warning_says_so
     warning = resolution_warning(three, "ddtree@8/live", 0.9)
     assert warning is not None and warning.startswith("the cache's 3 tasks can not resolve min_ratio=0.9 on ddtree@8/live")
     assert tasks_to_resolve(three, "ddtree@8/live", 0.9) > 10
-
-
-def test_the_logged_interval_keys_sit_beside_each_run_level_mean(toy_reports):
-    """interval_metrics: PREFIX/METHOD/AGG/mean_lo and _hi for ours, and with a baseline the
-    baseline's own and the paired delta's and ratio's, each around its mean; none for a report
-    written before intervals."""
-    baseline, _, worse = toy_reports
-    keys = interval_metrics("dflash", worse, baseline)
-    monitors = [f"{m}/{agg}" for m in worse.methods for agg in ("dense", "live", "pooled")]
-    assert set(keys) == {f"dflash/{kind}{monitor}/mean_{end}" for kind in ("", "baseline/", "delta/", "ratio/")
-                         for monitor in monitors for end in ("lo", "hi")}
-    paired = paired_comparison(worse, baseline)
-    for monitor in monitors:
-        assert (keys[f"dflash/{monitor}/mean_lo"], keys[f"dflash/{monitor}/mean_hi"]) == worse.interval(monitor)
-        assert keys[f"dflash/{monitor}/mean_lo"] <= worse.value(monitor) <= keys[f"dflash/{monitor}/mean_hi"]
-        assert (keys[f"dflash/baseline/{monitor}/mean_lo"], keys[f"dflash/baseline/{monitor}/mean_hi"]) == \
-            baseline.interval(monitor)
-        ratio = paired[monitor]["mean"].ratio
-        assert (keys[f"dflash/ratio/{monitor}/mean_lo"], keys[f"dflash/ratio/{monitor}/mean_hi"]) == (ratio.lo, ratio.hi)
-        assert keys[f"dflash/delta/{monitor}/mean_lo"] < worse.value(monitor) - baseline.value(monitor) \
-            < keys[f"dflash/delta/{monitor}/mean_hi"]
-    assert set(interval_metrics("dflash", worse)) == {k for k in keys if k.count("/") == 3}
-    older = EvalReport.from_dict({**worse.to_dict(), "intervals": None})
-    assert interval_metrics("dflash", older, baseline) == {}

@@ -29,6 +29,7 @@ from dflash_callbacks.scoring.intervals import paired_comparison, report_interva
 from dflash_callbacks.scoring.report import EvalReport
 from dflash_callbacks.scoring.scorer import score_drafter, score_task
 from dflash_callbacks.scoring.served import ServedDraft, coins, expected_streaks
+from made_reports import judged_by
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 DFLASH2 = {"dflash2-full": "auto", "dflash2-sliding": "anchored-bidirectional"}  # the trainer's pattern
@@ -273,5 +274,5 @@ def test_expected_streaks_carry_through_the_intervals_the_comparison_and_the_sto
     assert dense.delta.value == 0 and dense.ratio.value == 1 and dense.delta.lo == dense.delta.hi == 0
     assert live.delta.value == pytest.approx(ours.mean["vanilla"]["live"] - other.mean["vanilla"]["live"])
     stop = TrailingBaselineStop(monitor="vanilla/dense", min_ratio=0.9)
-    stop.on_report(ours, other, Moment(step=1, horizon=10), print, print, versus=dense)
+    judged_by(stop)(ours, other, Moment(step=1, horizon=10), print, print, versus=dense)
     assert stop.history == [(1, ours.mean["vanilla"]["dense"])] and stop.bounds == {1: dense.ratio.hi}

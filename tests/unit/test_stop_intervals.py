@@ -9,9 +9,10 @@ import warnings
 import numpy as np
 import pytest
 
-from dflash_callbacks.engine.publish import versus_record
+from dflash_callbacks.engine.results_line import versus_record
 from dflash_callbacks.engine.stop import Moment, StopPolicy
 from dflash_callbacks.scoring.intervals import paired_comparison
+from made_reports import judged_by
 from simulated_caches import Model, report_of
 
 
@@ -42,7 +43,8 @@ def test_a_report_over_too_few_tasks_never_trails(tasks):
     assert mean.ratio.hi < 0.9 and ours.value("vanilla/dense") < 0.9 * base.value("vanilla/dense")
     said = []
     policy = StopPolicy(monitor="vanilla/dense", min_ratio=0.9, patience=2, verbose=False)
-    reasons = [policy.on_report(ours, base, Moment(step), said.append, said.append, versus=mean) for step in (1, 2)]
+    judge = judged_by(policy)
+    reasons = [judge(ours, base, Moment(step), said.append, said.append, versus=mean) for step in (1, 2)]
     if tasks == 3:
         assert reasons[0] is None and reasons[1] is not None and "for 2 reports in a row" in reasons[1]
         return
@@ -52,8 +54,9 @@ def test_a_report_over_too_few_tasks_never_trails(tasks):
     assert not policy.trails(ours.value("vanilla/dense"), math.inf, base.value("vanilla/dense"))
 
     resumed = StopPolicy(monitor="vanilla/dense", min_ratio=0.9, patience=2, verbose=False)
-    resumed.load_history([{"step": s, "mean": ours.mean, "versus": versus_record(versus)} for s in (1, 2)])
-    assert not resumed.decide(resumed.history, base.value("vanilla/dense"), None, resumed.bounds).stop
+    points, bounds = resumed.series([{"step": s, "mean": ours.mean, "versus": versus_record(versus)} for s in (1, 2)])
+    assert not resumed.decide(points, base.value("vanilla/dense"), None, bounds).stop
 
     points = StopPolicy(monitor="vanilla/dense", min_ratio=0.9, patience=2, verbose=False, confidence=None)
-    assert [points.on_report(ours, base, Moment(s), said.append, said.append, versus=mean) for s in (1, 2)][1]
+    judge = judged_by(points)
+    assert [judge(ours, base, Moment(s), said.append, said.append, versus=mean) for s in (1, 2)][1]

@@ -9,9 +9,9 @@ import pytest
 
 from dflash_callbacks.callbacks.stopping import TrailingBaselineStop
 from dflash_callbacks.engine.stop import fit_projection, projected_value, validate_monitor
-from dflash_callbacks.engine.stop import Moment
+from dflash_callbacks.engine.stop import Moment, StopState
 
-from made_reports import BASE, make_report
+from made_reports import BASE, judged_by, make_report
 
 
 # ----- pure pieces ------------------------------------------------------------------------------------
@@ -163,15 +163,15 @@ def test_valid_monitors():
 
 
 def test_state_dict_round_trip():
+    """The stop's state (its count, its reason, the step its stop reached) as primitives; the history is
+    the run's, rebuilt from results.jsonl on a resume, and an earlier version's history key is read past."""
     cb = TrailingBaselineStop(monitor="top@4/dense", min_ratio=0.9, patience=3)
-    cb.history = [(100, 3.0), (200, 3.1)]
-    cb.wait_count, cb.stopped_step, cb.stop_reason = 2, 0, None
+    cb.follow(None, kept=([], StopState(wait_count=2, stop_reason="why", stopped_step=7)))
     state = cb.state_dict()
-    assert json.loads(json.dumps(state)) == state  # primitives only
-    assert state["history"] == [[100, 3.0], [200, 3.1]]
+    assert json.loads(json.dumps(state)) == state == {"wait_count": 2, "stopped_step": 7, "stop_reason": "why"}
     restored = TrailingBaselineStop(monitor="top@4/dense", min_ratio=0.9, patience=3)
-    restored.load_state_dict(json.loads(json.dumps(state)))
-    assert restored.history == cb.history and restored.wait_count == 2 and restored.state_dict() == state
+    restored.load_state_dict(json.loads(json.dumps({**state, "history": [[100, 3.0]], "bounds": []})))
+    assert restored.wait_count == 2 and restored.stopped_step == 7 and restored.state_dict() == state
     assert "top@4/dense" in cb.state_key and cb.state_key != TrailingBaselineStop().state_key
 
 
@@ -185,20 +185,21 @@ def say(text: str) -> None:
 def test_no_baseline_records_and_warns_once(tmp_path):
     cb = TrailingBaselineStop(min_ratio=0.9, patience=1)
     now = Moment(step=1, horizon=10)
+    judge = judged_by(cb)
     with pytest.warns(UserWarning, match="no baseline report"):
-        assert cb.on_report(make_report(1.0, 1), None, now, print, say) is None
+        assert judge(make_report(1.0, 1), None, now, print, say) is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the second report without a baseline warns no more
-        assert cb.on_report(make_report(1.0, 2), None, now, print, say) is None
+        assert judge(make_report(1.0, 2), None, now, print, say) is None
     assert cb.history == [(1, 1.0), (2, 1.0)] and cb.stop_reason is None
-    reason = cb.on_report(make_report(1.0, 3), make_report(BASE, None), now, print, say)
+    reason = judge(make_report(1.0, 3), make_report(BASE, None), now, print, say)
     assert reason.startswith("dflash: stopping at step 3:")
 
 
 def test_missing_monitor_names_what_exists():
     cb = TrailingBaselineStop(monitor="ddtree@16/live")
     with pytest.raises(RuntimeError, match=r"ddtree@16/live is not in this report; it holds the methods \['ddtree@8'\]"):
-        cb.on_report(make_report(1.0, 1), make_report(BASE, None), Moment(step=1), print, say)
+        judged_by(cb)(make_report(1.0, 1), make_report(BASE, None), Moment(step=1), print, say)
 
 
 def test_defaults_without_a_threshold_is_ninety_percent_and_delta_alone_is_accepted():

@@ -36,6 +36,7 @@ torch.save(results, sys.argv[1])
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_a_repeated_weight_row_ties_every_token_with_the_label(tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": "1",

@@ -22,7 +22,8 @@ from dflash_callbacks.model import save_drafter
 from dflash_callbacks.model.io import UnreadableFile
 from dflash_callbacks.cli.score import scoring_config
 from dflash_callbacks.cli.watch import checkpoint_settings
-from dflash_callbacks.watch.checkpoints import CheckpointWatcher, Checkpoints
+from dflash_callbacks.watch.checkpoint_folder import Checkpoints
+from dflash_callbacks.watch.checkpoint_watcher import CheckpointWatcher
 
 from synthetic import build_world
 from checkpoint_watch import assert_same, results, scored, trained, watch_args
@@ -72,7 +73,7 @@ def test_each_damaged_checkpoint_reads_as_one_error_naming_its_file(world, tmp_p
     root = tmp_path / "ckpts"
     save_drafter(root / "checkpoint-2", world.config, trained(world, 2))
     bad = self_link(root / "checkpoint-3") if kind == "checkpoint-symlink-loop" else spoiled(world, root, 3, kind)
-    checkpoints = Checkpoints(root, None, None, "training_state.pt", None, root / "dflash-eval")
+    checkpoints = Checkpoints(root, None, None, "training_state.pt", None, root / "dflash-eval", say=print)
     found = checkpoints.find()
     assert sorted(found) == [2, 3]
     source = found[3]
@@ -87,7 +88,7 @@ def test_a_symlink_loop_naming_no_step_is_passed_over(world, tmp_path):
     root = tmp_path / "ckpts"
     save_drafter(root / "checkpoint-2", world.config, trained(world, 2))
     self_link(root / "latest")
-    assert list(Checkpoints(root, None, None, "training_state.pt", None, root / "dflash-eval").find()) == [2]
+    assert list(Checkpoints(root, None, None, "training_state.pt", None, root / "dflash-eval", say=print).find()) == [2]
 
 
 def test_a_watcher_folder_seeded_with_every_bad_file_scores_every_good_checkpoint_in_step_order(world, tmp_path,
@@ -120,7 +121,7 @@ def test_a_damaged_first_checkpoint_waits_for_a_good_one_to_start_the_run(world,
     root = tmp_path / "ckpts"
     bad = spoiled(world, root, 1, "nested-config")
     args = build_parser().parse_args(watch_args(world, root, "--settle-seconds", "0"))
-    watcher = CheckpointWatcher(args, checkpoint_settings(args), scoring_config(args))
+    watcher = CheckpointWatcher(checkpoint_settings(args, scoring_config(args)))
     watcher.check()
     assert watcher.scan() == 0 and not watcher.started
     assert f"watch: {bad} is not valid JSON" in capsys.readouterr().out
@@ -154,7 +155,7 @@ def test_a_later_checkpoint_that_completes_first_waits_for_an_earlier_one_still_
     marked(root / "checkpoint-2")
     marked(root / "checkpoint-6")
     args = build_parser().parse_args(watch_args(world, root, "--settle-seconds", "600"))
-    watcher = CheckpointWatcher(args, checkpoint_settings(args), scoring_config(args))
+    watcher = CheckpointWatcher(checkpoint_settings(args, scoring_config(args)))
     watcher.check()
     assert watcher.scan() == 1 and watcher.done == {2}  # 4 settles for 600 s: 6 waits for it
     assert "watch: step 6 is complete: scored after step 4, which is still being written" in capsys.readouterr().out
@@ -170,7 +171,7 @@ def test_a_later_checkpoint_that_completes_first_waits_for_an_earlier_one_still_
     (root / "checkpoint-8" / "model.safetensors").write_bytes(weights[: len(weights) // 2])
     save_drafter(root / "checkpoint-10", world.config, trained(world, 10))
     args = build_parser().parse_args(watch_args(world, root, "--settle-seconds", "0"))
-    watcher = CheckpointWatcher(args, checkpoint_settings(args), scoring_config(args))
+    watcher = CheckpointWatcher(checkpoint_settings(args, scoring_config(args)))
     watcher.check()
     assert watcher.scan() == 1 and 10 in watcher.done
     assert f"watch: step 8: waiting for {root / 'checkpoint-8'}: model.safetensors holds" in capsys.readouterr().out

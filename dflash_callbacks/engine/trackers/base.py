@@ -8,7 +8,7 @@ fails never loses a report: `results.jsonl` stays the record. Keys are the engin
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -29,3 +29,17 @@ class Tracker(Protocol):
 
     def close(self) -> None:
         """Flush and let go of what this tracker opened itself (never a run the user opened)."""
+
+
+def checked_trackers(trackers: Iterable[Tracker] | None) -> list[Tracker]:
+    """`trackers=` of an adapter as a list: TypeError naming what is not a Tracker, ValueError for two of one
+    name (a warning or the summary could not tell them apart)."""
+    found = [] if trackers is None else [trackers] if isinstance(trackers, Tracker) else list(trackers)
+    wrong = [t for t in found if not isinstance(t, Tracker)]
+    if wrong:
+        raise TypeError(f"trackers: each needs name, log_metrics, log_table, log_image and close "
+                        f"(TensorBoardTracker, MlflowTracker or your own); got {wrong[0]!r}")
+    names = [t.name for t in found]
+    if len(set(names)) < len(names):
+        raise ValueError(f"trackers: two have one name (give each its own `name`): {names}")
+    return found

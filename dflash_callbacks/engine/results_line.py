@@ -1,0 +1,76 @@
+"""What a report is made into besides its logged keys: its comparison with the baseline (`versus_baseline`,
+as results.jsonl keeps it: `versus_record`), its results.jsonl line (`results_record`; `prepare` makes both
+on the runner's thread), the one-line summary of a report and the table a run ends with."""
+
+from __future__ import annotations
+
+from ..scoring.intervals import paired_comparison
+from ..scoring.report import EvalReport
+from ..scoring.table import comparison_table
+
+
+def versus_record(versus: dict, digits: int | None = 6) -> dict:
+    """The run-level comparison with the baseline, as results.jsonl keeps it (rounded to `digits`; None: as
+    computed, what the history of a live run holds):
+    {METHOD/AGG: {"delta": [value, lo, hi], "ratio": [value, lo, hi], "verdict": ...}}."""
+    out = {}
+    for monitor, per_task in versus.items():
+        mean = per_task["mean"]
+        out[monitor] = {kind: [x if digits is None else round(x, digits) for x in (e.value, e.lo, e.hi)]
+                        for kind, e in (("delta", mean.delta), ("ratio", mean.ratio))}
+        out[monitor]["verdict"] = mean.verdict
+    return out
+
+
+def results_record(report: EvalReport, score_seconds: float, versus: dict | None) -> tuple[dict, str | None]:
+    """The report's results.jsonl line (with `versus`, its run-level comparison with the baseline) and,
+    when the strict reader would refuse it, why (None: it reads back). Milliseconds of work: the runner
+    makes it off the training thread."""
+    record = {**report.to_dict(), "score_seconds": score_seconds,
+              **({"versus_baseline": versus_record(versus)} if versus else {})}
+    try:
+        EvalReport.from_dict(record)  # what the reader would refuse is never logged
+    except ValueError as e:
+        return record, str(e)
+    return record, None
+
+
+def versus_baseline(report: EvalReport, baseline: EvalReport | None) -> dict | None:
+    """`report` against the baseline, paired (`intervals.paired_comparison`), or None without a
+    baseline or intervals on both; a bootstrap of ~10 ms, so the runner makes it (`prepare`), not the
+    training thread. A pair that can not be compared (other anchors) is left to the publisher to refuse."""
+    if baseline is None or report.intervals is None or baseline.intervals is None:
+        return None
+    try:
+        return paired_comparison(report, baseline)
+    except ValueError:
+        return None
+
+
+def prepare(report: EvalReport, seconds: float, baseline: EvalReport | None) -> tuple[dict | None, tuple[dict, str | None]]:
+    """What publishing a report takes that the runner makes off the training thread: its comparison with
+    the baseline the runner has (`versus_baseline`) and its results.jsonl line (`results_record`)."""
+    versus = versus_baseline(report, baseline)
+    return versus, results_record(report, seconds, versus)
+
+
+def summary_line(prefix: str, report: EvalReport, baseline: EvalReport | None) -> str:
+    parts = []
+    for method in report.methods:
+        ours = report.value(f"{method}/live")
+        text = f"{method} {ours:.2f}"
+        if baseline is not None and method in baseline.methods:
+            base = baseline.value(f"{method}/live")
+            text += f" (baseline {base:.2f}, {100 * ours / base:.0f}%)" if base else ""
+        parts.append(text)
+    return f"{prefix} step {report.step}: live tau " + ", ".join(parts)
+
+
+def final_table(reports: list[EvalReport], baseline: EvalReport | None) -> str | None:
+    """What a run ends with (the demo, and every adapter with verbose=True): the last report's live tau
+    per task against the baseline, each number with its 95% interval, and a verdict per method; None
+    before any report."""
+    if not reports:
+        return None
+    last = max(reports, key=lambda r: r.step)
+    return f"\n{comparison_table(last, baseline)}\n"
