@@ -200,7 +200,7 @@ def test_an_argmax_draft_keeps_integer_streaks_and_a_greedy_cache_every_report_a
     assert cli_main(["compare", str(tmp_path / "sampled.json"), str(tmp_path / "greedy.json"), "--force"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[-2].startswith("ours: attention auto, cache temperature 0.8, top_p 1.0, top_k 0, samples 1, seed 0, "
-                              "draft rule greedy, coin seed 0; the drafter's patterns differ: trained bidirectional x3; "
+                              "draft rule greedy, coin seed 0, estimators: coin draws; the drafter's patterns differ: trained bidirectional x3; "
                               "vllm causal x3; scored (auto) bidirectional x3")  # speculators' flag false: vLLM causal
     assert out[-1].startswith("drafter: attention auto, cache greedy;")
     dflash2 = load_drafter(FIXTURES / "families" / "dflash2-full" / "checkpoint")
