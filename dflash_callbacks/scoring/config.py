@@ -96,7 +96,8 @@ class ScoringConfig:
     block_size: int | None = _field(None, numbers=True, help="the block size scored (None: the drafter's)")
     block_sizes: list[int] = _field(factory=list, numbers=True,
                                     help="other block sizes to score every method at, each a method of its own "
-                                         "(METHOD:bB), e.g. served at num_speculative_tokens + 1")
+                                         "(METHOD:bB), e.g. the block vLLM serves: num_speculative_tokens + 1 for "
+                                         "DFlash, num_speculative_tokens for DSpark (sample_from_anchor)")
     max_rounds: int | None = _field(None, numbers=True, help="rounds of the live schedule (None: to the end of each "
                                     "answer, as a served request runs)")
     tasks: list[str] | None = _field(None, numbers=True, help="the tasks scored (None: every task of the cache)")
@@ -124,6 +125,10 @@ class ScoringConfig:
                              help="the draft rule at T > 0, as vLLM's draft_sample_method: greedy (the argmax; "
                                   "DFlash 2 samples its selector walk whatever this says) or probabilistic (DFlash "
                                   "samples softmax(logits / T))")
+    served_engine_settings: list[str] = _field(
+        factory=list, help="the serving engine's settings, as KEY=VALUE (e.g. rejection_sample_method=block, "
+                           "speculative_accept_threshold_single=0.9): where one makes the engine accept otherwise than "
+                           "exact speculative sampling, the scores are not its tau and a warning says so")
     estimators: str = _field("conditional", numbers=True,
                              help="on a sampled cache: conditional (where the cache keeps the served support and "
                                   "max_rounds is unset: expectations given the text, no coin) or coins (the estimators "
@@ -178,6 +183,10 @@ class ScoringConfig:
             lambda: check_int("served_top_k", self.served_top_k, 0, optional=True),
             lambda: check_choice("draft_rule", self.draft_rule, DRAFT_RULES),
             lambda: check_choice("estimators", self.estimators, ESTIMATORS),
+            lambda: check_str_list("served_engine_settings", self.served_engine_settings),
+            lambda: [_bad(f"served_engine_settings holds {entry!r}: give each setting as KEY=VALUE, e.g. "
+                          "rejection_sample_method=block") for entry in self.served_engine_settings
+                     if "=" not in entry or not entry.split("=", 1)[0].strip()],
             lambda: check_int("coin_seed", self.coin_seed, 0),
             lambda: check_probability("confidence_threshold", self.confidence_threshold),
             lambda: self.costs is None or (isinstance(self.costs, str) and self.costs) or _bad(
@@ -194,6 +203,7 @@ class ScoringConfig:
         put("topk", [int(k) for k in self.topk])
         put("block_sizes", [int(b) for b in self.block_sizes])
         put("attentions", list(self.attentions))
+        put("served_engine_settings", list(self.served_engine_settings))
         put("tasks", None if self.tasks is None else list(self.tasks))
         if self.confidence_threshold is not None:
             put("confidence_threshold", float(self.confidence_threshold))

@@ -40,9 +40,41 @@ SAMPLED_FAMILIES = {"dflash2": "always", "dflash": "probabilistic"}
 """Families whose proposal is a draw at T > 0: DFlash 2 whatever the draft rule (vLLM allocates its draft
 logits unconditionally), DFlash under the probabilistic draft rule (softmax(logits / T), temperature only)."""
 PROBABILISTIC_REFUSED = {
-    "dspark": "vLLM's probabilistic DSpark draft cuts q to dspark_draft_topk, which this library does not score",
+    "dspark": "vLLM's probabilistic DSpark draft (q cut to its top dspark_draft_topk tokens where "
+              "dspark_draft_topk is set) is not scored by this library",
     "domino": "no serving engine samples a Domino draft (vLLM does not serve Domino; its branch proposes the argmax)",
 }
+
+
+INEXACT_ENGINE_SETTINGS = {
+    "rejection_sample_method": (lambda v: v.strip().lower() == "block",
+                                "vLLM's block verification accepts a prefix as a whole, not token by token"),
+    "speculative_accept_threshold_single": (lambda v: float(v) < 1,
+                                            "SGLang accepts a draft token below the target's probability"),
+    "speculative_accept_threshold_acc": (lambda v: float(v) < 1,
+                                         "SGLang accepts a draft token below the target's probability"),
+}
+"""Engine settings under which the engine's acceptance is not exact speculative sampling (docs/numbers.md, "tau at
+temperature T"): the setting's name -> (whether a value is one, what it changes)."""
+
+
+def engine_settings_warning(settings: list[str]) -> str | None:
+    """One line naming each of the declared engine `settings` (KEY=VALUE, `scoring.served_engine_settings`) under
+    which the estimators are not exact (`INEXACT_ENGINE_SETTINGS`), None where there is none."""
+    found = []
+    for entry in settings:
+        key, value = (part.strip() for part in entry.split("=", 1))
+        rule = INEXACT_ENGINE_SETTINGS.get(key)
+        try:
+            inexact = rule is not None and rule[0](value)
+        except ValueError:
+            inexact = True  # not a number: it can not be told exact
+        if inexact:
+            found.append(f"{key}={value} ({rule[1]})")
+    if not found:
+        return None
+    return ("the estimators are exact for token-by-token speculative sampling; the engine is served with "
+            + "; ".join(found) + ": its tau is not these scores'")
 
 
 def served_problems(config: ScoringConfig, sampling: Any, family: str | None, cache_path: str = "the cache") -> list[str]:

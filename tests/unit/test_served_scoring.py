@@ -244,7 +244,7 @@ def test_settings_the_cache_was_not_sampled_at_are_refused(tmp_path):
     lines = str(found.value).splitlines()
     assert len(lines) == 4 and lines[0].startswith("served_temperature must be >= 0") and lines[1].startswith("served_top_p must be in (0, 1]")
     dspark = load_drafter(FIXTURES / "families" / "dspark" / "checkpoint")
-    with pytest.raises(ValueError, match="draft_rule 'probabilistic' can not be scored for a dspark drafter"):
+    with pytest.raises(ValueError, match="draft_rule 'probabilistic' can not be scored for a dspark drafter: .*where dspark_draft_topk is set"):
         score_drafter(dspark, cache, head, ScoringConfig(ddtree_budgets=[], device="cpu", draft_rule="probabilistic"))
 
 
@@ -276,3 +276,23 @@ def test_expected_streaks_carry_through_the_intervals_the_comparison_and_the_sto
     stop = TrailingBaselineStop(monitor="vanilla/dense", min_ratio=0.9)
     judged_by(stop)(ours, other, Moment(step=1, horizon=10), print, print, versus=dense)
     assert stop.history == [(1, ours.mean["vanilla"]["dense"])] and stop.bounds == {1: dense.ratio.hi}
+
+
+def test_engine_settings_under_which_the_scores_are_not_exact_give_one_warning_naming_them():
+    """vLLM's block verification and SGLang's acceptance thresholds below 1, declared in
+    scoring.served_engine_settings, are named in one line; exact settings, and none declared, say nothing; a
+    setting that is not KEY=VALUE is refused."""
+    from dflash_callbacks.scoring.served import engine_settings_warning
+
+    assert engine_settings_warning([]) is None
+    assert engine_settings_warning(["rejection_sample_method=standard", "speculative_accept_threshold_acc=1.0",
+                                    "num_speculative_tokens=7"]) is None
+    line = engine_settings_warning(["rejection_sample_method = block", "speculative_accept_threshold_single=0.8",
+                                    "speculative_accept_threshold_acc=1"])
+    assert "\n" not in line and "rejection_sample_method=block" in line \
+        and "speculative_accept_threshold_single=0.8" in line and "threshold_acc" not in line
+    config = ScoringConfig(served_engine_settings=["rejection_sample_method=block"])
+    assert config.served_engine_settings == ["rejection_sample_method=block"]
+    assert ScoringConfig.from_dict(config.to_dict()) == config
+    with pytest.raises(ValueError, match="served_engine_settings holds 'block': give each setting as KEY=VALUE"):
+        ScoringConfig(served_engine_settings=["block"])
