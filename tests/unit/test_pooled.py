@@ -3,6 +3,8 @@ one method's numbers (a paired one of the pair's) whatever else a report scores.
 
 from __future__ import annotations
 
+import dataclasses
+
 import copy
 import json
 import random
@@ -95,6 +97,12 @@ def test_an_interval_is_the_same_with_and_without_other_methods_scored_beside_it
         assert found["mean"]["vanilla"][name] == full["mean"]["vanilla"][name]
         for task in baseline.tasks:
             assert found["tasks"][task]["vanilla"][name] == full["tasks"][task]["vanilla"][name]
+    from dflash_callbacks.scoring.intervals import resolution_warning
+
+    scored_alone = dataclasses.replace(alone, intervals=found)
+    for name in AGGREGATES:  # the setup warning's count of tasks is the method's own too
+        assert resolution_warning(scored_alone, f"vanilla/{name}", 0.95) == resolution_warning(
+            baseline, f"vanilla/{name}", 0.95)
     paired_alone, paired_full = paired_comparison(alone, vanilla_alone(worse)), paired_comparison(baseline, worse)
     for name in AGGREGATES:
         assert paired_alone[f"vanilla/{name}"] == paired_full[f"vanilla/{name}"]
