@@ -57,6 +57,13 @@ def toy_drafter(args: argparse.Namespace):
     return toy_dflash2_drafter(training.path, steps=args.dflash2_steps)
 
 
+def live_se(runs) -> float:
+    """The Monte-Carlo standard error of the live loop's mean (`live_tau`'s statistic)."""
+    values = [sum(r.taus) / len(r.taus) for r in runs if r.taus]
+    mean = sum(values) / len(values)
+    return (sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values)) ** 0.5
+
+
 def row(T: float, args: argparse.Namespace, drafter) -> dict:
     target = toy_target_path()
     sampling = Sampling(T, args.top_p) if T > 0 else Sampling()
@@ -72,10 +79,15 @@ def row(T: float, args: argparse.Namespace, drafter) -> dict:
                           "coding10", TOY_LAYER_IDS, max_new_tokens=args.max_new_tokens, progress=False,
                           temperature=T, top_p=args.top_p if T > 0 else 1.0, samples=args.samples if T > 0 else 1,
                           seed=args.seed + 1)
-    config = ScoringConfig(ddtree_budgets=[], device="cpu", max_rounds=args.max_new_tokens)
+    config = ScoringConfig(ddtree_budgets=[], device="cpu")  # the whole answer, as the live loop decodes it
     report = score_drafter(drafter, cache, TargetHead.from_pretrained(target), config)
     offline_s = time.perf_counter() - started
     mean, interval = report.mean["vanilla"], report.intervals["mean"]["vanilla"]
+    coins = score_drafter(drafter, cache, TargetHead.from_pretrained(target), replace(config, estimators="coins"))
+    coins_mean, coins_interval = coins.mean["vanilla"], coins.intervals["mean"]["vanilla"]
+    before = score_drafter(drafter, cache, TargetHead.from_pretrained(target),  # the defaults before issue 35
+                           replace(config, estimators="coins", max_rounds=30))
+    before_mean, before_interval = before.mean["vanilla"], before.intervals["mean"]["vanilla"]
 
     forced = None
     if args.family == "dflash":
@@ -94,6 +106,13 @@ def row(T: float, args: argparse.Namespace, drafter) -> dict:
         "sample_rule": sample_rule, "offline_sample_rule": offline_sample_rule,
         "temperature": T, "top_p": args.top_p, "live": list(live), "offline_live": [mean["live"], *interval["live"]],
         "offline_dense": [mean["dense"], *interval["dense"]], "teacher_forced": forced,
+        "estimators": report.estimators, "coins_estimators": coins.estimators,
+        "coins_live": [coins_mean["live"], *coins_interval["live"]],
+        "coins_dense": [coins_mean["dense"], *coins_interval["dense"]],
+        "live_mc_se": live_se(runs),
+        "before_live": [before_mean["live"], *before_interval["live"]],
+        "before_dense": [before_mean["dense"], *before_interval["dense"]],
+        "pooled": [mean["pooled"], *interval["pooled"]], "coins_pooled": [coins_mean["pooled"], *coins_interval["pooled"]],
         "rounds": sum(len(r.taus) for r in runs), "live_runs": len(runs), "offline_tasks": len(cache),
         "prompts": 10, "live_seconds": live_s, "offline_seconds": offline_s,
         "live_inside_offline": interval["live"][0] <= live[0] <= interval["live"][1],

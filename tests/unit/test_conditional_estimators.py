@@ -1,0 +1,136 @@
+"""The conditional estimators on a sampled cache that keeps the served support (scoring.served): each streak
+term's last factor its expectation given the text before it, alpha = sum_x min(p(x), q(x)) (p(d) for an argmax
+draft d), and the live schedule's expected visits of each anchor over the acceptance coins, against brute-force
+enumeration and a plain per-anchor reference on a real sampled toy cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_callbacks import load_drafter
+from dflash_callbacks.cache.extract import extract_cache
+from dflash_callbacks.demos.toy.world import TOY_LAYER_IDS, toy_baseline_path
+from dflash_callbacks.model import TargetHead
+from dflash_callbacks.model.attention import resolve_attention
+from dflash_callbacks.scoring.aggregates import decode_expected, pooled_numbers, task_streaks
+from dflash_callbacks.scoring.config import ScoringConfig
+from dflash_callbacks.scoring.scorer import score_drafter
+from dflash_callbacks.scoring.served import conditional_streaks, expected_visits
+
+
+def test_expected_visits_are_the_schedules_visit_chances_by_enumeration():
+    """Every assignment of the coins of 5 anchors x 2 slots, weighed by its chance: how often the schedule
+    (a0 = 0, a <- a + streak + 1) takes each anchor equals the dynamic programme's visits."""
+    rng = np.random.default_rng(0)
+    accept = rng.uniform(0.1, 0.9, (5, 2))
+    accept[1, 1] = 0.0  # a slot past the text
+    n, depth = accept.shape
+    want = np.zeros(n)
+    for bits in itertools.product((0, 1), repeat=n * depth):
+        coins = np.array(bits).reshape(n, depth)
+        weight = np.prod(np.where(coins == 1, accept, 1 - accept))
+        anchor = 0
+        while anchor < n:
+            want[anchor] += weight
+            anchor += int(np.cumprod(coins[anchor]).sum()) + 1
+    np.testing.assert_allclose(expected_visits(accept), want, rtol=1e-12, atol=1e-15)
+
+
+def test_the_conditional_streak_is_unbiased_over_every_text():
+    """An argmax draft d over 3 slots of independent served distributions p_k on 3 tokens: over every text,
+    weighed by its chance, the conditional expected streak sum_k prod_{j<k} [x_j = d_j] p_k(d_k) averages the
+    exact expected streak sum_k prod_{j<=k} p_j(d_j), as the indicator streak does, with less variance."""
+    p = np.array([[0.6, 0.3, 0.1], [0.2, 0.5, 0.3], [0.7, 0.2, 0.1]])
+    draft = [0, 1, 2]
+    exact = sum(np.prod([p[j, draft[j]] for j in range(k + 1)]) for k in range(3))
+    mean = second = indicator_second = 0.0
+    for text in itertools.product(range(3), repeat=3):
+        chance = np.prod([p[k, x] for k, x in enumerate(text)])
+        accept = np.array([[float(x == d) for x, d in zip(text, draft)]])
+        alpha = np.array([[p[k, draft[k]] for k in range(3)]])
+        found = conditional_streaks(accept, alpha)
+        assert found.reach.shape == (1, 3) and found.visits.tolist() == [1.0]
+        mean += chance * found.expected[0]
+        second += chance * found.expected[0] ** 2
+        indicator_second += chance * float(np.cumprod(accept[0]).sum()) ** 2
+    assert mean == pytest.approx(exact, rel=1e-12)
+    assert second - mean ** 2 < indicator_second - exact ** 2
+
+
+@pytest.fixture(scope="module")
+def sampled_toy(tmp_path_factory, toy_target):
+    """Two coding10 prompts' answers the toy target sampled at T = 0.7, top-p 0.95 (32 new tokens), with the
+    served support; the toy baseline; the target's head."""
+    from dflash_callbacks.cache.tasks import load_tasks
+
+    tasks = load_tasks("coding10")[:2]
+    cache = extract_cache(toy_target, tmp_path_factory.mktemp("sampled") / "cache", tasks, TOY_LAYER_IDS,
+                          max_new_tokens=32, progress=False, temperature=0.7, top_p=0.95, seed=3)
+    return cache, load_drafter(toy_baseline_path()), TargetHead.from_pretrained(toy_target)
+
+
+@torch.no_grad()
+def plain_conditional(drafter, head, task, rule: str, temperature: float):
+    """Per anchor, one block through the drafter's forward: c_j (argmax: [label = d_j]; sampled: min(1, q / p) of
+    the label) and alpha_j (argmax: p(d_j); sampled: sum over the served support of min(p, q)), q softmax(logits / T)."""
+    ids, B, lm_head = task.input_ids, drafter.block_size, head.lm_head.weight
+    support_ids, support_probs = task.support_ids.long(), task.support_probs.double()
+    accept, alpha = [], []
+    for a in range(task.prompt_len, task.num_tokens - 1):
+        block = torch.tensor([int(ids[a])] + [drafter.mask_token_id] * (B - 1))
+        hidden = drafter(task.hidden[:a][None], head.embed_tokens(block)[None], torch.arange(a + B)[None],
+                         attention=resolve_attention(drafter.config, "auto"))[0]
+        c, al = np.zeros(B - 1), np.zeros(B - 1)
+        for j in range(B - 1):
+            at = a + 1 + j
+            if at >= task.num_tokens:
+                break
+            logits = (hidden[1 + j] @ lm_head.T).double()
+            inside = support_ids[at] >= 0
+            p = torch.zeros(logits.shape[0], dtype=torch.float64)
+            p[support_ids[at][inside]] = support_probs[at][inside]
+            label = int(ids[at])
+            if rule == "greedy":
+                d = int(logits.argmax())
+                c[j], al[j] = float(label == d), float(p[d])
+            else:
+                q = (logits / temperature).softmax(-1)
+                c[j] = min(1.0, float(q[label]) / float(task.target_logprob[at].double().exp()))
+                al[j] = float(torch.minimum(p, q).sum())
+        accept.append(c)
+        alpha.append(al)
+    return np.array(accept), np.array(alpha)
+
+
+@pytest.mark.parametrize("rule", ["greedy", "probabilistic"])
+def test_the_scorer_keeps_the_conditional_streaks_and_visits_of_a_plain_reference(sampled_toy, rule):
+    """On the sampled toy cache: the report's expected streaks and visits are those of the plain reference's
+    c and alpha (to the thousandths they are kept in); dense is their mean + 1, live and pooled the expected
+    schedule's sum(visits x tau) / sum(visits); the report says the estimators are conditional. The same cache
+    with max_rounds set, or estimators 'coins', is scored as before and says 'coin draws'."""
+    cache, drafter, head = sampled_toy
+    assert all(cache.task(n).support_ids is not None for n in cache.task_names)
+    assert all(cache.entry(n)["support"]["size"] == 64 for n in cache.task_names)
+    config = ScoringConfig(ddtree_budgets=[], device="cpu", draft_rule=rule)
+    report = score_drafter(drafter, cache, head, config)
+    assert report.estimators == "conditional" and "estimators: conditional" in report.served()
+    top = drafter.block_size
+    for name in cache.task_names:
+        numbers = report.tasks[name]["vanilla"]
+        accept, alpha = plain_conditional(drafter, head, cache.task(name), rule, 0.7)
+        want = conditional_streaks(accept, alpha)
+        np.testing.assert_allclose(decode_expected(numbers["expected"], top), want.expected, atol=5e-4 + 1e-6)
+        np.testing.assert_allclose(decode_expected(numbers["visits"], 2), want.visits, atol=5e-4 + 1e-6)
+        streaks = task_streaks(numbers, top)
+        assert numbers["dense"] == pytest.approx(streaks.expected.mean() + 1, rel=1e-12)
+        assert numbers["live"] == pytest.approx(pooled_numbers(streaks)[0], rel=1e-12)
+        assert numbers["live"] == pytest.approx(
+            float((streaks.visits * (streaks.expected + 1)).sum() / streaks.visits.sum()), rel=1e-12)
+    for other in (dataclasses.replace(config, max_rounds=30), dataclasses.replace(config, estimators="coins")):
+        before = score_drafter(drafter, cache, head, other)
+        assert before.estimators == "coin draws" and all("visits" not in e["vanilla"] for e in before.tasks.values())
