@@ -126,7 +126,8 @@ def served_support(served: torch.Tensor, size: int = SUPPORT_SIZE) -> tuple[torc
     import torch
 
     k = min(size, served.shape[-1])
-    logp, ids = served.float().topk(k, dim=-1)  # descending, ties to the lower id
+    logp, ids = served.float().sort(dim=-1, descending=True, stable=True)  # descending, ties to the lower id
+    logp, ids = logp[..., :k], ids[..., :k]
     probs = logp.exp()
     inside = probs > 0
     ids = torch.where(inside, ids, -1).to(torch.int32)

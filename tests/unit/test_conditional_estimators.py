@@ -134,3 +134,37 @@ def test_the_scorer_keeps_the_conditional_streaks_and_visits_of_a_plain_referenc
     for other in (dataclasses.replace(config, max_rounds=30), dataclasses.replace(config, estimators="coins")):
         before = score_drafter(drafter, cache, head, other)
         assert before.estimators == "coin draws" and all("visits" not in e["vanilla"] for e in before.tasks.values())
+
+
+def test_the_served_support_is_bounded_and_its_dropped_mass_recorded(sampled_toy, tmp_path):
+    """served_support keeps the S most probable tokens (ties to the lower id), -1 and 0 past the support, and
+    the mass past the bound; the sampled toy cache's support is each drawn token's distribution (the token
+    inside it, its probability the cached one); a greedy cache's task takes none."""
+    import math
+
+    from dflash_callbacks.cache.format import read_manifest, write_task
+    from dflash_callbacks.cache.sampling import served_support
+
+    uniform = torch.full((1, 100), -math.log(100))
+    ids, probs, dropped = served_support(uniform, 64)
+    assert ids[0].tolist() == list(range(64)) and float(dropped[0]) == pytest.approx(0.36, abs=1e-6)
+    peaked = torch.tensor([[0.0, -math.inf, -math.inf]])
+    ids, probs, dropped = served_support(peaked, 4)
+    assert ids[0].tolist() == [0, -1, -1, -1] and probs[0].tolist() == [1.0, 0, 0, 0] and float(dropped[0]) == 0
+    cache = sampled_toy[0]
+    for name in cache.task_names:
+        task, entry = cache.task(name), cache.entry(name)
+        answer = slice(task.prompt_len, task.num_tokens)
+        held = task.support_ids[answer].long() == task.input_ids[answer, None]
+        assert bool(held.any(-1).all())  # every drawn token is in its support
+        torch.testing.assert_close(task.support_probs[answer][held].log(), task.target_logprob[answer], atol=1e-5,
+                                   rtol=1e-5)
+        assert (task.support_ids[: task.prompt_len] == -1).all() and 0 <= entry["support"]["dropped"] < 1e-5
+    assert "support" in read_manifest(cache.path)["tasks"][0]
+    with pytest.raises(ValueError, match="a greedy cache's task takes no support"):
+        from dflash_callbacks.cache.format import TargetInfo, new_manifest, open_for_writing
+
+        folder = tmp_path / "greedy"
+        open_for_writing(folder, new_manifest(TargetInfo("t", 2, 8, 16, "float32"), [1]))
+        write_task(folder, "x", torch.arange(4), torch.zeros(4, 8), 2,
+                   support=(torch.zeros(4, 2, dtype=torch.int32), torch.zeros(4, 2)))
