@@ -168,3 +168,75 @@ def test_the_served_support_is_bounded_and_its_dropped_mass_recorded(sampled_toy
         open_for_writing(folder, new_manifest(TargetInfo("t", 2, 8, 16, "float32"), [1]))
         write_task(folder, "x", torch.arange(4), torch.zeros(4, 8), 2,
                    support=(torch.zeros(4, 2, dtype=torch.int32), torch.zeros(4, 2)))
+
+
+@torch.no_grad()
+def test_a_dflash2_slots_alpha_is_the_sum_of_min_p_q_over_the_served_support(tmp_path):
+    """The DFlash 2 fixture on its own text, with a made-up served support at each completion position (the
+    cached token with p, three other tokens sharing 1 - p): alpha at every slot of every anchor is
+    sum_x min(p(x), q(x)), q the selector's softmax(score / T) over the K candidates given the true token
+    before the slot (0 elsewhere), and c min(1, q / p) of the cached token, as a plain per-block forward
+    gives them; the report's expected streaks are those."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    from dflash_callbacks.cache.format import HiddenStateCache, TargetInfo, new_manifest, open_for_writing, write_task
+    from dflash_callbacks.cache.sampling import Sampling
+
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures" / "families" / "dflash2-full"
+    inputs = load_file(str(fixtures / "inputs.safetensors"))
+    drafter = load_drafter(fixtures / "checkpoint")
+    T, tokens = 0.8, inputs["context_input_ids"]
+    target, folder = tmp_path / "target", tmp_path / "cache"
+    target.mkdir()
+    save_file({"model.embed_tokens.weight": inputs["target_embed_tokens"].contiguous(),
+               "lm_head.weight": inputs["target_lm_head"].contiguous()}, str(target / "model.safetensors"))
+    (target / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 97, "hidden_size": 64}))
+    open_for_writing(folder, new_manifest(TargetInfo(str(target), 8, 64, 97, "float32"), [1, 3, 5],
+                                          sampling=Sampling(T)))
+    g = torch.Generator().manual_seed(0)
+    n = tokens.numel()
+    p = 0.05 + 0.9 * torch.rand(n, generator=g)
+    ids = torch.full((n, 4), -1, dtype=torch.int32)
+    probs = torch.zeros(n, 4)
+    for t in range(3, n):
+        others = [int(x) for x in torch.randperm(97, generator=g) if int(x) != int(tokens[t])][:3]
+        ids[t] = torch.tensor([int(tokens[t]), *others], dtype=torch.int32)
+        probs[t] = torch.tensor([float(p[t]), *(float(1 - p[t]) / 3,) * 3])
+    logprob = torch.where(torch.arange(n) < 3, 0.0, probs[:, 0].clamp(min=1e-30).log()).float()
+    write_task(folder, "fixture", tokens, inputs["target_hidden"], 3, target_logprob=logprob, sample=0,
+               support=(ids, probs))
+    cache, head = HiddenStateCache(folder), TargetHead.from_pretrained(target)
+    report = score_drafter(drafter, cache, head, ScoringConfig(ddtree_budgets=[], device="cpu"))
+    assert report.estimators == "conditional"
+    task, B, lm_head = cache.task("fixture"), drafter.block_size, head.lm_head.weight
+    sel, k = drafter.candidate_selector, drafter.settings.selector_top_k
+    accept, alpha = [], []
+    for a in range(task.prompt_len, task.num_tokens - 1):
+        block = torch.tensor([int(tokens[a])] + [drafter.mask_token_id] * (B - 1))
+        hidden = drafter(task.hidden[:a][None], head.embed_tokens(block)[None], torch.arange(a + B)[None],
+                         attention=resolve_attention(drafter.config, "auto"))[0]
+        c, al = np.zeros(B - 1), np.zeros(B - 1)
+        for j in range(min(B - 1, task.num_tokens - 1 - a)):
+            at, prev = a + 1 + j, int(tokens[a + j])
+            logits = hidden[1 + j] @ lm_head.T
+            cand = logits.topk(k).indices
+            pair = (sel.predecessor_codebook[prev] * (sel.hidden_projection.weight @ hidden[1 + j])) @ \
+                sel.successor_codebook[cand].T
+            q = torch.zeros(97, dtype=torch.float64)
+            q[cand] = ((logits[cand] + pair) / T).softmax(-1).double()
+            served = torch.zeros(97, dtype=torch.float64)
+            served[ids[at].long()] = probs[at].double()
+            c[j] = min(1.0, float(q[int(tokens[at])] / served[int(tokens[at])]))
+            al[j] = float(torch.minimum(served, q).sum())
+        accept.append(c)
+        alpha.append(al)
+    want = conditional_streaks(np.array(accept), np.array(alpha))
+    assert (np.array(alpha) > 0).any()
+    assert np.abs(want.expected - np.cumprod(np.array(accept), axis=1).sum(axis=1)).max() > 0.01  # not c's
+    np.testing.assert_allclose(decode_expected(report.tasks["fixture"]["vanilla"]["expected"], B), want.expected,
+                               atol=5e-4 + 1e-5)
+    np.testing.assert_allclose(decode_expected(report.tasks["fixture"]["vanilla"]["visits"], 2), want.visits,
+                               atol=5e-4 + 1e-5)
