@@ -251,4 +251,4 @@ def expected_visits(accept: np.ndarray) -> np.ndarray:
     for a in range(n):
         if visits[a]:
             visits[a + 1 : a + depth + 2] += visits[a] * streak[a]
-    return visits[:n]
+    return visits[:n].clip(0.0, 1.0)  # a chance: the sums' rounding can pass 1 by an ulp

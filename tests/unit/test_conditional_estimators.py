@@ -172,8 +172,8 @@ def test_the_served_support_is_bounded_and_its_dropped_mass_recorded(sampled_toy
 
 @torch.no_grad()
 def test_a_dflash2_slots_alpha_is_the_sum_of_min_p_q_over_the_served_support(tmp_path):
-    """The DFlash 2 fixture on its own text, with a made-up served support at each completion position (the
-    cached token with p, three other tokens sharing 1 - p): alpha at every slot of every anchor is
+    """The DFlash 2 fixture on its text with vLLM's walks at T = 0.8 written in, with a made-up served support at
+    each completion position (the cached token with p, twenty other tokens sharing 1 - p): alpha at every slot of every anchor is
     sum_x min(p(x), q(x)), q the selector's softmax(score / T) over the K candidates given the true token
     before the slot (0 elsewhere), and c min(1, q / p) of the cached token, as a plain per-block forward
     gives them; the report's expected streaks are those."""
@@ -188,7 +188,10 @@ def test_a_dflash2_slots_alpha_is_the_sum_of_min_p_q_over_the_served_support(tmp
     fixtures = Path(__file__).resolve().parents[1] / "fixtures" / "families" / "dflash2-full"
     inputs = load_file(str(fixtures / "inputs.safetensors"))
     drafter = load_drafter(fixtures / "checkpoint")
-    T, tokens = 0.8, inputs["context_input_ids"]
+    expected = load_file(str(fixtures / "expected.safetensors"))
+    T, tokens = 0.8, inputs["context_input_ids"].clone()
+    for i, a in enumerate(inputs["anchors"].tolist()):  # vLLM's walk sampled these: candidates given the one before
+        tokens[a + 1 : a + 5] = expected["serve_T0.8_tokens"][i]
     target, folder = tmp_path / "target", tmp_path / "cache"
     target.mkdir()
     save_file({"model.embed_tokens.weight": inputs["target_embed_tokens"].contiguous(),
@@ -199,12 +202,12 @@ def test_a_dflash2_slots_alpha_is_the_sum_of_min_p_q_over_the_served_support(tmp
     g = torch.Generator().manual_seed(0)
     n = tokens.numel()
     p = 0.05 + 0.9 * torch.rand(n, generator=g)
-    ids = torch.full((n, 4), -1, dtype=torch.int32)
-    probs = torch.zeros(n, 4)
+    ids = torch.full((n, 24), -1, dtype=torch.int32)
+    probs = torch.zeros(n, 24)
     for t in range(3, n):
-        others = [int(x) for x in torch.randperm(97, generator=g) if int(x) != int(tokens[t])][:3]
-        ids[t] = torch.tensor([int(tokens[t]), *others], dtype=torch.int32)
-        probs[t] = torch.tensor([float(p[t]), *(float(1 - p[t]) / 3,) * 3])
+        others = [int(x) for x in torch.randperm(97, generator=g) if int(x) != int(tokens[t])][:20]
+        ids[t, :21] = torch.tensor([int(tokens[t]), *others], dtype=torch.int32)
+        probs[t, :21] = torch.tensor([float(p[t]), *(float(1 - p[t]) / 20,) * 20])
     logprob = torch.where(torch.arange(n) < 3, 0.0, probs[:, 0].clamp(min=1e-30).log()).float()
     write_task(folder, "fixture", tokens, inputs["target_hidden"], 3, target_logprob=logprob, sample=0,
                support=(ids, probs))
