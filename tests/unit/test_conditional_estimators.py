@@ -131,9 +131,15 @@ def test_the_scorer_keeps_the_conditional_streaks_and_visits_of_a_plain_referenc
         assert numbers["live"] == pytest.approx(pooled_numbers(streaks)[0], rel=1e-12)
         assert numbers["live"] == pytest.approx(
             float((streaks.visits * (streaks.expected + 1)).sum() / streaks.visits.sum()), rel=1e-12)
+    from dflash_callbacks.scoring.basis import Basis
+
+    assert Basis.of_run(config, cache, None).sampling == Basis.of_report(report).sampling
+    assert Basis.of_report(report).sampling.endswith("estimators conditional")
     for other in (dataclasses.replace(config, max_rounds=30), dataclasses.replace(config, estimators="coins")):
         before = score_drafter(drafter, cache, head, other)
         assert before.estimators == "coin draws" and all("visits" not in e["vanilla"] for e in before.tasks.values())
+        assert Basis.of_run(other, cache, None).sampling == Basis.of_report(before).sampling  # a pair of its own
+        assert Basis.of_report(before).differences(Basis.of_report(report))
 
 
 def test_the_served_support_is_bounded_and_its_dropped_mass_recorded(sampled_toy, tmp_path):

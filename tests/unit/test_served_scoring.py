@@ -173,8 +173,8 @@ def test_the_expected_streaks_a_report_keeps_are_the_plain_per_anchor_ones(famil
     assert other.mean["vanilla"]["dense"] == report.mean["vanilla"]["dense"]  # the expectation has no coins
     assert Basis.of_report(other).differences(Basis.of_report(report)) == [
         "served sampling temperature 0.8, top_p 1, top_k 0, draft rule "
-        f"{config.draft_rule}, coin seed 7 (this run: temperature 0.8, top_p 1, top_k 0, draft rule "
-        f"{config.draft_rule}, coin seed 8)"]
+        f"{config.draft_rule}, coin seed 7, estimators coin draws (this run: temperature 0.8, top_p 1, top_k 0, "
+        f"draft rule {config.draft_rule}, coin seed 8, estimators coin draws)"]
 
 
 def test_an_argmax_draft_keeps_integer_streaks_and_a_greedy_cache_every_report_as_it_was(tmp_path, capsys):
@@ -196,7 +196,7 @@ def test_an_argmax_draft_keeps_integer_streaks_and_a_greedy_cache_every_report_a
     on_greedy.to_json(tmp_path / "greedy.json")
     assert cli_main(["compare", str(tmp_path / "sampled.json"), str(tmp_path / "greedy.json")]) == 2
     assert "was scored with served sampling none (a greedy cache) (this run: temperature 0.8, top_p 1, top_k 0, " \
-        "draft rule greedy, coin seed 0)" in capsys.readouterr().err
+        "draft rule greedy, coin seed 0, estimators coin draws)" in capsys.readouterr().err
     assert cli_main(["compare", str(tmp_path / "sampled.json"), str(tmp_path / "greedy.json"), "--force"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[-2].startswith("ours: attention auto, cache temperature 0.8, top_p 1.0, top_k 0, samples 1, seed 0, "
