@@ -105,9 +105,14 @@ class EvalReport:
 
     @property
     def mean(self) -> dict[str, dict[str, float]]:
-        """Run-level numbers: each task weighs the same, or as its aggregate weighs it (`pooled`: by its rounds)."""
+        """Run-level numbers: each task weighs the same, or as its aggregate weighs it (`pooled`: by its rounds);
+        an aggregate some task does not hold (a report made by hand of dense and live alone) is left out."""
+        def held(numbers: dict, aggregate) -> bool:
+            return aggregate.name in numbers and (aggregate.weight is None or aggregate.weight in numbers)
+
         return {method: {name: aggregate.run_level([t[method] for t in self.tasks.values()])
-                         for name, aggregate in AGGREGATES.items()} for method in self.methods}
+                         for name, aggregate in AGGREGATES.items()
+                         if all(held(t[method], aggregate) for t in self.tasks.values())} for method in self.methods}
 
     def block(self, method: str | Method) -> int:
         """The block size `method` was scored at (its `:bB`, else the report's)."""
