@@ -2,14 +2,14 @@
 
 On the toy world (the toy target, the toy baseline drafter, the coding10 prompts), per
 temperature T (top-p `--top-p`):
-- live: `served.live.live_runs`, `--runs` requests per prompt decoded with speculative
+- live: `served_live.live_runs` (tests/support), `--runs` requests per prompt decoded with speculative
   sampling at the served settings (argmax drafts, as vLLM's DFlash proposer), and the mean
   over requests of each one's mean tau per round, with its Monte-Carlo 95% interval (Student t);
 - offline: `score_drafter` (vanilla) on a cache of `--samples` answers per prompt sampled at
   the same settings (`extract_cache(temperature=...)`): its `live` mean (the exact estimate of
   the live loop's) and `dense` mean, with the report's 95% intervals; the whole answer is scored
   (`max_rounds` = `--max-new-tokens`), as the live loop decodes it whole;
-- teacher-forced: `served.teacher_forced.teacher_forced_tau` along the greedy coding10 cache,
+- teacher-forced: `teacher_forced.teacher_forced_tau` (tests/support) along the greedy coding10 cache,
   1 + sum_k prod_{j<=k} (1 - TV(p_j, q_j)), the approximation trainers log;
 - with `--sample-rule`, also the live loop with drafts drawn from the drafter's tempered
   distribution (the draft rule 1 - TV is the acceptance chance of), to split the teacher-forced
@@ -46,8 +46,10 @@ from dflash_callbacks.demos.toy.world import (
 )
 from dflash_callbacks.scoring.config import ScoringConfig
 from dflash_callbacks.scoring.scorer import score_drafter
-from dflash_callbacks.served.live import live_runs, live_tau
-from dflash_callbacks.served.teacher_forced import teacher_forced_tau
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))  # the live loop: a test oracle
+from served_live import live_runs, live_tau  # noqa: E402
+from teacher_forced import teacher_forced_tau  # noqa: E402
 
 
 def toy_drafter(args: argparse.Namespace):

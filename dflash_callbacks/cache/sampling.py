@@ -1,7 +1,7 @@
 """The sampling settings a request is served at, and the distribution they give.
 
 `Sampling` is what a sampled cache records (manifest `"sampling"`) and what the live loop
-(`served.live`) decodes at: temperature (0: greedy), top-p (1: off), top-k (0: off), and,
+(`tests/support/served_live.py`) decodes at: temperature (0: greedy), top-p (1: off), top-k (0: off), and,
 for a cache, the answers drawn per prompt and the seed they are drawn from.
 
 `served_logprobs` is the target's served distribution, in the order vLLM applies it: the

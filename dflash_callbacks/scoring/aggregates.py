@@ -74,7 +74,7 @@ class Streaks:
     expected: np.ndarray | None = None
     visits: np.ndarray | None = None
     """float64 [n] how often the live schedule takes each anchor in expectation over the acceptance coins, on a
-    cache that keeps the served support (`served.expected_visits`; None: the schedule runs along `drawn`)."""
+    cache that keeps the served support (`acceptance.expected_visits`; None: the schedule runs along `drawn`)."""
 
     @classmethod
     def of(cls, streaks) -> Streaks:

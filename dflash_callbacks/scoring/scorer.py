@@ -12,7 +12,7 @@ labels are tok[a+1 .. a+B-1], invalid past the end of the sequence.
   each layer's attention pattern allows (`ScoringConfig.attention`: "auto" is as vLLM
   serves the drafter, `model.attention`).
 - On a sampled cache, where the family samples its proposal at the cache's temperature
-  (`served.ServedDraft`: DFlash 2's selector walk, DFlash's probabilistic draft rule), vanilla's
+  (`acceptance.ServedDraft`: DFlash 2's selector walk, DFlash's probabilistic draft rule), vanilla's
   acceptance at each slot is a coin of chance min(1, q / p): the report keeps the expected
   streak of every anchor and one seeded draw of the coins (`summarize`).
 - A pruned draft vocabulary (`DFlashDrafter.vocab_ids`) is scored over its own target
@@ -54,7 +54,7 @@ from .config import ScoringConfig, block_size_problems
 from .intervals import report_intervals
 from .methods import Method, scored_methods
 from .report import SCORER_VERSION, EvalReport
-from .served import ServedDraft, coins, conditional_streaks, expected_streaks, served_problems, slot_chances
+from .acceptance import ServedDraft, coins, conditional_streaks, expected_streaks, served_problems, slot_chances
 
 
 class NonFiniteError(ValueError):
@@ -155,12 +155,12 @@ class TaskStreaks:
     streaks: dict[str, torch.Tensor]  # method -> int64 [n_anchors] (cpu)
     accept: dict[str, torch.Tensor] = field(default_factory=dict)
     """method -> float64 [n_anchors, P] (cpu): each slot's chance of acceptance where the draft is sampled
-    (`served.ServedDraft.acceptance`); such a method's `streaks` entry is replaced by a draw of its coins."""
+    (`acceptance.ServedDraft.acceptance`); such a method's `streaks` entry is replaced by a draw of its coins."""
     cuts: dict[str, torch.Tensor] | None = None  # method -> the confidence cut per anchor (with a threshold)
     alpha: dict[str, torch.Tensor] = field(default_factory=dict)
     """method -> float64 [n_anchors, P] (cpu): each slot's chance of acceptance given the text before it, on a
-    cache that keeps the served support (`served.slot_chances`); the method is then scored by the conditional
-    estimators (`served.conditional_streaks`), its `accept` entry c given the emitted token."""
+    cache that keeps the served support (`acceptance.slot_chances`); the method is then scored by the conditional
+    estimators (`acceptance.conditional_streaks`), its `accept` entry c given the emitted token."""
 
 
 @torch.no_grad()  # grad mode and autocast are the calling thread's: set here, restored on return
@@ -255,7 +255,7 @@ def score_task(
 
 
 def conditional_scoring(served: ServedDraft | None, task, config: ScoringConfig) -> bool:
-    """Whether vanilla is scored with the conditional estimators (`served.slot_chances`): a sampled cache that
+    """Whether vanilla is scored with the conditional estimators (`acceptance.slot_chances`): a sampled cache that
     keeps the served support, a live schedule that runs to the answers' ends. Else a sampled cache's vanilla
     is scored as before (the coin draw, the integer streaks of an argmax draft), and the report says which."""
     return served is not None and served.temperature > 0 and task.support_ids is not None \
@@ -276,7 +276,7 @@ def summarize(task: TaskStreaks, config: ScoringConfig, max_taus: dict[str, int]
     threshold, the share of anchors whose confidence cut reaches each depth (`confidence_reach`, as
     `families.dspark.cut_reach`); `max_taus`: each method's largest tau. A method with chances of acceptance
     (`TaskStreaks.accept`, a sampled draft) keeps its expected streaks (`expected`, as the report stores them:
-    every number is made from those) and, as `streaks`, one draw of the coins (`served.coins`, seeded with
+    every number is made from those) and, as `streaks`, one draw of the coins (`acceptance.coins`, seeded with
     scoring.coin_seed); its curve is the mean chance of reaching each depth. A method with chances given the
     text before each slot too (`TaskStreaks.alpha`, a cache that keeps the served support) keeps the conditional
     expected streaks and the live schedule's expected visits of each anchor (`visits`)."""

@@ -47,7 +47,7 @@ from .basis import Basis
 from .config import ScoringConfig
 from .report import SCORER_VERSION, EvalReport
 from .scorer import NonFiniteError, block_problems, memory_plan, score_drafter
-from .served import draft_rule_problems, engine_settings_warning, served_problems
+from .acceptance import draft_rule_problems, engine_settings_warning, served_problems
 
 VERIFY_BYTES = 4 << 30
 """Preflight reads every cache file (sha256, finite hidden states) when they total at most this;

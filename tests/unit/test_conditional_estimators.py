@@ -1,4 +1,4 @@
-"""The conditional estimators on a sampled cache that keeps the served support (scoring.served): each streak
+"""The conditional estimators on a sampled cache that keeps the served support (scoring.acceptance): each streak
 term's last factor its expectation given the text before it, alpha = sum_x min(p(x), q(x)) (p(d) for an argmax
 draft d), and the live schedule's expected visits of each anchor over the acceptance coins, against brute-force
 enumeration and a plain per-anchor reference on a real sampled toy cache."""
@@ -20,7 +20,7 @@ from dflash_callbacks.model.attention import resolve_attention
 from dflash_callbacks.scoring.aggregates import decode_expected, pooled_numbers, task_streaks
 from dflash_callbacks.scoring.config import ScoringConfig
 from dflash_callbacks.scoring.scorer import score_drafter
-from dflash_callbacks.scoring.served import conditional_streaks, expected_visits
+from dflash_callbacks.scoring.acceptance import conditional_streaks, expected_visits
 
 
 def test_expected_visits_are_the_schedules_visit_chances_by_enumeration():

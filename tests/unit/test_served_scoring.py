@@ -1,4 +1,4 @@
-"""tau as served at T > 0 (scoring.served): a sampled draft's chance of acceptance min(1, q / p) against
+"""tau as served at T > 0 (scoring.acceptance): a sampled draft's chance of acceptance min(1, q / p) against
 vLLM's own q (the DFlash 2 fixture's T = 0.8 tensors) and a plain per-anchor reference, the expected
 streaks a report keeps, the coins live runs along, and the refusals."""
 
@@ -28,7 +28,7 @@ from dflash_callbacks.scoring.config import ScoringConfig
 from dflash_callbacks.scoring.intervals import paired_comparison, report_intervals, taus
 from dflash_callbacks.scoring.report import EvalReport
 from dflash_callbacks.scoring.scorer import score_drafter, score_task
-from dflash_callbacks.scoring.served import ServedDraft, coins, expected_streaks
+from dflash_callbacks.scoring.acceptance import ServedDraft, coins, expected_streaks
 from made_reports import judged_by
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -282,7 +282,7 @@ def test_engine_settings_under_which_the_scores_are_not_exact_give_one_warning_n
     """vLLM's block verification and SGLang's acceptance thresholds below 1, declared in
     scoring.served_engine_settings, are named in one line; exact settings, and none declared, say nothing; a
     setting that is not KEY=VALUE is refused."""
-    from dflash_callbacks.scoring.served import engine_settings_warning
+    from dflash_callbacks.scoring.acceptance import engine_settings_warning
 
     assert engine_settings_warning([]) is None
     assert engine_settings_warning(["rejection_sample_method=standard", "speculative_accept_threshold_acc=1.0",

@@ -19,8 +19,14 @@ comparison shares it). Text drawn from p and coins drawn given it have the law o
 the draw is one realisation of the served process and the live interval, made from its rounds as from
 any other cache's, holds its Monte-Carlo error.
 
+On a sampled cache that keeps the served support (`cache.sampling.served_support`) the conditional estimators
+replace those for every draft rule (`slot_chances`, `conditional_streaks`): each streak term's last factor is its
+expectation given the text before it, alpha = sum_x min(p(x), q(x)) (p(d) for an argmax draft d), and the live
+schedule takes each anchor with its chance over the coins (`expected_visits`) instead of one draw.
+
 `served_problems` refuses, one line each naming the fix, settings the cache was not sampled at and a draft
-rule a family is not served with; `ServedDraft` is what the scorer reads.
+rule a family is not served with; `engine_settings_warning` names declared engine settings under which none of
+this is exact; `ServedDraft` is what the scorer reads.
 """
 
 from __future__ import annotations
