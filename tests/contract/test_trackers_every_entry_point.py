@@ -29,6 +29,12 @@ from tracker_reports import read_events, scalars
 from train_run import eval_cb, fit, shared_world, world_paths
 
 
+@pytest.fixture(autouse=True)
+def in_tmp(tmp_path, monkeypatch):
+    """MLflow's sqlite store keeps a run's artifacts in ./mlruns: the test's folder, not the checkout."""
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> SimpleNamespace:
     path = shared_world(tmp_path_factory.getbasetemp() / "reliability-world")
