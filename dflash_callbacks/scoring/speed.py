@@ -341,15 +341,16 @@ def config_costs(scoring, target: str | object | None = None, drafter_config=Non
 
 # ---------------------------------------------------------------------- a run's reports (the engine's)
 def coverage_problems(costs: Costs, shapes: Mapping[str, Shape]) -> list[str]:
-    """One line per scored method whose round the costs do not hold (a verify forward of more tokens than
-    measured, a block size not profiled, a tree's overhead not measured): `shapes` is {METHOD: Shape}."""
+    """One line naming each scored method whose round the costs do not hold (a verify forward of more tokens
+    than measured, a block size not profiled, a tree's overhead not measured), [] when they hold every one:
+    `shapes` is {METHOD: Shape}."""
     lines = []
     for method, shape in shapes.items():
         try:
             round_seconds(costs, shape, float(costs.contexts[0]))
         except CostsError as e:
             lines.append(f"{method}: {e}")
-    return lines
+    return ["the costs do not hold every scored round: " + "; ".join(lines)] if lines else []
 
 
 @functools.lru_cache(maxsize=8)
