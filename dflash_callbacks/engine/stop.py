@@ -194,6 +194,8 @@ class StopPolicy(TrailingRule):
     def _speedup_series(self, history: list[dict]) -> tuple[list[tuple[int, float]], dict[int, float]]:
         points, bounds = {}, {}
         for h in history:
+            if "speedup" not in h and h is not history[-1]:
+                continue  # a report of the run before it had costs (a resume that added them): not judged
             step, found = int(h["step"]), self._speedup_of(h)
             points[step] = float(found["ours"][0])
             if "ratio" in found and found.get("verdict") is not None:  # paired: the tau comparison's interval

@@ -33,6 +33,7 @@ from loops import SCORING, hf_fit, plain_fit
 from runs import run_dir
 from speed_costs import write_costs
 from tracker_reports import read_events, scalars
+from wandb_records import read_run
 from train_run import eval_cb, fit, shared_world, world_paths
 
 
@@ -74,7 +75,7 @@ def speedup_keys(metrics: dict) -> dict[str, float]:
 def assert_same_speedups(logged: dict[str, float], expected: dict[str, float], rel: float = 1e-9) -> None:
     assert set(logged) == set(expected)
     assert all(logged[k] == pytest.approx(expected[k], rel=rel, abs=1e-12) for k in expected), \
-        [k for k in expected if logged[k] != pytest.approx(expected[k], rel=rel, abs=1e-12)]
+        [(k, logged[k], expected[k]) for k in expected if logged[k] != pytest.approx(expected[k], rel=rel, abs=1e-12)][:4]
 
 
 def baseline_of(world, tmp_path, report: EvalReport, costs: Path | None) -> EvalReport:
@@ -123,16 +124,53 @@ def test_a_run_without_costs_logs_exactly_the_keys_it_did(world, tmp_path):
     assert "speedup" not in report.extra and not any("speedup" in k for k in ev.metrics)
 
 
-def test_lightning_holds_the_speedup_means_in_callback_metrics(world, tmp_path, costs):
+def test_lightning_logs_the_speedups_to_wandb_and_holds_their_means_in_callback_metrics(world, tmp_path, costs,
+                                                                                        monkeypatch):
+    import wandb
+    from lightning.pytorch.loggers import WandbLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
     cb = eval_cb(world.path, tmp_path, baseline=world.baseline, baseline_cache_dir=world.bc, busy="queue",
                  max_pending=8, scoring={**SCORING, "costs": str(costs)})
-    trainer = fit(world.path, tmp_path, [cb], max_steps=4)
+    logger = WandbLogger(project="dflash-test", save_dir=str(tmp_path), offline=True)
+    trainer = fit(world.path, tmp_path, [cb], max_steps=4, logger=logger)
+    wandb.finish()
     reports, _ = read_back(tmp_path / "d")
+    run = read_run(next((tmp_path / "wandb").glob("offline-run-*")))
+    rows = {r["dflash/step"]: r for r in run["history"] if "dflash/step" in r}
+    assert sorted(rows) == [2, 4] == sorted(r.step for r in reports)
+    for report in reports:
+        expected = expected_speedups(report, cb.baseline_report, costs, world.cache)
+        assert_same_speedups(speedup_keys(rows[report.step]), expected)
+    key = "dflash/speedup/ratio/ddtree@4/live/mean"
+    assert run["metrics"][key].step_metric == "dflash/step"
+    assert run["summary"][key] == {"max": pytest.approx(max(rows[s][key] for s in rows))}
     last = max(reports, key=lambda r: r.step)
     expected = expected_speedups(last, cb.baseline_report, costs, world.cache)
     held = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("dflash/speedup/")}
     assert_same_speedups(held, {k: v for k, v in expected.items() if k.endswith(("/mean", "/mean_lo", "/mean_hi"))},
                          rel=1e-6)  # Lightning keeps float32 tensors
+
+
+def test_a_resume_puts_the_speedup_means_back_before_any_new_report(world, tmp_path, costs):
+    first: list[tuple[int, dict]] = []
+    ev = DrafterEvaluator(**engine_args(world, tmp_path, costs), max_steps=5, log=lambda m, s: first.append((s, m)))
+    plain_fit(world, 4, ev, ckpt_dir=tmp_path / "ckpt", ckpt_every=4)
+    seen = {}
+    again = DrafterEvaluator(**engine_args(world, tmp_path, costs), max_steps=5)
+    plain_fit(world, 5, again, resume=tmp_path / "ckpt" / "step=4.pt",
+              after_step=lambda model, step: seen.update(again.metrics))
+    assert again.run_id == ev.run_id and seen["dflash/step"] == 4.0
+    logged = {k: v for k, v in first[-1][1].items() if k.startswith("dflash/speedup/") and k.endswith(
+        ("/mean", "/mean_lo", "/mean_hi"))}
+    restored = {k: v for k, v in seen.items() if k.startswith("dflash/speedup/")}
+    if math.isnan(seen["dflash/baseline/ddtree@4/live/mean"]):  # the baseline's report not back yet: as tau's
+        assert all(math.isnan(v) for k, v in restored.items() if k.startswith(("dflash/speedup/baseline/",
+                                                                                  "dflash/speedup/ratio/")))
+        restored = {k: v for k, v in restored.items() if not math.isnan(v)}
+        logged = {k: v for k, v in logged.items() if k in restored}
+    assert len(restored) >= 12
+    assert_same_speedups(restored, logged, rel=1e-5)  # results.jsonl keeps them to 6 digits
 
 
 def test_the_transformers_trainer_logs_the_speedups(world, tmp_path, costs):
@@ -274,4 +312,3 @@ def test_a_speedup_monitor_without_costs_is_refused_naming_the_forms(world, tmp_
                      str(world.target), "--baseline", str(world.baseline), "--budgets", "4", "--once",
                      "--monitor", "speedup/ddtree@4/live"])
     assert code == 2 and "needs --costs PATH" in capsys.readouterr().err
-    assert math.isfinite(0.0)
