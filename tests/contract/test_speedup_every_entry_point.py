@@ -30,7 +30,7 @@ from dflash_callbacks.scoring.speed import speedup_metrics, speedup_values, task
 from dflash_callbacks.watch.runs import Watcher
 
 from loops import SCORING, hf_fit, plain_fit
-from runs import run_dir
+from runs import run_dir, wait_until
 from speed_costs import write_costs
 from tracker_reports import read_events, scalars
 from wandb_records import read_run
@@ -287,7 +287,12 @@ def test_a_stop_on_a_speedup_monitor_stops_where_its_ratio_says_and_plot_replays
     with pytest.warns(UserWarning, match="must reach 5x the baseline"):
         stop = TrailingBaselineStop(monitor="speedup/ddtree@4/live", min_ratio=5, patience=2, verbose=False)
     ev = DrafterEvaluator(**engine_args(world, tmp_path, costs), max_steps=12, stop=stop)
-    plain_fit(world, 12, ev)
+
+    def scored(model, step):  # training waits for the snapshots of steps 2 and 4: their reports come at 3 and 5
+        if step in (2, 4):
+            wait_until(lambda: not ev.engine.runner._outbox.empty(), what=f"the report of step {step}")
+
+    plain_fit(world, 12, ev, after_step=scored)
     reports = {r.step: r for r in RunFolder(ev.run.path).read_results().reports}
     assert stop.stop_reason is not None and "dflash: stopping at step 4: speedup/ddtree@4/live " in stop.stop_reason
     kept = reports[4].extra["speedup"]["ddtree@4/live"]
