@@ -422,14 +422,13 @@ def report_fastest_line(report: EvalReport, aggregate: str = "live") -> str | No
     """`fastest_line` of a report on the costs its scoring names (None: none named), made once per report:
     the runner makes it off the training thread (`results_line.prepare`), the summary line reads it back.
     A line saying why where the costs do not hold a method's round."""
-    costs = report_costs(report)
-    if costs is None:
+    if not report.scoring.get("costs"):
         return None
     key = (report.snapshot_id, report.step, report.created, report.scoring.get("costs"), aggregate)
     if key not in _FASTEST:
         try:
-            _FASTEST[key] = fastest_line(report, costs, aggregate, report_contexts(report))
-        except CostsError as e:
+            _FASTEST[key] = fastest_line(report, report_costs(report), aggregate, report_contexts(report))
+        except CostsError as e:  # also a costs file gone since the run started
             _FASTEST[key] = f"fastest: not predicted: {e}"
         while len(_FASTEST) > 32:
             _FASTEST.popitem(last=False)
