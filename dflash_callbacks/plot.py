@@ -148,10 +148,10 @@ def draw_stop_rule(ax, reports: Sequence[EvalReport], baseline: EvalReport | Non
                    label=f"grace period (before step {stop.grace_steps}: not judged)")
     values, per_tau, unit = judged_values(reports, stop), 1.0, ""
     if stop.speedup:
-        last = max((r for r in reports if r.step in values), key=lambda r: r.step, default=None)
-        if last is None:
+        latest = max((r for r in reports if r.step in values), key=lambda r: r.step, default=None)
+        if latest is None:
             return 0  # no speed-up kept: nothing of the stop to draw
-        per_tau, unit = values[last.step] / last.value(stop.tau_monitor), " speed-up, drawn in tau"
+        per_tau, unit = values[latest.step] / latest.value(stop.tau_monitor), " speed-up, drawn in tau"
     base = None if baseline is None else baseline_number(reports, baseline, stop)
     if base is not None:
         ax.axhline(stop.threshold(base) / per_tau, color=STOP, linestyle=":", linewidth=1.5,
