@@ -302,6 +302,14 @@ def test_a_stop_on_a_speedup_monitor_stops_where_its_ratio_says_and_plot_replays
     assert cli_main(["plot", str(ev.run.path), "--baseline", str(world.baseline),
                      "--baseline-cache-dir", str(world.bc)]) == 0
     assert "the stop at step 4" in capsys.readouterr().out
+    # the live reports (no results.jsonl line at hand) are drawn too: the threshold from their costs, in tau
+    from dflash_callbacks.plot import live_tau_figure
+
+    fig = live_tau_figure(ev.reports, ev.baseline_report, title="t", stop=stop, stop_step=4)
+    labels = [line.get_label() for ax in fig.axes for line in ax.get_lines()]
+    threshold = 5 * kept["baseline"][0]
+    assert any(f"stop threshold (5 x baseline {kept['baseline'][0]:.2f} = {threshold:.2f} speed-up, drawn in tau)"
+               in label for label in labels), labels
 
 
 def test_a_speedup_monitor_without_costs_is_refused_naming_the_forms(world, tmp_path, capsys):
