@@ -276,7 +276,8 @@ class StopSettings:
     POSITIONAL = 1  # the monitor may be given by position
 
     monitor: str = setting("ddtree@8/live", help="METHOD/AGGREGATE: METHOD is vanilla, ddtree@N or top@K; AGGREGATE "
-                                                 "is live or dense")
+                                                 "is live or dense (its tau); speedup/METHOD/AGGREGATE: its predicted "
+                                                 "speed-up (needs scoring.costs)")
     min_ratio: float | None = setting(None, help="ours / baseline must be >= min_ratio (> 0, e.g. 0.9); with neither "
                                                  f"min_ratio nor min_delta, {DEFAULT_MIN_RATIO}")
     min_delta: float | None = setting(None, help="ours - baseline must be >= min_delta (e.g. -0.5); give at most one "
@@ -301,6 +302,9 @@ class StopSettings:
             lambda: _monitor(self.monitor),
             lambda: self.min_ratio is None or self.min_delta is None or _bad(
                 f"give one of `min_ratio` or `min_delta`, not both (got {self.min_ratio} and {self.min_delta})"),
+            lambda: self.min_delta is None or not str(self.monitor).startswith(SPEEDUP) or _bad(
+                f"a speed-up monitor ({self.monitor}) is judged on its ratio to the baseline's speed-up: give "
+                f"min_ratio, not min_delta (got {self.min_delta})"),
             lambda: check_number("`min_ratio`", self.min_ratio, above=0, optional=True),
             lambda: check_number("`min_delta`", self.min_delta, optional=True),
             lambda: check_int("`patience`", self.patience, 1),
@@ -315,7 +319,8 @@ class StopSettings:
         )
         if problems:
             raise ValueError("\n".join(problems))
-        put("monitor", str(Monitor.parse(self.monitor)))
+        speedup, monitor = split_monitor(self.monitor)
+        put("monitor", (SPEEDUP if speedup else "") + str(monitor))
         if self.min_ratio is None and self.min_delta is None:
             put("min_ratio", DEFAULT_MIN_RATIO)
         for name in ("min_ratio", "min_delta"):
@@ -328,9 +333,24 @@ class StopSettings:
         return to_dict(self)
 
 
+SPEEDUP = "speedup/"
+"""A monitor's prefix that makes the stop judge the predicted speed-up (`scoring.costs`), not tau."""
+
+
+def split_monitor(text: Any) -> tuple[bool, Monitor]:
+    """(is it a speed-up monitor, its METHOD/AGGREGATE) of `METHOD/AGGREGATE` (tau) or
+    `speedup/METHOD/AGGREGATE` (the predicted speed-up, with scoring.costs); ValueError naming both forms."""
+    speedup = isinstance(text, str) and text.startswith(SPEEDUP)
+    try:
+        return speedup, Monitor.parse(text[len(SPEEDUP):] if speedup else text)
+    except ValueError as e:
+        raise ValueError(f"{e} (or speedup/METHOD/AGGREGATE, e.g. 'speedup/ddtree@8/live', for the predicted "
+                         "speed-up with scoring.costs)") from None
+
+
 def _monitor(text: Any) -> None:
     try:
-        Monitor.parse(text)
+        split_monitor(text)
     except ValueError as e:
         raise ValueError(f"`monitor`: {e}") from None
 

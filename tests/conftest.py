@@ -63,14 +63,44 @@ def zlab_tiny() -> Path:
     return ZLAB_TINY
 
 
+def untracked_files() -> set[str] | None:
+    """The checkout's files git neither tracks nor ignores (None: not a git checkout)."""
+    import subprocess
+
+    from suite_paths import REPO
+
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=REPO, capture_output=True,
+                             text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return {line[3:] for line in out.stdout.splitlines() if line.startswith("??")} if out.returncode == 0 else None
+
+
+UNTRACKED_AT_START: set[str] | None = None
+
+
+def pytest_sessionstart(session):
+    global UNTRACKED_AT_START
+    if not hasattr(session.config, "workerinput"):  # the controller (or a run without xdist)
+        UNTRACKED_AT_START = untracked_files()
+
+
 def pytest_sessionfinish(session, exitstatus):
-    """Reports lost, duplicated or mismatched across every audited run fail the session. Under
-    pytest-xdist each worker hands its counts to the controller, which adds them up."""
+    """Reports lost, duplicated or mismatched across every audited run fail the session, and so does a file
+    the suite left in the checkout (a test writes under its tmp_path). Under pytest-xdist each worker hands
+    its audit counts to the controller, which adds them up."""
     from runs import AUDIT
 
     if hasattr(session.config, "workeroutput"):  # an xdist worker
         session.config.workeroutput["dflash_audit"] = dict(AUDIT)
-    elif AUDIT["lost"] or AUDIT["duplicated"] or AUDIT["mismatched"]:
+        return
+    if AUDIT["lost"] or AUDIT["duplicated"] or AUDIT["mismatched"]:
+        session.exitstatus = 1
+    now = untracked_files()
+    left = sorted(now - UNTRACKED_AT_START) if now is not None and UNTRACKED_AT_START is not None else []
+    if left:
+        session.config.dflash_left = left
         session.exitstatus = 1
 
 
@@ -85,6 +115,11 @@ def pytest_testnodedown(node, error):
 
 def pytest_terminal_summary(terminalreporter):
     from runs import AUDIT
+
+    left = getattr(terminalreporter.config, "dflash_left", None)
+    if left:
+        terminalreporter.write_line(f"the suite left {len(left)} file(s) in the checkout (write under tmp_path): "
+                                    + ", ".join(left[:10]), red=True)
 
     if AUDIT["runs"]:
         terminalreporter.write_line(

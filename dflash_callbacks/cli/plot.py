@@ -90,6 +90,7 @@ def stop_settings(args: argparse.Namespace, about: dict, folder: Path) -> StopSe
 
 def run_plot(args: argparse.Namespace) -> int:
     from ..scoring.methods import unscored_monitor
+    from ..settings import split_monitor
     from ..scoring.report import read_results
 
     problems = []
@@ -113,7 +114,7 @@ def run_plot(args: argparse.Namespace) -> int:
     except ValueError as e:
         problems += [line.replace("`", "") for line in str(e).splitlines()]
     if settings is not None and reports:
-        unscored = unscored_monitor(settings.monitor, reports[-1].methods, "--monitor", None)
+        unscored = unscored_monitor(split_monitor(settings.monitor)[1], reports[-1].methods, "--monitor", None)
         problems += [unscored] if unscored else []
     if problems:
         raise UsageError("\n".join(problems))

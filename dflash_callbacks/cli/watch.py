@@ -177,8 +177,14 @@ def checkpoint_settings(args: argparse.Namespace, scoring: ScoringConfig | None 
         except ValueError as e:
             problems += [line.replace("`", "") for line in str(e).splitlines()]
     if s["stop"] is not None and scoring is not None:
-        unscored = unscored_monitor(s["stop"].monitor, scoring.methods, "--monitor", "scoring")
+        from ..settings import split_monitor
+
+        speedup, monitor = split_monitor(s["stop"].monitor)
+        unscored = unscored_monitor(monitor, scoring.methods, "--monitor", "scoring")
         problems += [unscored] if unscored else []
+        if speedup and scoring.costs is None:
+            problems.append(f"--monitor {s['stop'].monitor} judges the predicted speed-up, which needs --costs PATH "
+                            f"(`dflash-callbacks profile --out PATH`); or monitor tau: --monitor {monitor}")
     if s["max_steps"] is not None and s["max_steps"] < 1:
         problems.append(f"--max-steps must be an integer >= 1; got {s['max_steps']}")
     if s["wandb_project"] is None and given & {"wandb_name", "wandb_group"}:

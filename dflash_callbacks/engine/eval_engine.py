@@ -80,7 +80,7 @@ class EvalEngine(RunEnd):
         """The state of a run that has seen nothing (or, `restored`, a resume's counts and history)."""
         self.run: RunFolder | None = None
         self.state = RunState(self.name, self.scoring.methods, self.settings.baseline is not None,
-                              stops=[policy.loaded for policy in self.policies])
+                              self.scoring.costs is not None, stops=[policy.loaded for policy in self.policies])
         self.state.load_state_dict(restored)
         self.publisher = Publisher(self.settings, self.host, self.state, self.policies, self.subscribers,
                                    lambda: self._step)
@@ -120,7 +120,7 @@ class EvalEngine(RunEnd):
         line = policy.unreachable(*self.checked.most_tau) if self.checked is not None else None
         if line is not None:
             raise PreflightError(f"the scoring inputs do not fit together:\n  {line}")
-        check_monitor(policy, self.scoring.methods, self.name)
+        check_monitor(policy, self.scoring.methods, self.name, self.scoring.costs)
         if policy in self.policies:
             return
         self.policies.append(policy)

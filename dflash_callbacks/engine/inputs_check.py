@@ -46,6 +46,7 @@ def check_inputs(settings: EvalSettings, names: Mapping[str, str], policies: lis
     shapes = {k: tuple(v) for k, v in (shapes or {k: v.shape for k, v in drafter.state_dict().items()}).items()}
     reach = (functools.partial(most_tau, drafter), settings.scoring.block_size or config.block_size)
     unreachable = [line for p in policies if (line := p.unreachable(*reach))]
+    unreachable += costs_problems(settings, drafter, config, reach, host)
     try:
         basis = preflight(spec, config, shapes, warn=host.warn)
     except PreflightError as e:  # every problem at once
@@ -58,6 +59,42 @@ def check_inputs(settings: EvalSettings, names: Mapping[str, str], policies: lis
                   "while training" + (", only the last step's at the end" if settings.wait_on_end else "")
                   + f"; set {cadence}= to a cadence that fits the run")
     return Checked(settings, spec, basis, config, shapes, reach)
+
+
+def costs_problems(settings: EvalSettings, drafter: nn.Module | None, config: DrafterConfig,
+                   reach: tuple[Callable[[int], int], int], host: Host) -> list[str]:
+    """With scoring.costs, one line when the file is not a costs file, was measured on another device kind,
+    dtype, target shape or drafter shape (`speed.config_costs`; with scoring.force_costs a warning instead),
+    or does not hold the round of a scored method (a verify forward of more tokens, a block size not
+    profiled); [] without costs."""
+    scoring = settings.scoring
+    if scoring.costs is None:
+        return []
+    from pathlib import Path
+
+    from ..scoring.costs import CostsError
+    from ..scoring.methods import Method
+    from ..scoring.speed import config_costs, coverage_problems, shape_of
+
+    try:
+        device_type = scoring.resolved_device().type
+    except (ValueError, RuntimeError):
+        device_type = None  # preflight says why
+    target = settings.target if (Path(settings.target) / "config.json").is_file() else None
+    try:
+        costs, forced = config_costs(scoring, target, config, device_type)
+    except (CostsError, OSError, KeyError, ValueError) as e:
+        return [f"scoring.costs {scoring.costs}: {e}"]
+    if forced:
+        host.warn(f"{settings.name}: scoring.costs {scoring.costs} does not fit, used anyway (scoring.force_costs): "
+                  f"{'; '.join(forced)}")
+    draft_rows = getattr(drafter, "draft_rows", None)
+    shapes = {}
+    for name in scoring.methods:
+        block = Method.parse(name).block or reach[1]
+        proposals = len(draft_rows(block)) if callable(draft_rows) else block - 1
+        shapes[name] = shape_of(name, block, proposals)
+    return [f"scoring.costs {scoring.costs}: {line}" for line in coverage_problems(costs, shapes)]
 
 
 def most_tau(drafter: nn.Module | None, block_size: int) -> int:

@@ -41,9 +41,39 @@ def draw_level(ax, value: float, *, lo: float | None = None, hi: float | None = 
         ax.axhspan(lo, hi, color=color, alpha=0.08, linewidth=0)
 
 
-def projection_points(reports: Sequence[EvalReport], key: str, window: int, until: int | None) -> dict[int, float]:
-    """What the stop fits: the last `window` reports up to step `until`, with positive steps and finite values."""
-    judged = [(r.step, r.value(key)) for r in sorted(reports, key=lambda r: r.step) if until is None or r.step <= until]
+def judged_values(reports: Sequence[EvalReport], stop: StopPolicy) -> dict[int, float]:
+    """The number `stop` judges in each report, by step: its monitored tau, or for a speed-up monitor
+    (`speedup/METHOD/AGG`) the predicted speed-up its results.jsonl line keeps, else the one its scoring's costs
+    predict (a report with neither is left out)."""
+    if not stop.speedup:
+        return {r.step: r.value(stop.monitor) for r in reports}
+    return {r.step: found["ours"][0] for r in reports if (found := kept_speedup(r, None, stop))}
+
+
+def kept_speedup(report: EvalReport, baseline: EvalReport | None, stop: StopPolicy) -> dict | None:
+    """The run-level speed-ups of the stop's method in `report` (`speed.speedup_record`'s entry): as its
+    results.jsonl line keeps them, else predicted on its scoring's costs (with `baseline`, the baseline's too);
+    None without costs."""
+    from ..scoring.costs import CostsError
+    from ..scoring.speed import report_contexts, report_costs, speedup_record, speedup_values
+
+    found = (report.extra.get("speedup") or {}).get(stop.tau_monitor)
+    if found and (baseline is None or "baseline" in found):
+        return found
+    try:
+        costs = report_costs(report)
+        if costs is None:
+            return None
+        values = speedup_values(report, baseline, costs, report_contexts(report))
+    except (CostsError, ValueError, KeyError):
+        return None
+    return speedup_record(values).get(stop.tau_monitor)
+
+
+def projection_points(values: dict[int, float], window: int, until: int | None) -> dict[int, float]:
+    """What the stop fits: the last `window` of `values` (step -> judged number) up to step `until`, with
+    positive steps and finite values."""
+    judged = [(s, v) for s, v in sorted(values.items()) if until is None or s <= until]
     return {s: v for s, v in judged[-window:] if s > 0 and math.isfinite(v)}
 
 
@@ -53,7 +83,7 @@ def live_tau_figure(reports: Sequence[EvalReport], baseline: EvalReport | None, 
     """The figure: `stop_step` is the step of the report the stop acted on (None: it did not),
     `stop_reason` its explanation, `horizon` the last step training would have reached."""
     methods = reports[0].methods
-    monitor = Monitor.parse(stop.monitor) if stop is not None else None
+    monitor = Monitor.parse(stop.tau_monitor) if stop is not None else None
     cols = 1 if len(methods) == 1 else 2
     rows = -(-len(methods) // cols)
     fig = Figure(figsize=(11, 1.8 + 3.0 * rows), layout="constrained")
@@ -110,18 +140,26 @@ def live_tau_figure(reports: Sequence[EvalReport], baseline: EvalReport | None, 
 def draw_stop_rule(ax, reports: Sequence[EvalReport], baseline: EvalReport | None, stop: StopPolicy,
                    stop_step: int | None, horizon: int | None) -> int:
     """On the monitored panel: the grace period, the threshold, and the projection; returns the
-    last step drawn (the projection's horizon)."""
+    last step drawn (the projection's horizon). A speed-up monitor's threshold and projection are drawn in
+    tau (the panel's): its speed-up divided by the method's cost factor (speed-up / tau, the same in every
+    report of a run)."""
     if stop.grace_steps > 0:
         ax.axvspan(0, stop.grace_steps, color="0.6", alpha=0.18, linewidth=0,
                    label=f"grace period (before step {stop.grace_steps}: not judged)")
-    if baseline is not None:
-        base = baseline.value(stop.monitor)
-        ax.axhline(stop.threshold(base), color=STOP, linestyle=":", linewidth=1.5,
-                   label=f"stop threshold ({stop.describe_threshold(base)})")
-    points = projection_points(reports, stop.monitor, stop.projection_window, stop_step)
+    values, per_tau, unit = judged_values(reports, stop), 1.0, ""
+    if stop.speedup:
+        latest = max((r for r in reports if r.step in values), key=lambda r: r.step, default=None)
+        if latest is None:
+            return 0  # no speed-up kept: nothing of the stop to draw
+        per_tau, unit = values[latest.step] / latest.value(stop.tau_monitor), " speed-up, drawn in tau"
+    base = None if baseline is None else baseline_number(reports, baseline, stop)
+    if base is not None:
+        ax.axhline(stop.threshold(base) / per_tau, color=STOP, linestyle=":", linewidth=1.5,
+                   label=f"stop threshold ({stop.describe_threshold(base)}{unit})")
+    points = projection_points(values, stop.projection_window, stop_step)
     if not stop.projection or len(points) < MIN_PROJECTION_POINTS:
         return 0
-    a, b = fit_projection(list(points), list(points.values()))
+    a, b = fit_projection(list(points), [v / per_tau for v in points.values()])
     first, last = min(points), max(horizon or 0, max(points))
     xs = [first + (last - first) * i / 100 for i in range(101)]
     ys = [projected_value(a, b, x) for x in xs]
@@ -136,15 +174,31 @@ def replay_stop(reports: Sequence[EvalReport], baseline: EvalReport, stop: StopP
     """(the step of the first report `stop` would have stopped at, its reason), deciding after each report
     in step order as it did while training (its ratio's interval from the report's `versus_baseline`);
     (None, None) when it would not have stopped."""
-    base = baseline.value(stop.monitor)
+    from .run_state import history_entry
+
+    base = baseline_number(reports, baseline, stop)
+    if base is None:
+        return None, None
     history = []
     for report in sorted(reports, key=lambda r: r.step):
-        history.append({"step": report.step, "mean": report.mean, "versus": report.extra.get("versus_baseline")})
+        history.append(history_entry(report, report.extra.get("versus_baseline")))
+        if stop.speedup and "speedup" not in history[-1]:
+            history.pop()  # a report without its speed-up kept (scored before the run had costs)
+            continue
         points, bounds = stop.series(history)
         decision = stop.decide(points, base, max_steps, bounds)
         if decision.stop:
             return report.step, decision.reason
     return None, None
+
+
+def baseline_number(reports: Sequence[EvalReport], baseline: EvalReport, stop: StopPolicy) -> float | None:
+    """The baseline's number `stop` judges against: its tau, or its predicted speed-up as the latest report
+    that keeps one has it (None: none does)."""
+    if not stop.speedup:
+        return baseline.value(stop.monitor)
+    found = kept_speedup(max(reports, key=lambda r: r.step), baseline, stop) if reports else None
+    return float(found["baseline"][0]) if found and "baseline" in found else None
 
 
 def plot_live_tau(reports: Sequence[EvalReport], baseline: EvalReport | None, path: Path, **kwargs) -> Path:

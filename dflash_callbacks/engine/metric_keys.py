@@ -7,6 +7,9 @@
     PREFIX/ratio/{method}/{AGG}/{TASK}    ours / baseline
     .../mean_lo, .../mean_hi              the 95% interval of each run-level mean, baseline, delta and
                                           ratio (deltas and ratios paired with the baseline)
+    PREFIX/speedup/{method}/{AGG}/{TASK}  with scoring.costs: the predicted speed-up of ours (`scoring.speed`),
+    PREFIX/speedup/baseline/..., PREFIX/speedup/ratio/...   the baseline's and ours / the baseline's (paired),
+                                          each run-level one with its `_lo` and `_hi`; none without costs
     PREFIX/step                           the snapshot's step (the x axis in W&B)
     PREFIX/score_seconds                  time from the snapshot to its report
     PREFIX/errors                         failed evaluations so far
@@ -26,6 +29,7 @@ from ..scoring.report import EvalReport
 from ..scoring.table import ratio
 
 COMPARED = ("baseline", "delta", "ratio")  # the kinds of key a baseline adds beside ours
+SPEEDUP = "speedup"  # the family of the predicted speed-ups: PREFIX/speedup/[baseline/ | ratio/]METHOD/AGG/TASK
 MEAN_ENDS = ("/mean", "/mean_lo", "/mean_hi")  # the run-level keys the host's metrics hold
 
 
@@ -106,8 +110,24 @@ def report_bounds(prefix: str, report: EvalReport, baseline: EvalReport | None, 
     return out
 
 
+def report_speedups(prefix: str, report: EvalReport, baseline: EvalReport | None, versus: dict | None) -> dict[str, float]:
+    """With scoring.costs: the predicted speed-up of every method, aggregate and task, the baseline's and the
+    paired ratio (`scoring.speed.speedup_metrics`, on `versus`: no bootstrap here); empty without costs, and
+    where the costs do not hold a method's round (preflight refuses that; the fastest line says it)."""
+    from ..scoring.costs import CostsError
+    from ..scoring.speed import report_speedups as speedups, speedup_metrics
+
+    try:
+        values = speedups(report, baseline, versus)
+    except (CostsError, KeyError):
+        return {}
+    if values is None:
+        return {}
+    return {k: v for k, v in speedup_metrics(prefix, values).items() if not math.isnan(v)}
+
+
 Family = Callable[[str, EvalReport, "EvalReport | None", "dict | None"], dict]
-REPORT_FAMILIES: list[Family] = [report_values, report_bounds]
+REPORT_FAMILIES: list[Family] = [report_values, report_bounds, report_speedups]
 
 
 def report_metrics(prefix: str, report: EvalReport, baseline: EvalReport | None, versus: dict | None) -> dict[str, float]:
@@ -124,19 +144,25 @@ def run_counts(prefix: str, step: int, seconds: float, errors: int) -> dict[str,
 
 
 # ------------------------------------------------------------------ the run-level means the host holds
-def mean_keys(prefix: str, methods: list[str], has_baseline: bool) -> list[str]:
+def mean_keys(prefix: str, methods: list[str], has_baseline: bool, speedup: bool = False) -> list[str]:
     """Every run-level mean key a report publishes (with a baseline: its value, the delta and the ratio
-    too), each with its interval's `_lo` and `_hi`."""
+    too; with `speedup`, scoring.costs: the predicted speed-ups, ours and with a baseline the baseline's and
+    the ratio), each with its interval's `_lo` and `_hi`."""
     keys = []
     for method in methods:
         for agg in AGGREGATES:
             keys += list(compared_keys(prefix, method, agg, "mean", 0.0, 1.0 if has_baseline else None))
+            if speedup:
+                keys += [key(prefix, method, agg, "mean", kind) for kind in
+                         [SPEEDUP] + [f"{SPEEDUP}/baseline", f"{SPEEDUP}/ratio"] * has_baseline]
     return [k + end for k in keys for end in ("", "_lo", "_hi")]
 
 
 def is_mean_key(prefix: str, k: str) -> bool:
-    """A run-level mean of ours (or its delta or ratio, or their intervals); not the baseline's."""
-    return k.startswith(f"{prefix}/") and k.endswith(MEAN_ENDS) and not k.startswith(f"{prefix}/baseline/")
+    """A run-level mean of ours (or its delta or ratio, or their intervals, or its speed-up); not the
+    baseline's."""
+    return k.startswith(f"{prefix}/") and k.endswith(MEAN_ENDS) and not k.startswith(
+        (f"{prefix}/baseline/", f"{prefix}/{SPEEDUP}/baseline/"))
 
 
 def held_means(metrics: dict[str, float]) -> dict[str, float]:
@@ -145,9 +171,9 @@ def held_means(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def restored_means(prefix: str, entry: dict, baseline: EvalReport | None) -> dict[str, float]:
-    """A resume: the run-level means of a history entry (`{"step", "mean", "intervals", "versus"}`), with the
-    baseline's, the deltas and the ratios once the baseline is known, and the intervals the entry keeps of its
-    comparison."""
+    """A resume: the run-level means of a history entry (`{"step", "mean", "intervals", "versus", "speedup"}`),
+    with the baseline's, the deltas and the ratios once the baseline is known, the intervals the entry keeps of
+    its comparison, and (scoring.costs) the speed-ups it keeps."""
     means: dict[str, float] = {}
     base = baseline.mean if baseline is not None else {}
     for method, aggs in entry["mean"].items():
@@ -162,4 +188,10 @@ def restored_means(prefix: str, entry: dict, baseline: EvalReport | None) -> dic
             for kind, pair in bounds.items():
                 if pair is not None:
                     means.update(bounds_keys(key(prefix, method, agg, "mean", kind), pair[0], pair[1]))
+    for monitor, found in (entry.get("speedup") or {}).items():  # scoring.costs: as results.jsonl keeps them
+        method, agg = monitor.rsplit("/", 1)
+        for kind, name in (("ours", SPEEDUP), ("baseline", f"{SPEEDUP}/baseline"), ("ratio", f"{SPEEDUP}/ratio")):
+            if kind in found and (kind == "ours" or baseline is not None):
+                value_key = key(prefix, method, agg, "mean", name)
+                means.update({value_key: found[kind][0], **bounds_keys(value_key, *found[kind][1:])})
     return means

@@ -23,7 +23,7 @@ from .host import Host
 from .metric_keys import errors_key, held_means, report_metrics, run_counts, table_key
 from .run_folder import ResultsRecordError, ResultsWriteError, RunFolder
 from .run_state import RunState, history_entry
-from .results_line import results_record, summary_line, versus_baseline, versus_record
+from .results_line import results_record, speedup_of, summary_line, versus_baseline, versus_record
 from .runners.background import BackgroundRunner
 from .runners.jobs import BaselineOutcome, SnapshotOutcome, is_non_finite
 from .stop import Moment, StopPolicy
@@ -132,7 +132,7 @@ class Publisher:
         lines = []
         for policy in list(self.policies):
             if policy.confidence is not None and policy.min_ratio is not None:
-                line = resolution_warning(baseline, policy.monitor, policy.min_ratio)
+                line = resolution_warning(baseline, policy.tau_monitor, policy.min_ratio)
                 if line is not None:
                     lines.append(f"{policy.shown_name}: {line}")
         return lines
@@ -151,7 +151,8 @@ class Publisher:
         if metrics is None:
             return  # refused: an error line, nothing logged
         self.state.set(report.step, held_means(metrics), self.host, self.closing)
-        self.state.add(history_entry(report, versus_record(versus, digits=None) if versus else None), outgoing=True)
+        self.state.add(history_entry(report, versus_record(versus, digits=None) if versus else None,
+                                     speedup_of(report, self.baseline, versus, digits=None)), outgoing=True)
         self.reports.append(report)
         if self.settings.verbose:
             self.host.info(summary_line(self.settings.name, report, self.baseline))
@@ -219,7 +220,8 @@ class Publisher:
         """Append the report's results.jsonl line (`prepared`: made already, by the runner). A report the
         reader would refuse is an error line instead (and a failure): False, and none of its numbers may
         be logged."""
-        record, refused = prepared or results_record(report, score_seconds, versus)
+        record, refused = prepared or results_record(report, score_seconds, versus,
+                                                     speedup_of(report, self.baseline, versus))
         if refused is not None:
             error = f"step {report.step}: the report is refused, none of its numbers is logged: {refused}"
             self.record({"step": report.step, "snapshot_id": report.snapshot_id, "error": error})

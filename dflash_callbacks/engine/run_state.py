@@ -20,14 +20,16 @@ from .metric_keys import is_mean_key, mean_keys, restored_means, step_key
 from .stop import StopState
 
 
-def history_entry(report: EvalReport, versus: dict | None) -> dict:
-    """What the history keeps of a report: its step, its run-level means and their intervals, and, with a
-    baseline, their comparison with it (`results_line.versus_record`: the stops judge on its intervals, also
-    after a resume)."""
+def history_entry(report: EvalReport, versus: dict | None, speedup: dict | None = None) -> dict:
+    """What the history keeps of a report: its step, its run-level means and their intervals, with a
+    baseline their comparison with it (`results_line.versus_record`: the stops judge on its intervals, also
+    after a resume), and with scoring.costs its run-level predicted speed-ups (`results_line.speedup_of`; None:
+    the ones its results.jsonl line kept, a resume's)."""
     entry = {"step": report.step, "mean": report.mean}
     if report.intervals is not None:
         entry["intervals"] = report.intervals["mean"]
-    return {**entry, **({"versus": versus} if versus else {})}
+    speedup = speedup if speedup is not None else report.extra.get("speedup")
+    return {**entry, **({"versus": versus} if versus else {}), **({"speedup": speedup} if speedup else {})}
 
 
 @dataclass
@@ -35,6 +37,7 @@ class RunState:
     name: str
     methods: list[str]
     has_baseline: bool
+    speedup: bool = False  # scoring.costs: the predicted speed-ups are means too
     run_id: str | None = None
     history: list[dict] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)  # the latest means, with <name>/step: their step
@@ -66,7 +69,7 @@ class RunState:
     def start(self, host: Host, baseline: EvalReport | None) -> None:
         """Every mean key, before any report: NaN, a placeholder (a monitor of ours is never missing, and
         ModelCheckpoint ranks NaN below any number); on a resume, the last report's means."""
-        self.metrics = {key: math.nan for key in mean_keys(self.name, self.methods, self.has_baseline)}
+        self.metrics = {key: math.nan for key in mean_keys(self.name, self.methods, self.has_baseline, self.speedup)}
         if self.history:
             self.restore(baseline, host, closing=False)
         self.show(host)

@@ -171,8 +171,12 @@ class StopPolicy(TrailingRule):
         return self.series(self._seen()[0])[1]
 
     def series(self, history: list[dict]) -> tuple[list[tuple[int, float]], dict[int, float]]:
-        """The monitored value of each report of `history` (``[{"step", "mean", "versus"}]``), by step, and the
-        upper end of its ratio's (delta's) interval (inf: too few tasks for one)."""
+        """The monitored value of each report of `history` (``[{"step", "mean", "versus", "speedup"}]``), by
+        step, and the upper end of its ratio's (delta's) interval (inf: too few tasks for one). A speed-up
+        monitor reads the run-level speed-ups each entry keeps (`speed.speedup_record`): ours, and the upper end
+        of the paired ratio with the baseline's."""
+        if self.speedup:
+            return self._speedup_series(history)
         monitor = Monitor.parse(self.monitor)
         kind = "ratio" if self.min_delta is None else "delta"
         points, bounds = {}, {}
@@ -186,6 +190,27 @@ class StopPolicy(TrailingRule):
             if versus is not None:
                 bounds[step] = math.inf if versus.get("verdict") == "too few tasks" else float(versus[kind][2])
         return sorted(points.items()), bounds
+
+    def _speedup_series(self, history: list[dict]) -> tuple[list[tuple[int, float]], dict[int, float]]:
+        points, bounds = {}, {}
+        for h in history:
+            if "speedup" not in h and h is not history[-1]:
+                continue  # a report of the run before it had costs (a resume that added them): not judged
+            step, found = int(h["step"]), self._speedup_of(h)
+            points[step] = float(found["ours"][0])
+            if "ratio" in found and found.get("verdict") is not None:  # paired: the tau comparison's interval
+                bounds[step] = math.inf if found["verdict"] == "too few tasks" else float(found["ratio"][2])
+        return sorted(points.items()), bounds
+
+    def _speedup_of(self, entry: dict) -> dict:
+        """The run-level speed-ups of the monitored method in a history entry, or RuntimeError saying why not."""
+        found = (entry.get("speedup") or {}).get(self.tau_monitor)
+        if found is None:
+            held = sorted(entry.get("speedup") or {})
+            raise RuntimeError(f"{self.shown_name} monitors {self.monitor!r}, which the report at step {entry['step']} "
+                               + (f"lacks: it holds the speed-ups of {held}" if held else
+                                  "has no speed-up of: its scoring has no costs (scoring.costs=PATH)"))
+        return found
 
     # ----- the one call after each report --------------------------------------------------------------
     def evaluate(self, history: list[dict], baseline: EvalReport | None, now: Moment, state: StopState,
@@ -202,7 +227,7 @@ class StopPolicy(TrailingRule):
                 return Verdict(False, None, state)
             return Verdict(False, None, dataclasses.replace(state, warned_no_baseline=True),
                            [("warn", f"{name}: no baseline report, {self.monitor} is recorded but not judged")])
-        base = self.read(baseline, "baseline report")
+        base = self.baseline_value(history, baseline)
         if not math.isfinite(base):
             return Verdict(False, None, state, [("warn", f"{name}: the baseline's {self.monitor} is {base}, not "
                                                           f"judging step {step}")])
@@ -218,6 +243,17 @@ class StopPolicy(TrailingRule):
             return Verdict(False, reason, dataclasses.replace(state, stop_reason=reason), [("warn", reason)])
         reason = f"{prefix}: stopping at step {step}: {decision.reason}"
         return Verdict(True, reason, state, [("info", reason)])
+
+    def baseline_value(self, history: list[dict], baseline: EvalReport) -> float:
+        """The baseline's monitored number: its tau, or (a speed-up monitor) its predicted speed-up on the run's
+        costs, as the latest entry of `history` keeps it."""
+        if not self.speedup:
+            return self.read(baseline, "baseline report")
+        found = self._speedup_of(history[-1])
+        if "baseline" not in found:
+            raise RuntimeError(f"{self.shown_name} monitors {self.monitor!r}, but the report at step "
+                               f"{history[-1]['step']} holds no speed-up of the baseline's {self.tau_monitor}")
+        return float(found["baseline"][0])
 
     def read(self, report: EvalReport, what: str) -> float:
         try:
@@ -242,15 +278,21 @@ class StopPolicy(TrailingRule):
         return self._kept[1]
 
 
-def check_monitor(policy: StopPolicy, methods: list[str], source: str) -> None:
-    """`policy`'s monitor is one of `methods` (what `source` scores), or ValueError naming them."""
-    method = str(Monitor.parse(policy.monitor).method)
+def check_monitor(policy: StopPolicy, methods: list[str], source: str, costs: str | None = None) -> None:
+    """`policy`'s monitor is one of `methods` (what `source` scores), or ValueError naming them; a speed-up
+    monitor needs `costs` (the source's scoring.costs), or ValueError naming the forms that need none."""
+    method = str(Monitor.parse(policy.tau_monitor).method)
+    if policy.speedup and not costs:
+        raise ValueError(f"{policy.shown_name} monitors {policy.monitor!r}, a predicted speed-up, but {source!r} "
+                         "has no costs to predict it from: give its scoring costs=PATH (`dflash-callbacks profile "
+                         f"--out PATH`), or monitor tau: {policy.tau_monitor!r}; the forms are METHOD/AGGREGATE (tau) "
+                         "and speedup/METHOD/AGGREGATE (with scoring.costs)")
     if method not in methods:
         raise ValueError(f"{policy.shown_name} monitors {policy.monitor!r}, but {source!r} scores only "
                          f"{methods}; monitor one of those, or add it to that callback's scoring "
                          "(ddtree_budgets / topk / block_sizes / attentions)"
-                         + did_you_mean(policy.monitor, [f"{m}/{Monitor.parse(policy.monitor).aggregate}"
-                                                         for m in methods]))
+                         + did_you_mean(policy.tau_monitor, [f"{m}/{Monitor.parse(policy.tau_monitor).aggregate}"
+                                                             for m in methods]))
 
 
 def stop_policies(stop: StopPolicy | Sequence[StopPolicy] | type | None) -> list[StopPolicy]:

@@ -11,8 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..scoring.intervals import MIN_TASKS
-from ..scoring.methods import Monitor
-from ..settings import StopSettings
+from ..settings import StopSettings, split_monitor
 
 MIN_PROJECTION_POINTS = 3
 PROJECTION_CURVE = "a+b*log(step)"
@@ -44,11 +43,13 @@ class Moment:
 
 
 def validate_monitor(monitor: str) -> str:
-    """Return ``monitor`` if it reads ``METHOD/AGGREGATE`` (e.g. ``"ddtree@8/live"``), else raise ``ValueError``."""
+    """Return ``monitor`` if it reads ``METHOD/AGGREGATE`` (e.g. ``"ddtree@8/live"``: its tau) or
+    ``speedup/METHOD/AGGREGATE`` (its predicted speed-up), else raise ``ValueError`` naming both forms."""
     try:
-        return str(Monitor.parse(monitor))
+        speedup, parsed = split_monitor(monitor)
     except ValueError as e:
         raise ValueError(f"`monitor`: {e}") from None
+    return ("speedup/" if speedup else "") + str(parsed)
 
 
 def fit_projection(steps: Sequence[float], values: Sequence[float]) -> tuple[float, float]:
@@ -77,7 +78,7 @@ def projected_value(a: float, b: float, step: float) -> float:
 
 def monitor_block(monitor: str, run_block: int) -> int:
     """The block size `monitor` is scored at: its method's `:bB` (`vanilla:b2/live`: 2), else the run's."""
-    return Monitor.parse(monitor).method.block or run_block
+    return split_monitor(monitor)[1].method.block or run_block
 
 
 class TrailingRule:
@@ -93,6 +94,16 @@ class TrailingRule:
     @property
     def monitor(self) -> str:
         return self.settings.monitor
+
+    @property
+    def tau_monitor(self) -> str:
+        """The monitor's METHOD/AGGREGATE (a speed-up monitor's without its `speedup/`)."""
+        return str(split_monitor(self.monitor)[1])
+
+    @property
+    def speedup(self) -> bool:
+        """Whether it judges the predicted speed-up (`speedup/METHOD/AGGREGATE`, scoring.costs) rather than tau."""
+        return split_monitor(self.monitor)[0]
 
     @property
     def min_ratio(self) -> float | None:
@@ -237,6 +248,8 @@ class TrailingRule:
         per block + 1), for any baseline (a baseline's tau is at least 1): ours could never reach it. None when
         it can be reached."""
         name = self.shown_name
+        if self.speedup:
+            return None  # a speed-up's ratio to the baseline's may pass any tau's: its costs decide
         block_size = monitor_block(self.monitor, run_block)
         top = most_tau(block_size)
         most = f"{top}, the most tau can be at block size {block_size} ({top - 1} proposals + 1)"

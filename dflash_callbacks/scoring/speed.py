@@ -27,9 +27,12 @@ Keys (the engine logs them beside the tau keys; `speedup_metrics`):
 
 from __future__ import annotations
 
+import functools
 import statistics
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -50,7 +53,12 @@ class Shape:
 
 def method_shape(report: EvalReport, method: str | Method) -> Shape:
     method = Method.parse(method)
-    block, proposals = report.block(method), report.max_tau(method) - 1
+    return shape_of(method, report.block(method), report.max_tau(method) - 1)
+
+
+def shape_of(method: str | Method, block: int, proposals: int) -> Shape:
+    """The round of `method` at block size `block` whose drafter proposes `proposals` tokens per block."""
+    method = Method.parse(method)
     if method.kind == "vanilla":
         return Shape(block, proposals + 1, False)
     if method.kind == "ddtree":
@@ -72,12 +80,16 @@ def cost_factor(costs: Costs, report: EvalReport, method: str | Method, context:
 def task_contexts(cache: str | object, report: EvalReport) -> dict[str, float]:
     """Each task's mean context length over its scored rounds: its prompt and half the completion scored (the
     report's `window`, else the whole completion), from the cache folder's manifest."""
+    return dict(_task_contexts(str(cache), tuple(report.tasks), report.scoring.get("window")))
+
+
+@functools.lru_cache(maxsize=16)
+def _task_contexts(cache: str, tasks: tuple[str, ...], window: int | None) -> dict[str, float]:
     from ..cache.format import read_manifest
 
     entries = {t["name"]: t for t in read_manifest(cache)["tasks"]}
-    window = report.scoring.get("window")
     out = {}
-    for task in report.tasks:
+    for task in tasks:
         if task not in entries:
             raise CostsError(f"the cache holds no task {task!r} of the report: give the cache it was scored on")
         prompt, total = entries[task]["prompt_len"], entries[task]["num_tokens"]
@@ -280,13 +292,14 @@ def speedup_table(report: EvalReport, baseline: EvalReport | None, costs: Costs,
 
 # ---------------------------------------------------------------------- the costs a config names
 def target_shape(target: str | object) -> dict[str, int]:
-    """{"hidden_size", "vocab_size", "num_layers"} of a target folder, from its config.json (no torch)."""
+    """{"hidden_size", "vocab_size", "num_layers"} of a target folder, from its config.json (no torch); a key
+    the file does not hold (a target folder of only the head's tensors) is left out, and so not checked."""
     import json
-    from pathlib import Path
 
     raw = json.loads((Path(target) / "config.json").read_text())
     raw = raw.get("text_config", raw)
-    return {"hidden_size": raw["hidden_size"], "vocab_size": raw["vocab_size"], "num_layers": raw["num_hidden_layers"]}
+    said = {"hidden_size": "hidden_size", "vocab_size": "vocab_size", "num_layers": "num_hidden_layers"}
+    return {ours: raw[theirs] for ours, theirs in said.items() if theirs in raw}  # what the file says
 
 
 def drafter_shape(config) -> dict:
@@ -298,7 +311,6 @@ def drafter_folder_shape(folder: str | object) -> dict | None:
     """`drafter_shape` of a drafter folder, from its config.json without torch (the family from the registry);
     None where the file does not say it plainly (a layout whose shape is nested, a config no family claims)."""
     import json
-    from pathlib import Path
 
     from ..model.families import identify
 
@@ -325,3 +337,99 @@ def config_costs(scoring, target: str | object | None = None, drafter_config=Non
             "target": None if target is None else target_shape(target),
             "drafter": drafter_shape(drafter_config) if drafter_config is not None else drafter_shape_given}
     return costs, check_costs_fit(costs, scoring.force_costs, **used)
+
+
+# ---------------------------------------------------------------------- a run's reports (the engine's)
+def coverage_problems(costs: Costs, shapes: Mapping[str, Shape]) -> list[str]:
+    """One line naming each scored method whose round the costs do not hold (a verify forward of more tokens
+    than measured, a block size not profiled, a tree's overhead not measured), [] when they hold every one:
+    `shapes` is {METHOD: Shape}."""
+    lines = []
+    for method, shape in shapes.items():
+        try:
+            round_seconds(costs, shape, float(costs.contexts[0]))
+        except CostsError as e:
+            lines.append(f"{method}: {e}")
+    return ["the costs do not hold every scored round: " + "; ".join(lines)] if lines else []
+
+
+@functools.lru_cache(maxsize=8)
+def _costs_file(path: str, stamp: int | None) -> Costs:
+    return Costs.load(path)
+
+
+def report_costs(report: EvalReport) -> Costs | None:
+    """The costs the report's scoring names (`scoring.costs`; None: no costs), read once per file (again
+    when the file is rewritten)."""
+    path = report.scoring.get("costs")
+    if not path:
+        return None
+    try:
+        stamp = Path(path).stat().st_mtime_ns
+    except OSError:
+        stamp = None
+    return _costs_file(str(path), stamp)
+
+
+def report_contexts(report: EvalReport) -> dict[str, float] | None:
+    """`task_contexts` of the cache the report was scored on, read once per cache; None where that folder is
+    not here (a report scored on another host): the costs' middle length."""
+    cache = report.cache.get("path")
+    if not cache or not Path(cache).is_dir():
+        return None
+    return task_contexts(cache, report)
+
+
+def report_speedups(report: EvalReport, baseline: EvalReport | None,
+                    versus: dict | None) -> dict[tuple[str, str, str], SpeedUp] | None:
+    """`speedup_values` of a report on the costs its scoring names (None: it names none), each task at its mean
+    context in its cache; `versus`, the paired comparison with the baseline the runner made already, is never
+    made here: without it, a baseline both of whose reports hold intervals (scored on other anchors) is left
+    out. CostsError where the costs do not hold a scored method's round."""
+    costs = report_costs(report)
+    if costs is None:
+        return None
+    paired = baseline is not None and baseline.intervals is not None and report.intervals is not None
+    if paired and versus is None:
+        baseline = None
+    return speedup_values(report, baseline, costs, report_contexts(report), comparisons=versus)
+
+
+def speedup_record(values: dict[tuple[str, str, str], SpeedUp], verdicts: Mapping[str, str] | None = None,
+                   digits: int | None = 6) -> dict:
+    """The run-level speed-ups as results.jsonl keeps them beside `versus_baseline`:
+    {METHOD/AGG: {"ours": [value, lo, hi], "baseline": [...], "ratio": [...], "verdict": ...}} (the baseline's
+    and the ratio only with a baseline; the verdict, the tau comparison's, where one was made)."""
+    out = {}
+    for (method, aggregate, task), found in values.items():
+        if task != "mean":
+            continue
+        monitor = f"{method}/{aggregate}"
+        entry = {}
+        for kind, e in (("ours", found.ours), ("baseline", found.baseline), ("ratio", found.ratio)):
+            if e is not None:
+                entry[kind] = [x if digits is None else round(x, digits) for x in (e.value, e.lo, e.hi)]
+        if verdicts and monitor in verdicts:
+            entry["verdict"] = verdicts[monitor]
+        out[monitor] = entry
+    return out
+
+
+_FASTEST: OrderedDict[tuple, str] = OrderedDict()  # the latest reports' fastest lines (a bootstrap each)
+
+
+def report_fastest_line(report: EvalReport, aggregate: str = "live") -> str | None:
+    """`fastest_line` of a report on the costs its scoring names (None: none named), made once per report:
+    the runner makes it off the training thread (`results_line.prepare`), the summary line reads it back.
+    A line saying why where the costs do not hold a method's round."""
+    if not report.scoring.get("costs"):
+        return None
+    key = (report.snapshot_id, report.step, report.created, report.scoring.get("costs"), aggregate)
+    if key not in _FASTEST:
+        try:
+            _FASTEST[key] = fastest_line(report, report_costs(report), aggregate, report_contexts(report))
+        except CostsError as e:  # also a costs file gone since the run started
+            _FASTEST[key] = f"fastest: not predicted: {e}"
+        while len(_FASTEST) > 32:
+            _FASTEST.popitem(last=False)
+    return _FASTEST[key]

@@ -246,7 +246,13 @@ class CheckpointWatcher:
         policy = self.engine.policies[0] if self.engine.policies else None
         if reports:
             last = max(reports, key=lambda r: r.step)
-            if policy is not None:
+            if policy is not None and policy.speedup:  # the predicted speed-ups the history keeps
+                found = next((h.get("speedup") or {} for h in self.engine.history if h["step"] == last.step), {})
+                found = found.get(policy.tau_monitor, {})
+                against = f" (the baseline's {found['baseline'][0]:.2f})" if "baseline" in found else ""
+                ours = f"{found['ours'][0]:.2f}" if "ours" in found else "not predicted"
+                said += f"; the last report, step {last.step}: {policy.monitor} {ours}{against}"
+            elif policy is not None:
                 base = self.engine.baseline_report
                 against = f" (the baseline's {base.value(policy.monitor):.2f})" if base is not None else ""
                 said += f"; the last report, step {last.step}: {policy.monitor} {last.value(policy.monitor):.2f}{against}"

@@ -44,6 +44,7 @@ from ..files import file_version
 from ..scoring.basis import Basis
 from ..scoring.config import ScoringConfig
 from ..scoring.report import EvalReport
+from ..scoring.speed import report_fastest_line
 from ..scoring.service import ScoringService, ServiceSpec, preflight, recorded_weights, weights_fingerprint
 from ..engine.run_folder import HEARTBEAT_FILE, RunFolder, is_run_folder, write_heartbeat
 from ..engine.runners.jobs import describe
@@ -126,7 +127,7 @@ class Watcher:
 
     def run_config(self, about: dict) -> ScoringConfig:
         """The config a run is scored with: this watcher's, with run.json's number-changing
-        settings when it records them (an older run does not)."""
+        settings and its costs when it records them (an older run does not)."""
         recorded = about.get("scoring")
         if recorded is None:
             return self.service.config
@@ -139,7 +140,9 @@ class Watcher:
             theirs = ScoringConfig(**recorded)
         except ValueError as e:
             raise ValueError(f"its run.json's scoring is not a ScoringConfig ({e})") from None
-        return replace(self.service.config, **theirs.fingerprint_fields())
+        # and the run's costs: its reports' speed-ups are predicted by the run, on its costs (`scoring.speed`)
+        return replace(self.service.config, **theirs.fingerprint_fields(), costs=theirs.costs,
+                       force_costs=theirs.force_costs)
 
     def conflicts(self, config: ScoringConfig, basis: Basis | None) -> list[tuple[str, str]]:
         """(setting, "window 2 from --window, but the run scores window None") for each setting
@@ -278,9 +281,13 @@ class Watcher:
                 started = time.monotonic()
                 self.log(f"watch: {run.path.name} step {step}: scoring {folder}")
                 try:
-                    payload = self.service_with(config, run).score_folder(folder).to_dict()
+                    report = self.service_with(config, run).score_folder(folder)
+                    payload = report.to_dict()
                     summary = ", ".join(f"{m} {v['live']:.2f}" for m, v in payload["mean"].items())
                     self.log(f"watch: {run.path.name} step {step}: live tau {summary} ({time.monotonic() - started:.1f} s)")
+                    fastest = report_fastest_line(report)  # with the run's scoring.costs
+                    if fastest is not None:
+                        self.log(f"watch: {run.path.name} step {step}: {fastest}")
                     self.scored, self.last = self.scored + 1, f"{run.path.name} step {step}: live tau {summary}"
                 except FileNotFoundError:
                     continue  # pruned by the training run before we got to it
