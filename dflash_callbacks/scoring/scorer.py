@@ -423,10 +423,14 @@ def score_drafter(
     family = family_of(drafter, blocks)
     max_taus = {m: family["proposals"][str(Method.parse(m).block or block_size)] + 1 for m in config.methods}
     tasks = {}
+    # one estimator for the whole report: the conditional ones only where every task scored keeps the support
+    supported = all("support" in cache.entry(n) for n in names)
     for task_name in shown(names, desc=f"scoring {name or 'drafter'}", enabled=progress, unit="task"):
         if cancel is not None and cancel.is_set():
             raise Cancelled(f"scoring was cancelled before task {task_name!r}")
         task, streaks, accept, alpha, cuts = cache.task(task_name), {}, {}, {}, {}
+        if not supported:
+            task = dataclasses.replace(task, support_ids=None, support_probs=None)
         for rule in rules:
             for block in blocks:
                 try:

@@ -249,3 +249,25 @@ def test_a_dflash2_slots_alpha_is_the_sum_of_min_p_q_over_the_served_support(tmp
                                atol=5e-4 + 1e-5)
     np.testing.assert_allclose(decode_expected(report.tasks["fixture"]["vanilla"]["visits"], 2), want.visits,
                                atol=5e-4 + 1e-5)
+
+
+def test_a_cache_where_some_tasks_keep_no_support_is_scored_with_the_coins_throughout(sampled_toy, tmp_path):
+    """A sampled cache extracted before the support was kept and finished after (one task with it, one
+    without): one estimator for the whole report, the coins', and the basis says so."""
+    import shutil
+
+    from dflash_callbacks.cache.format import HiddenStateCache, write_task
+    from dflash_callbacks.scoring.basis import Basis
+
+    cache, drafter, head = sampled_toy
+    mixed = tmp_path / "mixed"
+    shutil.copytree(cache.path, mixed)
+    first = cache.task(cache.task_names[0])
+    write_task(mixed, first.name, first.input_ids, first.hidden, first.prompt_len, target_logprob=first.target_logprob,
+               sample=cache.entry(first.name)["sample"])
+    mixed = HiddenStateCache(mixed)
+    assert mixed.task(first.name).support_ids is None and mixed.task(mixed.task_names[1]).support_ids is not None
+    config = ScoringConfig(ddtree_budgets=[], device="cpu")
+    report = score_drafter(drafter, mixed, head, config)
+    assert report.estimators == "coin draws" and all("visits" not in e["vanilla"] for e in report.tasks.values())
+    assert Basis.of_run(config, mixed, None).sampling == Basis.of_report(report).sampling
