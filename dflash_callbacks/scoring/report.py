@@ -354,7 +354,7 @@ def _check_shape(raw: dict, added: list[str] = ()) -> None:
             scoring = raw.get("scoring", {})  # max_rounds None: to the answer's end, no limit (absent: not known)
             _check_numbers(numbers, f"task {task!r}, {method}: ", _max_tau(raw, method),
                            math.inf if "max_rounds" in scoring and scoring["max_rounds"] is None else
-                           scoring.get("max_rounds"))
+                           scoring.get("max_rounds"), older=(raw.get("scorer_version") or 0) < SCORER_VERSION)
     if raw.get("intervals") is not None:
         bare = [f"{task}/{m}" for task, per_method in tasks.items() for m, numbers in per_method.items()
                 if "streaks" not in numbers]
@@ -402,12 +402,15 @@ def _max_tau(raw: dict, method: str) -> int:
     return family["proposals"][str(block)] + 1
 
 
-def _check_numbers(numbers: dict, where: str, max_tau: int, max_rounds: Any = None) -> None:
+def _check_numbers(numbers: dict, where: str, max_tau: int, max_rounds: Any = None, older: bool = False) -> None:
     """One task's numbers of one method (DESIGN.md, "Aggregates per task"): tau = streak + 1 is 1 to
     `max_tau` at every anchor, so each aggregate and each live round are too; the acceptance curve holds
     shares (0 to 1) for depths 1 to max_tau - 1; and the streaks, where kept, are the ones these numbers were
-    made from (each aggregate's `check`)."""
+    made from (each aggregate's `check`). A report `older` than this scorer that keeps neither streaks nor live
+    rounds to make `pooled` from (`_upgrade`) holds none."""
     for agg in AGGREGATES:
+        if older and agg == "pooled" and agg not in numbers:
+            continue
         _check_number(numbers.get(agg), f"{where}{agg!r}", 1, max_tau)
     curve = numbers.get("curve", [])
     if not isinstance(curve, list) or len(curve) > max_tau - 1:
@@ -419,7 +422,7 @@ def _check_numbers(numbers: dict, where: str, max_tau: int, max_rounds: Any = No
         raise _bad(f"{where}'live_rounds' must be a non-empty list of taus")
     for i, tau in enumerate(rounds):
         _check_number(tau, f"{where}'live_rounds'[{i}]", 1, max_tau, integer=True)
-    _check_number(numbers.get("rounds"), f"{where}'rounds'", 1)
+    _check_number(numbers.get("rounds"), f"{where}'rounds'", 1, optional=older and "pooled" not in numbers)
     _check_number(numbers.get("anchors"), f"{where}'anchors'", 1, integer=True, optional=True)
     if "confidence_reach" in numbers:
         _check_reach(numbers["confidence_reach"], curve, where, max_tau)

@@ -127,3 +127,16 @@ def toy_report_pair(toy_cache, toy_target):
             if weight.dim() > 1:
                 weight.add_(0.3 * weight.std() * torch.randn(weight.shape, generator=noise))
     return baseline, score_drafter(worse, toy_cache, head, config, name="worse")
+
+
+def test_a_report_of_before_without_streaks_or_rounds_reads_back_without_pooled():
+    """Neither streaks nor live rounds to make pooled from: a report of before reads back with dense and live
+    alone; a report of this scorer must hold pooled."""
+    from dflash_callbacks.scoring.report import SCORER_VERSION
+
+    bare = {"drafter": "d", "cache": {"path": "x", "fingerprint": "f"}, "block_size": 8, "step": 10,
+            "tasks": {"t": {m: {"dense": 1.5, "live": 1.25, "curve": []} for m in ("vanilla", "ddtree@8")}}}
+    report = EvalReport.from_dict(bare)
+    assert report.mean == {m: {"dense": 1.5, "live": 1.25} for m in ("vanilla", "ddtree@8")}
+    with pytest.raises(ValueError, match="'pooled' is None"):
+        EvalReport.from_dict({**bare, "scorer_version": SCORER_VERSION})
