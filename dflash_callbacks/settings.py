@@ -166,7 +166,8 @@ def _path(name: str, value: Any, optional: bool = False) -> Path | None:
 
 def scoring_config(scoring: Any, device: str | None) -> ScoringConfig:
     """The caller's scoring config (a ScoringConfig, a mapping of its fields, an OmegaConf DictConfig, or
-    None), copied, never changed, with `device` applied."""
+    None), copied, never changed, with `device` applied and `costs` made absolute (a watcher started in another
+    folder reads the path run.json records)."""
     if type(scoring).__name__ == "DictConfig":
         from omegaconf import OmegaConf
 
@@ -181,7 +182,10 @@ def scoring_config(scoring: Any, device: str | None) -> ScoringConfig:
     else:
         raise TypeError(f"scoring must be a ScoringConfig, a dict (or DictConfig) of its fields or None; "
                         f"got {type(scoring).__name__}")
-    return dataclasses.replace(config, **({} if device is None else {"device": device}))  # a copy, its lists too
+    changes = {} if device is None else {"device": device}
+    if config.costs is not None:
+        changes["costs"] = os.path.abspath(config.costs)
+    return dataclasses.replace(config, **changes)  # a copy, its lists too
 
 
 @dataclass(frozen=True)

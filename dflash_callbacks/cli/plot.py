@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 
 from ..settings import StopSettings, add_arguments, given_arguments
@@ -127,7 +128,9 @@ def run_plot(args: argparse.Namespace) -> int:
     baseline, said = baseline_report(about, reports[-1], args.baseline, args.baseline_cache_dir)
     if said:
         print(f"warning: plot: {said}", file=sys.stderr, flush=True)
-    stop = None if settings is None else StopPolicy(settings)
+    with warnings.catch_warnings():  # the run said its stop's setup warnings when it trained: a replay does not
+        warnings.simplefilter("ignore")
+        stop = None if settings is None else StopPolicy(settings)
     stop_step, reason = (None, None) if stop is None or baseline is None else \
         replay_stop(reports, baseline, stop, horizon)
     title = f"run {folder.name}: live tau of ours against the baseline ({len(reports)} reports)"

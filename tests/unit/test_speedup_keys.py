@@ -57,3 +57,15 @@ def test_the_monitor_reads_tau_or_the_speedup():
     assert validate_monitor("speedup/ddtree@8:b8/dense") == "speedup/ddtree@8:b8/dense"
     with pytest.raises(ValueError, match=r"a monitor is METHOD/AGGREGATE.*or speedup/METHOD/AGGREGATE"):
         validate_monitor("speedup/ddtree@8")
+
+
+def test_a_relative_costs_path_is_made_absolute_where_the_run_was_started(tmp_path, monkeypatch):
+    """run.json records the scoring a `watch --dir` started in another folder scores with: its costs path must
+    still name the file."""
+    import os
+
+    from dflash_callbacks.settings import EvalSettings
+
+    monkeypatch.chdir(tmp_path)
+    settings = EvalSettings("cache", "target", scoring={"costs": "profiles/h200.json"})
+    assert settings.scoring.costs == os.path.join(str(tmp_path), "profiles", "h200.json")

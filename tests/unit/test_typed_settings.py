@@ -15,6 +15,7 @@ import pytest
 
 from dflash_callbacks.callbacks.eval_callback import DrafterEvalCallback
 from dflash_callbacks.callbacks.stopping import TrailingBaselineStop
+from dflash_callbacks.engine.adapter import EvalAdapter
 from dflash_callbacks.engine.stop import StopPolicy
 from dflash_callbacks.hf import DrafterEvalTrainerCallback
 from dflash_callbacks.loop import DrafterEvaluator
@@ -105,3 +106,14 @@ def test_mypy_reports_a_misspelled_setting_and_a_setting_of_the_wrong_type(tmp_p
     assert len(errors) == 2, found.stdout + found.stderr
     assert "user.py:8:" in errors[0] and '"every_n_stpes"' in errors[0], errors
     assert "user.py:9:" in errors[1] and '"patience"' in errors[1] and '"str"' in errors[1] and '"int"' in errors[1], errors
+
+
+def test_every_adapter_shows_the_run_under_the_same_names():
+    """`.run`, `.reports`, `.history`, `.metrics`, `.errors`, `.should_stop`, ...: one definition, `EvalAdapter`'s,
+    which no adapter redefines."""
+    shown = [n for n in vars(EvalAdapter) if not n.startswith("_")]
+    assert {"run", "run_id", "reports", "baseline_report", "history", "metrics", "errors", "skipped", "should_stop",
+            "stop_reason", "subscribe", "state_dict"} <= set(shown)
+    for adapter in (DrafterEvalCallback, DrafterEvaluator, DrafterEvalTrainerCallback):
+        assert issubclass(adapter, EvalAdapter)
+        assert [n for n in shown if getattr(adapter, n) is not getattr(EvalAdapter, n)] == [], adapter.__name__
