@@ -2,14 +2,14 @@
 
 On the toy world (the toy target, the toy baseline drafter, the coding10 prompts), per
 temperature T (top-p `--top-p`):
-- live: `served.live.live_runs`, `--runs` requests per prompt decoded with speculative
+- live: `served_live.live_runs` (tests/support), `--runs` requests per prompt decoded with speculative
   sampling at the served settings (argmax drafts, as vLLM's DFlash proposer), and the mean
   over requests of each one's mean tau per round, with its Monte-Carlo 95% interval (Student t);
 - offline: `score_drafter` (vanilla) on a cache of `--samples` answers per prompt sampled at
   the same settings (`extract_cache(temperature=...)`): its `live` mean (the exact estimate of
   the live loop's) and `dense` mean, with the report's 95% intervals; the whole answer is scored
   (`max_rounds` = `--max-new-tokens`), as the live loop decodes it whole;
-- teacher-forced: `served.teacher_forced.teacher_forced_tau` along the greedy coding10 cache,
+- teacher-forced: `teacher_forced.teacher_forced_tau` (tests/support) along the greedy coding10 cache,
   1 + sum_k prod_{j<=k} (1 - TV(p_j, q_j)), the approximation trainers log;
 - with `--sample-rule`, also the live loop with drafts drawn from the drafter's tempered
   distribution (the draft rule 1 - TV is the acceptance chance of), to split the teacher-forced
@@ -46,8 +46,10 @@ from dflash_callbacks.demos.toy.world import (
 )
 from dflash_callbacks.scoring.config import ScoringConfig
 from dflash_callbacks.scoring.scorer import score_drafter
-from dflash_callbacks.served.live import live_runs, live_tau
-from dflash_callbacks.served.teacher_forced import teacher_forced_tau
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))  # the live loop: a test oracle
+from served_live import live_runs, live_tau  # noqa: E402
+from teacher_forced import teacher_forced_tau  # noqa: E402
 
 
 def toy_drafter(args: argparse.Namespace):
@@ -55,6 +57,13 @@ def toy_drafter(args: argparse.Namespace):
         return load_drafter(toy_baseline_path())
     training = build_toy_training_cache(args.out / "dflash2-train-64x128", n_sequences=64, seq_len=128, progress=False)
     return toy_dflash2_drafter(training.path, steps=args.dflash2_steps)
+
+
+def live_se(runs) -> float:
+    """The Monte-Carlo standard error of the live loop's mean (`live_tau`'s statistic)."""
+    values = [sum(r.taus) / len(r.taus) for r in runs if r.taus]
+    mean = sum(values) / len(values)
+    return (sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values)) ** 0.5
 
 
 def row(T: float, args: argparse.Namespace, drafter) -> dict:
@@ -72,10 +81,15 @@ def row(T: float, args: argparse.Namespace, drafter) -> dict:
                           "coding10", TOY_LAYER_IDS, max_new_tokens=args.max_new_tokens, progress=False,
                           temperature=T, top_p=args.top_p if T > 0 else 1.0, samples=args.samples if T > 0 else 1,
                           seed=args.seed + 1)
-    config = ScoringConfig(ddtree_budgets=[], device="cpu", max_rounds=args.max_new_tokens)
+    config = ScoringConfig(ddtree_budgets=[], device="cpu")  # the whole answer, as the live loop decodes it
     report = score_drafter(drafter, cache, TargetHead.from_pretrained(target), config)
     offline_s = time.perf_counter() - started
     mean, interval = report.mean["vanilla"], report.intervals["mean"]["vanilla"]
+    coins = score_drafter(drafter, cache, TargetHead.from_pretrained(target), replace(config, estimators="coins"))
+    coins_mean, coins_interval = coins.mean["vanilla"], coins.intervals["mean"]["vanilla"]
+    before = score_drafter(drafter, cache, TargetHead.from_pretrained(target),  # the defaults before issue 35
+                           replace(config, estimators="coins", max_rounds=30))
+    before_mean, before_interval = before.mean["vanilla"], before.intervals["mean"]["vanilla"]
 
     forced = None
     if args.family == "dflash":
@@ -94,6 +108,13 @@ def row(T: float, args: argparse.Namespace, drafter) -> dict:
         "sample_rule": sample_rule, "offline_sample_rule": offline_sample_rule,
         "temperature": T, "top_p": args.top_p, "live": list(live), "offline_live": [mean["live"], *interval["live"]],
         "offline_dense": [mean["dense"], *interval["dense"]], "teacher_forced": forced,
+        "estimators": report.estimators, "coins_estimators": coins.estimators,
+        "coins_live": [coins_mean["live"], *coins_interval["live"]],
+        "coins_dense": [coins_mean["dense"], *coins_interval["dense"]],
+        "live_mc_se": live_se(runs),
+        "before_live": [before_mean["live"], *before_interval["live"]],
+        "before_dense": [before_mean["dense"], *before_interval["dense"]],
+        "pooled": [mean["pooled"], *interval["pooled"]], "coins_pooled": [coins_mean["pooled"], *coins_interval["pooled"]],
         "rounds": sum(len(r.taus) for r in runs), "live_runs": len(runs), "offline_tasks": len(cache),
         "prompts": 10, "live_seconds": live_s, "offline_seconds": offline_s,
         "live_inside_offline": interval["live"][0] <= live[0] <= interval["live"][1],

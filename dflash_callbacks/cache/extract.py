@@ -43,7 +43,7 @@ from .format import (
     open_for_writing,
     write_task,
 )
-from .sampling import Sampling, served_logprobs
+from .sampling import Sampling, served_logprobs, served_support
 from .tasks import Task, load_tasks, task_name_problem
 
 log = logging.getLogger(__name__)
@@ -187,15 +187,17 @@ def crop_cache(kv: DynamicCache, length: int) -> None:
 
 @torch.no_grad()
 def sampled_generate(model, input_ids: torch.Tensor, sampling: Sampling, generators: Sequence[torch.Generator],
-                     max_new_tokens: int, eos: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                     max_new_tokens: int, eos: list[int]) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
     """One answer per generator to the prompt `input_ids` [1, P], drawn from the served
     distribution with that generator (KV cache; all answers side by side, until each has
     reached EOS or `max_new_tokens`): (tokens [n, P + m], served log-probability of each
-    drawn token [n, m] float32). Rows that ended early go on past their EOS; cut them there."""
+    drawn token [n, m] float32, the served distribution's support at each drawn token (`served_support`:
+    ids [n, m, S], probs [n, m, S], dropped [n, m])). Rows that ended early go on past their EOS; cut them
+    there."""
     n = len(generators)
     ids = input_ids.expand(n, -1)
     cache_arg, kv = cache_argument(model), DynamicCache()
-    tokens, logprobs = [], []
+    tokens, logprobs, supports = [], [], []
     ended = torch.zeros(n, dtype=torch.bool, device=ids.device)
     eos_ids = torch.tensor(eos, dtype=torch.long, device=ids.device)
     step_ids = ids
@@ -206,10 +208,12 @@ def sampled_generate(model, input_ids: torch.Tensor, sampling: Sampling, generat
         step_ids = drawn.to(ids.device)[:, None]
         tokens.append(step_ids)
         logprobs.append(served.gather(1, step_ids))
+        supports.append(served_support(served))
         ended |= torch.isin(step_ids[:, 0], eos_ids)
         if bool(ended.all()):
             break
-    return torch.cat([ids, *tokens], dim=1), torch.cat(logprobs, dim=1).float()
+    support = tuple(torch.stack(parts, dim=1).cpu() for parts in zip(*supports))
+    return torch.cat([ids, *tokens], dim=1), torch.cat(logprobs, dim=1).float(), support
 
 
 def answer_length(tokens: torch.Tensor, prompt_len: int, eos: list[int]) -> int:
@@ -306,14 +310,18 @@ def extract_cache(
             log.info("%s: extracted %d prompt + %d completion tokens", task.name, prompt_len, ids.shape[1] - prompt_len)
             continue
         generators = [sampling.generator(task.name, i) for i in range(sampling.samples)]  # all: the same batch each run
-        ids, logprobs = sampled_generate(model, prompt_ids, sampling, generators, max_new_tokens, eos)
+        ids, logprobs, (support_ids, support_probs, _) = sampled_generate(model, prompt_ids, sampling, generators,
+                                                                           max_new_tokens, eos)
         hidden = target_hidden_states(model, ids, layer_ids)  # causal: a row's answer ignores what follows its EOS
         names = sampling.answer_names(task.name)
         for i in todo[task.name]:
             length = answer_length(ids[i], prompt_len, eos)
             logprob = torch.cat([torch.zeros(prompt_len), logprobs[i, : length - prompt_len].cpu()])
+            width = support_ids.shape[-1]
+            support = (torch.cat([torch.full((prompt_len, width), -1, dtype=torch.int32), support_ids[i, : length - prompt_len]]),
+                       torch.cat([torch.zeros(prompt_len, width), support_probs[i, : length - prompt_len]]))
             write_task(out, names[i], ids[i, :length].cpu(), hidden[i, :length].cpu(), prompt_len, prompt=task.prompt,
-                       target_logprob=logprob, sample=i)
+                       target_logprob=logprob, sample=i, support=support)
             log.info("%s: sampled %d prompt + %d completion tokens", names[i], prompt_len, length - prompt_len)
     return HiddenStateCache(out)
 

@@ -18,6 +18,12 @@
                         target_logprob [T] float32 (sampled caches only): the log-probability
                         of each completion token under the served distribution it was drawn
                         from (`sampling.served_logprobs`); 0 at prompt positions
+                        support_ids [T, S] int32, support_probs [T, S] float32 (sampled caches
+                        from scorer version 6 on): the served distribution each completion token
+                        was drawn from, its S most probable tokens (`sampling.served_support`,
+                        S = SUPPORT_SIZE), -1 and 0 past its support and in the prompt; the
+                        manifest entry's "support": {"size": S, "dropped": the largest mass past
+                        the bound at any position}
 
 A sampled cache holds `samples` answers per prompt, each a task: the prompt's name for one
 answer, else `name.s0`, `name.s1`, ... (`Sampling.answer_names`).
@@ -85,6 +91,11 @@ class CacheTask:
     input_ids: torch.Tensor
     hidden: torch.Tensor
     target_logprob: torch.Tensor | None = None
+    support_ids: torch.Tensor | None = None
+    """int32 [T, S] (a sampled cache that keeps the served support, else None): the served distribution's
+    most probable tokens at each position, -1 past its support and in the prompt."""
+    support_probs: torch.Tensor | None = None
+    """float32 [T, S]: their probabilities, 0 where the id is -1."""
 
     @property
     def num_tokens(self) -> int:
@@ -175,6 +186,12 @@ def validate_manifest(raw: Any, where: str) -> dict:
         num_bytes = _field(task, "num_bytes", "int", at)
         sha = _field(task, "sha256", "str", at)
         _field(task, "prompt", "str", at, required=False)
+        support = task.get("support")
+        if support is not None and (sampling is None or not isinstance(support, dict) or not isinstance(
+                support.get("size"), int) or support["size"] < 1 or not isinstance(support.get("dropped"), (int, float))
+                or not 0 <= support["dropped"] <= 1):
+            raise CacheError(f"{at}: 'support' must be {{\"size\": S >= 1, \"dropped\": a mass 0..1}} in a sampled "
+                             f"cache; got {support!r}")
         sample = _field(task, "sample", "int", at, required=sampling is not None)
         if sampling is None and sample is not None:
             raise CacheError(f"{at}: a greedy cache (no 'sampling') has no sampled answers, but the task records "
@@ -319,10 +336,12 @@ def write_task(
     prompt: str | None = None,
     target_logprob: torch.Tensor | None = None,
     sample: int | None = None,
+    support: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> dict:
     """Store one task in a cache opened with `open_for_writing`: the file first (atomic),
     then the manifest entry (replacing one of the same name; atomic). Returns the entry.
-    A sampled cache's task also takes its `target_logprob` [T] and which `sample` of its prompt it is."""
+    A sampled cache's task also takes its `target_logprob` [T] and which `sample` of its prompt it is, and may
+    take the served distribution's `support` (ids int32 [T, S], probs float32 [T, S])."""
     folder = Path(folder)
     manifest = read_manifest(folder)
     target = manifest["target"]
@@ -347,9 +366,19 @@ def write_task(
         raise ValueError(f"{name}: target_logprob must be float32 [{num_tokens}], got {target_logprob.dtype} "
                          f"{list(target_logprob.shape)}")
 
+    if support is not None and not sampled:
+        raise ValueError(f"{name}: a greedy cache's task takes no support")
+    if support is not None:
+        ids, probs = support
+        if ids.dtype != torch.int32 or probs.dtype != torch.float32 or ids.ndim != 2 or ids.shape != probs.shape \
+                or ids.shape[0] != num_tokens:
+            raise ValueError(f"{name}: support must be (int32 [{num_tokens}, S], float32 [{num_tokens}, S]), got "
+                             f"({ids.dtype} {list(ids.shape)}, {probs.dtype} {list(probs.shape)})")
     tensors = {"input_ids": input_ids.to(torch.int64).cpu().contiguous(), "hidden": hidden.cpu().contiguous()}
     if target_logprob is not None:
         tensors["target_logprob"] = target_logprob.cpu().contiguous()
+    if support is not None:
+        tensors["support_ids"], tensors["support_probs"] = (t.cpu().contiguous() for t in support)
     data = safetensors_bytes(tensors, metadata={"task": name})  # one key: byte-identical on every write
     file = f"{name}.safetensors"
     atomic_write(folder / file, data)
@@ -366,6 +395,9 @@ def write_task(
         entry["prompt"] = prompt
     if sample is not None:
         entry["sample"] = int(sample)
+    if support is not None:
+        dropped = (1 - support[1][prompt_len:].double().sum(-1)).clamp(min=0)
+        entry["support"] = {"size": int(support[0].shape[1]), "dropped": float(dropped.max()) if len(dropped) else 0.0}
     others = [t for t in manifest["tasks"] if t["name"] != name]
     if len(others) == len(manifest["tasks"]):
         manifest["tasks"].append(entry)
@@ -473,6 +505,7 @@ class HiddenStateCache:
                                      "was edited or files were swapped; re-extract these tasks")
                 input_ids, hidden = f.get_tensor("input_ids"), f.get_tensor("hidden")
                 logprob = f.get_tensor("target_logprob") if self.sampling else None
+                support = (f.get_tensor("support_ids"), f.get_tensor("support_probs")) if "support" in entry else None
         except SafetensorError as e:
             raise CacheError(f"task {name!r}: file {path} is not a readable safetensors file (truncated or corrupt?): {e}") from e
         width = len(self.layer_ids) * self.hidden_size
@@ -488,6 +521,18 @@ class HiddenStateCache:
         if logprob is not None and (logprob.dtype != torch.float32 or tuple(logprob.shape) != (T,)):
             raise CacheError(f"task {name!r}: {path} target_logprob is {logprob.dtype} {list(logprob.shape)}, "
                              f"expected float32 [{T}]")
+        if support is not None:
+            ids, probs = support
+            S = entry["support"]["size"]
+            if ids.dtype != torch.int32 or probs.dtype != torch.float32 or tuple(ids.shape) != (T, S) \
+                    or tuple(probs.shape) != (T, S):
+                raise CacheError(f"task {name!r}: {path} support is {ids.dtype} {list(ids.shape)}, {probs.dtype} "
+                                 f"{list(probs.shape)}, expected int32 and float32 [{T}, {S}]")
+            if first_read and not (bool(((ids >= -1) & (ids < self.vocab_size)).all())
+                                   and bool(((probs >= 0) & (probs <= 1) & ((ids >= 0) | (probs == 0))).all())
+                                   and bool((probs.double().sum(-1) <= 1 + 1e-4).all())):
+                raise CacheError(f"task {name!r}: {path} support holds ids outside [-1, {self.vocab_size}) or "
+                                 "probabilities that are not a distribution's; re-extract this task")
         if first_read:
             bad = int((~torch.isfinite(hidden)).any(dim=-1).sum())
             if bad:
@@ -498,7 +543,8 @@ class HiddenStateCache:
                                  "(<= 0); re-extract this task")
             self._verified.add(name)
         return CacheTask(name=name, prompt_len=entry["prompt_len"], input_ids=input_ids, hidden=hidden,
-                         target_logprob=logprob)
+                         target_logprob=logprob, support_ids=None if support is None else support[0],
+                         support_probs=None if support is None else support[1])
 
     def tasks(self):
         """Every task, in manifest order (one at a time, so memory holds one task)."""

@@ -1,7 +1,7 @@
 """The sampling settings a request is served at, and the distribution they give.
 
 `Sampling` is what a sampled cache records (manifest `"sampling"`) and what the live loop
-(`served.live`) decodes at: temperature (0: greedy), top-p (1: off), top-k (0: off), and,
+(`tests/support/served_live.py`) decodes at: temperature (0: greedy), top-p (1: off), top-k (0: off), and,
 for a cache, the answers drawn per prompt and the seed they are drawn from.
 
 `served_logprobs` is the target's served distribution, in the order vLLM applies it: the
@@ -28,6 +28,9 @@ if TYPE_CHECKING:  # torch is imported where it is used: the settings and their 
     import torch
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "samples", "seed")
+SUPPORT_SIZE = 64
+"""The most tokens of the served distribution a sampled cache keeps per position (`served_support`): the
+nucleus of top-p sampling is small; the mass past the bound is recorded (`support_dropped`)."""
 
 
 def sampling_problems(temperature: Any, top_p: Any, top_k: Any, samples: Any, seed: Any) -> list[str]:
@@ -114,3 +117,23 @@ def served_logprobs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         drop[..., 0] = False
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), -math.inf)
     return logits.log_softmax(dim=-1)
+
+
+def served_support(served: torch.Tensor, size: int = SUPPORT_SIZE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The served distribution's support from its log-probabilities `served` [..., V] (`served_logprobs`): its
+    `size` most probable tokens, (ids int32 [..., size], -1 past the support; probs float32 [..., size], 0 there;
+    dropped float32 [...], the mass of the tokens past the bound, 0 where the support fits)."""
+    import torch
+
+    k = min(size, served.shape[-1])
+    logp, ids = served.float().sort(dim=-1, descending=True, stable=True)  # descending, ties to the lower id
+    logp, ids = logp[..., :k], ids[..., :k]
+    probs = logp.exp()
+    inside = probs > 0
+    ids = torch.where(inside, ids, -1).to(torch.int32)
+    probs = torch.where(inside, probs, 0.0)
+    if k < size:
+        pad = (*probs.shape[:-1], size - k)
+        ids, probs = torch.cat([ids, ids.new_full(pad, -1)], -1), torch.cat([probs, probs.new_zeros(pad)], -1)
+    dropped = (1 - probs.double().sum(-1)).clamp(min=0).float()
+    return ids, probs, dropped

@@ -23,10 +23,15 @@ stack runs it; three name a stack and read the config as it does:
   (or DFlash 2) folder is mapped to `dflash_config.causal = not sliding_window_non_causal`
   (absent: true, so bidirectional), which overrides EVERY layer, full layers included;
   otherwise `is_causal` / `dflash_config.causal` override every layer, else sliding layers
-  are causal and full ones bidirectional; the window counted back from each query.
+  are causal and full ones bidirectional; the window counted back from each query. A layer that
+  declares no window (a full layer) is built with `per_layer_sliding_window=None`, and vLLM's
+  `Attention` then takes the engine's model-level window, `cache_config.sliding_window`: the
+  target's window where every target layer slides (`vllm_model_window`; the toy target's 64), else
+  none. `resolve_attention(..., target_window=)` gives it to those layers.
 - "sglang": as SGLang resolves it: an explicit `is_causal` for every layer (SGLang reads no
   `dflash_config.causal` and no `sliding_window_non_causal`), else sliding layers causal
-  and full ones bidirectional; the window counted back from each query.
+  and full ones bidirectional; the window counted back from each query. SGLang builds a full
+  layer with no window (`sliding_window_size=-1`), whatever the target's: the config as written.
 - "trained": the pattern the checkpoint's trainer trained it under: the family's own where it
   names one (JetSpec: every layer causal in the block, `families.jetspec.trained_attention`); else a
   speculators folder under speculators' mask (the window anchored at the block's anchor; sliding layers causal
@@ -43,7 +48,7 @@ from . import families
 from .config import DrafterConfig
 
 RULES = {
-    "auto": "as vLLM serves the drafter: the config's is_causal or dflash_config.causal; else speculators' "
+    "auto": "as vLLM serves the drafter on a target without a model-level window (the config as written): the config's is_causal or dflash_config.causal; else speculators' "
             "sliding_window_non_causal for sliding layers; else sliding layers causal, full layers bidirectional; "
             "the window counted back from each query",
     "causal": "sliding layers causal, full layers bidirectional; the window counted back from each query "
@@ -58,7 +63,8 @@ RULES = {
                  "spec_generate under sdpa or eager)",
     "vllm": "as vLLM resolves the config: a speculators folder's sliding_window_non_causal (absent: true) sets "
             "every layer, full layers included; else is_causal / dflash_config.causal every layer; else sliding "
-            "layers causal, full layers bidirectional; the window counted back from each query",
+            "layers causal, full layers bidirectional; the window counted back from each query, and a layer "
+            "without a window of its own given the target's model-level window (vLLM's cache_config.sliding_window)",
     "sglang": "as SGLang resolves the config: is_causal every layer; else sliding layers causal, full layers "
               "bidirectional; the window counted back from each query",
     "trained": "as the checkpoint's trainer trained it: the family's own pattern where it names one (JetSpec: every "
@@ -89,8 +95,30 @@ class LayerAttention:
         return f"{inside}, window {self.window} from the {where}"
 
 
-def resolve_attention(config: DrafterConfig, rule: str = "auto") -> list[LayerAttention]:
-    """The pattern of every layer of a drafter of `config` under `rule` (one of RULES)."""
+def vllm_model_window(target_config: dict) -> int | None:
+    """The window vLLM's engine gives every drafter layer that declares none (`cache_config.sliding_window`,
+    docs/numbers.md cites the code), from the target's config.json (its `text_config` where it has one): the
+    target's `sliding_window` when its `layer_types` are absent or all sliding, else None; None too for a
+    window of 0 or null, and for a Qwen-style `use_sliding_window: false` (transformers then drops the window).
+    Layer types a Qwen config leaves out are derived as transformers does (sliding from `max_window_layers`
+    on). vLLM started with `--disable-sliding-window` applies none; this library does not see that flag."""
+    text = target_config.get("text_config") if isinstance(target_config.get("text_config"), dict) else target_config
+    window = text.get("sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1 or text.get("use_sliding_window") is False:
+        return None
+    layer_types = text.get("layer_types")
+    layers = text.get("num_hidden_layers")
+    if layer_types is None and "use_sliding_window" in text and isinstance(layers, int):
+        first = text.get("max_window_layers", 28)  # transformers' Qwen2/Qwen3 configs derive the layer types
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    if layer_types is not None and not all(kind == "sliding_attention" for kind in layer_types):
+        return None
+    return window
+
+
+def resolve_attention(config: DrafterConfig, rule: str = "auto", target_window: int | None = None) -> list[LayerAttention]:
+    """The pattern of every layer of a drafter of `config` under `rule` (one of RULES); under "vllm", a layer
+    without a window of its own takes `target_window` (the engine's, `vllm_model_window`)."""
     if rule not in RULES:
         raise ValueError(f"attention rule {rule!r} is not one of {list(RULES)}")
     if rule == "trained":
@@ -100,6 +128,8 @@ def resolve_attention(config: DrafterConfig, rule: str = "auto") -> list[LayerAt
     for kind in config.layer_types:
         sliding = kind == "sliding_attention"
         window = config.sliding_window if sliding and rule != "no-window" else None
+        if window is None and rule == "vllm":
+            window = target_window
         if override is not None:
             causal = override
         elif rule == "auto" and sliding and config.sliding_window_non_causal is not None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .attention import vllm_model_window
 from .io import INDEX_FILE, open_safetensors, read_weight_map, safetensors_files
 
 EMBED_KEYS = (
@@ -84,6 +85,7 @@ class TargetHead(nn.Module):
         self.lm_head.weight = nn.Parameter(lm_head_weight, requires_grad=False)
         self.source: str | None = None
         self.fingerprint: str | None = None  # head_fingerprint of the folder it was read from
+        self.model_window: int | None = None  # the window vLLM gives a drafter layer without one (attention.py)
 
     @property
     def vocab_size(self) -> int:
@@ -112,6 +114,7 @@ class TargetHead(nn.Module):
         head = cls(embed, head_weight)
         head.source = str(folder)
         head.fingerprint = head_fingerprint(folder)
+        head.model_window = vllm_model_window(read_target_config(folder))
         return head.eval()
 
 

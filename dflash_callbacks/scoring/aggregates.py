@@ -10,8 +10,14 @@ logged keys, the monitors and the watchers iterate over the registry.
 
 - `dense`: mean tau over all scored anchors.
 - `live`: the schedule live speculative decoding follows on the target's text: a0 = first_anchor,
-  a <- a + streak(a) + 1, until a leaves the scored anchors or `max_rounds` rounds are done; the
-  mean tau of those rounds (`live_rounds`).
+  a <- a + streak(a) + 1, until a leaves the scored anchors (the answer's end) or, where set, `max_rounds`
+  rounds are done; the mean tau of those rounds (`live_rounds`).
+- `pooled`: the number a serving engine prints, vLLM's "Mean acceptance length", 1 + accepted / drafts
+  summed over every round of every answer: the whole live schedule of each task (never cut at
+  `max_rounds`; its last round ends at the answer's end, as a streak never counts a label past the
+  text), pooled over the tasks. A task's own number is its schedule's mean tau and its weight its count of
+  rounds (`rounds`), so the run-level number is sum(taus) / sum(rounds) over every task
+  (`Aggregate.run_level`), where `dense` and `live` weigh each task the same.
 
 Where the drafter's proposal is sampled (DFlash 2's selector walk at T > 0, a probabilistic draft
 rule), a slot's acceptance given the served text is a coin, not a fact: a method's `Streaks` then
@@ -66,6 +72,9 @@ class Streaks:
 
     drawn: np.ndarray
     expected: np.ndarray | None = None
+    visits: np.ndarray | None = None
+    """float64 [n] how often the live schedule takes each anchor in expectation over the acceptance coins, on a
+    cache that keeps the served support (`acceptance.expected_visits`; None: the schedule runs along `drawn`)."""
 
     @classmethod
     def of(cls, streaks) -> Streaks:
@@ -83,22 +92,23 @@ def dense_tau(streaks) -> float:
     return float((_check_streaks(streaks).astype(np.float64) + 1.0).mean())
 
 
-def live_rounds(streaks, first_anchor: int, max_rounds: int) -> list[int]:
+def live_rounds(streaks, first_anchor: int, max_rounds: int | None = None) -> list[int]:
     """The tau of each round of the live schedule starting at `first_anchor`: `streaks[a - first_anchor]`
     is the streak at anchor a. Rounds stop when the next anchor is past the last scored one, or after
-    `max_rounds` (>= 1) rounds."""
+    `max_rounds` (>= 1; None: no limit) rounds."""
     values = _check_streaks(streaks).tolist()
     check_int("first_anchor", first_anchor, 0)
-    check_int("max_rounds", max_rounds, 1)
+    check_int("max_rounds", max_rounds, 1, optional=True)
+    limit = len(values) if max_rounds is None else max_rounds
     taus, anchor = [], first_anchor
-    while anchor - first_anchor < len(values) and len(taus) < max_rounds:
+    while anchor - first_anchor < len(values) and len(taus) < limit:
         tau = values[anchor - first_anchor] + 1
         taus.append(tau)
         anchor += tau
     return taus
 
 
-def live_tau(streaks, first_anchor: int, max_rounds: int) -> float:
+def live_tau(streaks, first_anchor: int, max_rounds: int | None = None) -> float:
     """Mean tau over the rounds of `live_rounds` (at least one round always runs)."""
     taus = live_rounds(streaks, first_anchor, max_rounds)
     return sum(taus) / len(taus)
@@ -116,25 +126,52 @@ LIVE_BLOCKS = 3
 """A task's live rounds are resampled in at least this many blocks of text (`Aggregate.series`)."""
 
 
+def schedule(streaks: Streaks) -> tuple[np.ndarray, np.ndarray]:
+    """The whole live schedule of a task, anchor by anchor: (visits [n], taus [n]) float64, visits[i] how often
+    the schedule takes anchor first_anchor + i as a round's anchor (1 or 0 along the drawn streaks) and taus[i]
+    the tau it counts there. `pooled` is sum(visits * taus) / sum(visits). Where the streaks carry expected
+    visits (the conditional estimators), those and the expected taus."""
+    if streaks.visits is not None:
+        return streaks.visits, streaks.mean_streaks + 1.0
+    drawn = streaks.drawn
+    visits = np.zeros(drawn.size)
+    anchor = 0
+    while anchor < drawn.size:
+        visits[anchor] = 1.0
+        anchor += int(drawn[anchor]) + 1
+    return visits, drawn.astype(np.float64) + 1.0
+
+
 @dataclass(frozen=True)
 class Aggregate:
     name: str
     help: str
-    value: Callable[[Streaks, int, int], float]
+    value: Callable[[Streaks, int, int | None], float]
     """(streaks, first_anchor, max_rounds) -> the task's number."""
-    series: Callable[[np.ndarray, list[np.ndarray], int], tuple[int, np.ndarray, np.ndarray]]
-    """(taus [A, n] of A arms scored on the same anchors (the expected taus where a draft is sampled), each
-    arm's live rounds, the block length the dense taus ask for) -> (its block length, values [A, m], counts
-    [A, m]): the intervals resample blocks of these positions, a task's mean being sum(values) / sum(counts)."""
-    check: Callable[[dict, Streaks, int | None], str | None]
-    """(a task's stored numbers of one method, its streaks, max_rounds) -> why they do not follow, or None."""
+    series: Callable[[np.ndarray, list[tuple[dict, Streaks]], int], tuple[int, np.ndarray, np.ndarray]]
+    """(taus [A, n] of A arms scored on the same anchors (the expected taus where a draft is sampled), each arm's
+    (stored numbers of the task, streaks), the block length the dense taus ask for) -> (its block length, values
+    [A, m], counts [A, m]): the intervals resample blocks of these positions, a task's mean being sum(values) /
+    sum(counts)."""
+    check: Callable[[dict, Streaks, float | None], str | None]
+    """(a task's stored numbers of one method, its streaks, max_rounds: an int, math.inf for none (to the answer's
+    end), None where not known) -> why they do not follow, or None."""
+    weight: str | None = None
+    """The task field that weighs a task in the run-level number, sum(weight * value) / sum(weight) (the series'
+    sums pooled over tasks, what the intervals then resample); None: every task weighs the same."""
+
+    def run_level(self, numbers: list[dict]) -> float:
+        """The run-level number from each task's stored numbers of one method."""
+        if self.weight is None:
+            return sum(n[self.name] for n in numbers) / len(numbers)
+        return sum(n[self.weight] * n[self.name] for n in numbers) / sum(n[self.weight] for n in numbers)
 
 
-def _dense_series(taus: np.ndarray, rounds: list[np.ndarray], length: int) -> tuple[int, np.ndarray, np.ndarray]:
+def _dense_series(taus: np.ndarray, arms: list[tuple[dict, Streaks]], length: int) -> tuple[int, np.ndarray, np.ndarray]:
     return length, taus, np.ones_like(taus)
 
 
-def _live_series(taus: np.ndarray, rounds: list[np.ndarray], length: int) -> tuple[int, np.ndarray, np.ndarray]:
+def _round_series(taus: np.ndarray, rounds: list[np.ndarray], length: int) -> tuple[int, np.ndarray, np.ndarray]:
     """Each round's tau at the position where it starts: the rounds of two drafters are paired by where they
     are in the text, and a resample takes the rounds that start in its blocks. The block is the dense one
     (the text's dependence, in positions), cut so that the positions the rounds span hold LIVE_BLOCKS."""
@@ -146,12 +183,40 @@ def _live_series(taus: np.ndarray, rounds: list[np.ndarray], length: int) -> tup
     return max(1, min(length, span // LIVE_BLOCKS)), values[:, :span], counts[:, :span]
 
 
-def _dense_value(streaks: Streaks, first_anchor: int, max_rounds: int) -> float:
+def _live_series(taus: np.ndarray, arms: list[tuple[dict, Streaks]], length: int) -> tuple[int, np.ndarray, np.ndarray]:
+    if any(streaks.visits is not None for _, streaks in arms):  # the expected schedule: pooled's series
+        return _pooled_series(taus, arms, length)
+    return _round_series(taus, [np.asarray(n["live_rounds"], dtype=np.float64) for n, _ in arms], length)
+
+
+def _pooled_series(taus: np.ndarray, arms: list[tuple[dict, Streaks]], length: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """The whole schedule's visits and taus at each anchor (`schedule`), over the anchors it spans."""
+    found = [schedule(streaks) for _, streaks in arms]
+    values, counts = np.stack([v * t for v, t in found]), np.stack([v for v, _ in found])
+    ends = [int(np.ceil(i + t[i])) for v, t in found for i in np.flatnonzero(v)[-1:]]  # past each last round
+    span = max(1, min(taus.shape[1], max(ends)))
+    return max(1, min(length, span // LIVE_BLOCKS)), values[:, :span], counts[:, :span]
+
+
+def _dense_value(streaks: Streaks, first_anchor: int, max_rounds: int | None) -> float:
     return float(streaks.mean_streaks.mean()) + 1.0
 
 
-def _live_value(streaks: Streaks, first_anchor: int, max_rounds: int) -> float:
+def _live_value(streaks: Streaks, first_anchor: int, max_rounds: int | None) -> float:
+    if streaks.visits is not None:  # the expected schedule to the answer's end (the scorer keeps none with max_rounds)
+        return pooled_numbers(streaks)[0]
     return live_tau(streaks.drawn, first_anchor, max_rounds)
+
+
+def pooled_numbers(streaks: Streaks) -> tuple[float, float]:
+    """(the task's pooled number, its weight `rounds`): the whole schedule's mean tau and its count of rounds."""
+    visits, taus = schedule(streaks)
+    rounds = float(visits.sum())
+    return float((visits * taus).sum()) / rounds, rounds
+
+
+def _pooled_value(streaks: Streaks, first_anchor: int, max_rounds: int | None) -> float:
+    return pooled_numbers(streaks)[0]
 
 
 def _check_dense(numbers: dict, streaks: Streaks, max_rounds: int | None) -> str | None:
@@ -163,6 +228,7 @@ def _check_dense(numbers: dict, streaks: Streaks, max_rounds: int | None) -> str
 
 
 def _check_live(numbers: dict, streaks: Streaks, max_rounds: int | None) -> str | None:
+    kept, streaks_visits = streaks, streaks.visits
     rounds, anchor, streaks = numbers.get("live_rounds", []), 0, streaks.drawn
     for i, tau in enumerate(rounds):
         if anchor >= len(streaks) or tau != streaks[anchor] + 1:
@@ -170,10 +236,24 @@ def _check_live(numbers: dict, streaks: Streaks, max_rounds: int | None) -> str 
                     + ("has ended there" if anchor >= len(streaks) else f"gives {int(streaks[anchor]) + 1}"))
         anchor += tau
     if max_rounds is not None and (len(rounds) > max_rounds or (anchor < len(streaks) and len(rounds) < max_rounds)):
-        return (f"'live_rounds' holds {len(rounds)} rounds; the live schedule over the streaks, at most "
-                f"max_rounds={max_rounds}, has {'fewer' if len(rounds) > max_rounds else 'more'}")
-    if rounds and not math.isclose(numbers["live"], sum(rounds) / len(rounds), rel_tol=1e-9):
+        limit = "to the answer's end" if max_rounds == math.inf else f"at most max_rounds={max_rounds}"
+        return (f"'live_rounds' holds {len(rounds)} rounds; the live schedule over the streaks, {limit}, "
+                f"has {'fewer' if len(rounds) > max_rounds else 'more'}")
+    if streaks_visits is not None:
+        expected = pooled_numbers(kept)[0]
+        if not math.isclose(numbers["live"], expected, rel_tol=1e-9):
+            return f"'live' is {numbers['live']!r}; the expected live schedule's mean tau is {expected!r}"
+    elif rounds and not math.isclose(numbers["live"], sum(rounds) / len(rounds), rel_tol=1e-9):
         return f"'live' is {numbers['live']!r}; the mean of 'live_rounds' is {sum(rounds) / len(rounds)!r}"
+    return None
+
+
+def _check_pooled(numbers: dict, streaks: Streaks, max_rounds: int | None) -> str | None:
+    value, rounds = pooled_numbers(streaks)
+    if not math.isclose(numbers.get("rounds", math.nan), rounds, rel_tol=1e-9):
+        return f"'rounds' is {numbers.get('rounds')!r}; the whole live schedule over the streaks has {rounds!r}"
+    if not math.isclose(numbers["pooled"], value, rel_tol=1e-9):
+        return f"'pooled' is {numbers['pooled']!r}; the whole live schedule's mean tau is {value!r}"
     return None
 
 
@@ -182,7 +262,18 @@ AGGREGATES: dict[str, Aggregate] = {a.name: a for a in (
               _dense_value, _dense_series, _check_dense),
     Aggregate("live", "mean tau of the rounds live speculative decoding runs along the text (a seeded draw of the "
                       "acceptance coins where the draft is sampled)", _live_value, _live_series, _check_live),
+    Aggregate("pooled", "the number vLLM prints as its mean acceptance length: 1 + accepted / drafts over every "
+                        "round of every answer (the whole live schedule of each task, pooled over the tasks)",
+              _pooled_value, _pooled_series, _check_pooled, weight="rounds"),
 )}
+
+
+def task_numbers(streaks: Streaks, first_anchor: int, max_rounds: int | None) -> dict:
+    """Every aggregate of one task and method, its live rounds and the pooled weight (`rounds`), as a report
+    keeps them (without the curve and the encoded streaks)."""
+    out = {name: aggregate.value(streaks, first_anchor, max_rounds) for name, aggregate in AGGREGATES.items()}
+    out.update(live_rounds=live_rounds(streaks.drawn, first_anchor, max_rounds), rounds=pooled_numbers(streaks)[1])
+    return out
 
 
 # ------------------------------------------------------------------ the streaks as a report keeps them
@@ -249,7 +340,8 @@ def decode_expected(text: str, max_tau: int) -> np.ndarray:
 
 
 def task_streaks(numbers: dict, max_tau: int) -> Streaks:
-    """The Streaks a report keeps for one task and method (`streaks`, and `expected` where the draft is sampled);
+    """The Streaks a report keeps for one task and method (`streaks`, `expected` where the draft is sampled or the
+    cache keeps the served support, and `visits` there, in thousandths as `encode_expected` keeps them);
     ValueError naming the field that is not what it must be."""
     try:
         drawn = decode_streaks(numbers["streaks"], max_tau)
@@ -263,4 +355,13 @@ def task_streaks(numbers: dict, max_tau: int) -> Streaks:
         raise ValueError(f"'expected' {e}") from None
     if len(expected) != len(drawn):
         raise ValueError(f"'expected' holds {len(expected)} anchors; 'streaks' holds {len(drawn)}")
-    return Streaks(drawn, expected)
+    if "visits" not in numbers:
+        return Streaks(drawn, expected)
+    try:
+        visits = decode_expected(numbers["visits"], 2)
+    except ValueError as e:
+        raise ValueError(f"'visits' {e}") from None
+    if len(visits) != len(drawn) or visits[0] != 1:
+        raise ValueError(f"'visits' holds {len(visits)} anchors from {visits[0]!r}; the live schedule starts at the "
+                         f"first of the {len(drawn)} anchors")
+    return Streaks(drawn, expected, visits)

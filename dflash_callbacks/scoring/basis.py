@@ -27,13 +27,21 @@ LABELS = {"cache": "cache", "target": "target head", "block_size": "block size",
           "confidence_threshold": "confidence threshold", "sampling": "served sampling", "scorer": "scorer version"}
 
 
-def served_sampling(sampling: dict | None, draft_rule: str = "greedy", coin_seed: int = 0) -> str | None:
-    """What a report's numbers stand for at T > 0, as one line: the cache's sampling settings, the draft rule and
-    the coins' seed; None for a greedy cache (`sampling` None)."""
+def served_sampling(sampling: dict | None, draft_rule: str = "greedy", coin_seed: int = 0,
+                    estimators: str = "coin draws") -> str | None:
+    """What a report's numbers stand for at T > 0, as one line: the cache's sampling settings, the draft rule,
+    the coins' seed and the estimators (`EvalReport.estimators`); None for a greedy cache (`sampling` None)."""
     if sampling is None:
         return None
     return (f"temperature {sampling['temperature']:g}, top_p {sampling['top_p']:g}, top_k {sampling['top_k']}, "
-            f"draft rule {draft_rule}, coin seed {coin_seed}")
+            f"draft rule {draft_rule}, coin seed {coin_seed}, estimators {estimators}")
+
+
+def run_estimators(config: ScoringConfig, cache) -> str:
+    """The estimators `config` scores a sampled `cache` with, as `EvalReport.estimators` names them: conditional
+    where every task scored keeps the served support (`scorer.conditional_scoring`), else coin draws."""
+    kept = all("support" in cache.entry(name) for name in (config.tasks or cache.task_names))
+    return "conditional" if kept and config.estimators == "conditional" and config.max_rounds is None else "coin draws"
 
 
 @dataclass(frozen=True)
@@ -58,7 +66,8 @@ class Basis:
         return cls(cache.fingerprint, target, block_size, tuple(sorted(config.tasks or cache.task_names)),
                    config.window, config.max_rounds, config.dtype, tuple(config.methods), attention=config.attention,
                    confidence_threshold=config.confidence_threshold,
-                   sampling=served_sampling(sampling, config.draft_rule, config.coin_seed))
+                   sampling=served_sampling(sampling, config.draft_rule, config.coin_seed,
+                                            run_estimators(config, cache) if sampling is not None else "coin draws"))
 
     @classmethod
     def of_report(cls, report: EvalReport) -> Basis:
@@ -66,7 +75,8 @@ class Basis:
         return cls(report.cache.get("fingerprint"), report.cache.get("target"), report.block_size,
                    tuple(sorted(report.tasks)), s.get("window"), s.get("max_rounds"), s.get("dtype"),
                    tuple(report.methods), report.scorer_version, s.get("attention"), s.get("confidence_threshold"),
-                   served_sampling(report.sampling, s.get("draft_rule", "greedy"), s.get("coin_seed", 0)))
+                   served_sampling(report.sampling, s.get("draft_rule", "greedy"), s.get("coin_seed", 0),
+                                   report.estimators or "coin draws"))
 
     def to_dict(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}

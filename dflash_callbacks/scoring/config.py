@@ -19,6 +19,10 @@ from .methods import scored_methods
 MAX_DDTREE_BUDGET = 1024
 DRAFT_RULES = ("greedy", "probabilistic")
 """vLLM's `speculative_config.draft_sample_method` values (docs/numbers.md, "tau at temperature T")."""
+ESTIMATORS = ("conditional", "coins")
+"""How vanilla is estimated on a sampled cache: `conditional` where the cache keeps the served support (each
+streak term's last factor its expectation given the text before it, live the expected rounds), else as
+`coins` (the integer streaks of an argmax draft, one seeded draw of a sampled draft's coins)."""
 
 
 def check_tasks(tasks: object) -> None:
@@ -92,8 +96,10 @@ class ScoringConfig:
     block_size: int | None = _field(None, numbers=True, help="the block size scored (None: the drafter's)")
     block_sizes: list[int] = _field(factory=list, numbers=True,
                                     help="other block sizes to score every method at, each a method of its own "
-                                         "(METHOD:bB), e.g. served at num_speculative_tokens + 1")
-    max_rounds: int = _field(30, numbers=True, help="rounds of the live schedule")
+                                         "(METHOD:bB), e.g. the block vLLM serves: num_speculative_tokens + 1 for "
+                                         "DFlash, num_speculative_tokens for DSpark (sample_from_anchor)")
+    max_rounds: int | None = _field(None, numbers=True, help="rounds of the live schedule (None: to the end of each "
+                                    "answer, as a served request runs)")
     tasks: list[str] | None = _field(None, numbers=True, help="the tasks scored (None: every task of the cache)")
     anchors_per_forward: int = _field(64, help="blocks decoded side by side in one drafter forward")
     vocab_chunk: int | None = _field(None, help="vocabulary tile of the LM-head statistics' torch path (None: 8192)")
@@ -119,6 +125,14 @@ class ScoringConfig:
                              help="the draft rule at T > 0, as vLLM's draft_sample_method: greedy (the argmax; "
                                   "DFlash 2 samples its selector walk whatever this says) or probabilistic (DFlash "
                                   "samples softmax(logits / T))")
+    served_engine_settings: list[str] = _field(
+        factory=list, help="the serving engine's settings, as KEY=VALUE (e.g. rejection_sample_method=block, "
+                           "speculative_accept_threshold_single=0.9): where one makes the engine accept otherwise than "
+                           "exact speculative sampling, the scores are not its tau and a warning says so")
+    estimators: str = _field("conditional", numbers=True,
+                             help="on a sampled cache: conditional (where the cache keeps the served support and "
+                                  "max_rounds is unset: expectations given the text, no coin) or coins (the estimators "
+                                  "of before: integer streaks, a seeded draw of the coins)")
     coin_seed: int = _field(0, numbers=True, help="the seed of the acceptance coins the live schedule draws where the "
                                                   "draft is sampled at T > 0 (the report records it)")
     confidence_threshold: float | None = _field(None, numbers=True,
@@ -143,7 +157,7 @@ class ScoringConfig:
             lambda: check_int("block_size", self.block_size, 2, optional=True),
             lambda: check_int_list("block_sizes", self.block_sizes, 2),
             lambda: [_bad(line) for line in run_block_problems(self.block_sizes, self.block_size)],
-            lambda: check_int("max_rounds", self.max_rounds, 1),
+            lambda: check_int("max_rounds", self.max_rounds, 1, optional=True),
             lambda: check_tasks(self.tasks),
             lambda: check_int("anchors_per_forward", self.anchors_per_forward, 1),
             lambda: check_int("vocab_chunk", self.vocab_chunk, 1, optional=True),
@@ -168,6 +182,11 @@ class ScoringConfig:
                     "are served at"),
             lambda: check_int("served_top_k", self.served_top_k, 0, optional=True),
             lambda: check_choice("draft_rule", self.draft_rule, DRAFT_RULES),
+            lambda: check_choice("estimators", self.estimators, ESTIMATORS),
+            lambda: check_str_list("served_engine_settings", self.served_engine_settings),
+            lambda: [_bad(f"served_engine_settings holds {entry!r}: give each setting as KEY=VALUE, e.g. "
+                          "rejection_sample_method=block") for entry in self.served_engine_settings
+                     if "=" not in entry or not entry.split("=", 1)[0].strip()],
             lambda: check_int("coin_seed", self.coin_seed, 0),
             lambda: check_probability("confidence_threshold", self.confidence_threshold),
             lambda: self.costs is None or (isinstance(self.costs, str) and self.costs) or _bad(
@@ -184,6 +203,7 @@ class ScoringConfig:
         put("topk", [int(k) for k in self.topk])
         put("block_sizes", [int(b) for b in self.block_sizes])
         put("attentions", list(self.attentions))
+        put("served_engine_settings", list(self.served_engine_settings))
         put("tasks", None if self.tasks is None else list(self.tasks))
         if self.confidence_threshold is not None:
             put("confidence_threshold", float(self.confidence_threshold))

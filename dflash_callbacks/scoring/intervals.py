@@ -198,23 +198,29 @@ def _expanded(estimates: np.ndarray, resamples: np.ndarray, dfs: np.ndarray, bou
 
 
 class Resampled:
-    """The two-stage resamples of A arms over T tasks, all resampled alike (the methods of a
-    report; ours and the other report's, method by method): each task's mean and RESAMPLES
-    within-task block resamples of it, the task draws, and from them each arm's resampled
-    run-level mean in two parts (between tasks, within tasks), for `run_level` to combine.
+    """The two-stage resamples of A arms over T tasks, all resampled alike (a method of a report; ours and the
+    other report's same method): each task's mean and RESAMPLES within-task block resamples of it, the task
+    draws, and from them each arm's resampled run-level mean in two parts (between tasks, within tasks), for
+    `run_level` to combine.
 
     Within a task, what is resampled is stretches of the text: blocks of anchor positions.
     A task is given as `values` and `counts` [A, n] over its positions, its mean Σ values /
     Σ counts: dense, every anchor's tau and 1; live, a round's tau and 1 at the anchor where
     the round starts, 0 elsewhere (over the stretch the rounds cover). So the rounds of two
     drafters are paired by where they are in the text, and a resample takes the rounds in
-    its blocks."""
+    its blocks. `pooled` (an aggregate with a weight, `aggregates.Aggregate.weight`): the sums are
+    what is pooled over tasks, so each arm becomes two, its Σ values (arms 0..A-1) and its Σ counts
+    (arms A..2A-1), whose run-level ratio the statistic takes."""
 
     def __init__(self, tasks: list[tuple[np.ndarray, np.ndarray]], lengths: list[int], rng: np.random.Generator,
-                 resamples: int = RESAMPLES):
+                 resamples: int = RESAMPLES, pooled: bool = False):
         """`tasks[t]`: (values, counts) [A, n_t]; `lengths[t]` the task's block length."""
-        count, arms = len(tasks), len(tasks[0][0])
-        self.means = np.array([values.sum(axis=1) / counts.sum(axis=1) for values, counts in tasks]).T  # [A, T]
+        count, arms = len(tasks), len(tasks[0][0]) * (2 if pooled else 1)
+        if pooled:
+            self.means = np.array([np.concatenate([values.sum(axis=1), counts.sum(axis=1)])
+                                   for values, counts in tasks]).T  # [2A, T]
+        else:
+            self.means = np.array([values.sum(axis=1) / counts.sum(axis=1) for values, counts in tasks]).T  # [A, T]
         self.within = np.empty((arms, count, resamples))  # [A, T, R]
         self.blocks = np.empty(count, dtype=np.int64)  # [T] blocks per resample of each task
         for t, ((values, counts), length) in enumerate(zip(tasks, lengths)):
@@ -222,6 +228,11 @@ class Resampled:
             length = min(length, n)
             self.blocks[t] = -(-n // length)
             starts = rng.integers(0, n, (self.blocks[t], resamples))
+            if pooled:  # a resample of blocks without a round: its task's sums
+                found = circular_block_sums(np.concatenate([values, counts]), length, starts)
+                empty = found[len(values):] <= 0
+                self.within[:, t] = np.where(np.concatenate([empty, empty]), self.means[:, t : t + 1], found)
+                continue
             if counts.all():  # dense: every resample holds n anchors
                 self.within[:, t] = circular_block_sums(values, length, starts) / n
                 continue
@@ -282,15 +293,17 @@ def taus(report: EvalReport, task: str, method: str) -> np.ndarray:
     return task_streaks(numbers, report.max_tau(method)).mean_streaks + 1
 
 
-def positions(arms: list[tuple[EvalReport, str]],
-              task: str) -> tuple[dict[str, int], dict[str, tuple[np.ndarray, np.ndarray]]]:
-    """A task's block length for each aggregate and `Resampled`'s (values, counts) over its positions for
-    each (`aggregates.Aggregate.series`); `arms` are (report, method) pairs scored on the same anchors. The
-    text's dependence, in positions: the longest block the arms' dense taus ask for (`block_lengths`)."""
+def positions(arms: list[tuple[EvalReport, str]], task: str,
+              aggregates: list[str] | None = None) -> tuple[dict[str, int], dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """A task's block length for each aggregate (default: all) and `Resampled`'s (values, counts) over its
+    positions for each (`aggregates.Aggregate.series`); `arms` are (report, method) pairs scored on the same
+    anchors. The text's dependence, in positions: the longest block the arms' dense taus ask for
+    (`block_lengths`)."""
     dense = np.stack([taus(report, task, method) for report, method in arms])  # [A, n]
-    rounds = [np.asarray(report.tasks[task][method]["live_rounds"], dtype=np.float64) for report, method in arms]
+    kept = [(report.tasks[task][method], task_streaks(report.tasks[task][method], report.max_tau(method)))
+            for report, method in arms]
     length = int(block_lengths(dense).max())
-    found = {name: aggregate.series(dense, rounds, length) for name, aggregate in AGGREGATES.items()}
+    found = {name: AGGREGATES[name].series(dense, kept, length) for name in aggregates or AGGREGATES}
     return {name: f[0] for name, f in found.items()}, {name: (f[1], f[2]) for name, f in found.items()}
 
 
@@ -298,32 +311,50 @@ def _rng(seed: int, aggregate: str) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(aggregate.encode())])
 
 
-def _resampled(arms: list[tuple[EvalReport, str]], tasks: list[str], seed: int, resamples: int) -> dict[str, Resampled]:
-    """Per aggregate, the arms resampled alike over `tasks`."""
-    found = [positions(arms, task) for task in tasks]
+def _resampled(arms: list[tuple[EvalReport, str]], tasks: list[str], seed: int, resamples: int,
+               aggregates: list[str] | None = None) -> dict[str, Resampled]:
+    """Per aggregate (default: all), the arms resampled alike over `tasks`, drawn from the seed and the aggregate's
+    name alone: the same arms give the same resamples whatever else a report holds."""
+    names = list(aggregates or AGGREGATES)
+    found = [positions(arms, task, names) for task in tasks]
     return {agg: Resampled([series[agg] for _, series in found], [lengths[agg] for lengths, _ in found],
-                           _rng(seed, agg), resamples)
-            for agg in AGGREGATES}
+                           _rng(seed, agg), resamples, pooled=AGGREGATES[agg].weight is not None)
+            for agg in names}
 
 
-def _same(means: np.ndarray) -> np.ndarray:
-    return means
+def arm_values(aggregate: str, arms: int) -> tuple[Callable[[np.ndarray], np.ndarray], Callable[[np.ndarray], np.ndarray]]:
+    """(each arm's number from `Resampled.means`-shaped means [A or 2A, ...], its gradient [A, A or 2A] at a mean
+    [A or 2A]): the means themselves, or for a pooled aggregate each arm's Σ values / Σ counts."""
+    if AGGREGATES[aggregate].weight is None:
+        return (lambda means: means), (lambda mean: np.eye(arms))
+
+    def gradient(mean: np.ndarray) -> np.ndarray:
+        out = np.zeros((arms, 2 * arms))
+        out[np.arange(arms), np.arange(arms)] = 1 / mean[arms:]
+        out[np.arange(arms), arms + np.arange(arms)] = -mean[:arms] / mean[arms:] ** 2
+        return out
+
+    return (lambda means: means[:arms] / means[arms:]), gradient
 
 
-def report_intervals(report: EvalReport, resamples: int = RESAMPLES, seed: int = SEED) -> dict:
+def report_intervals(report: EvalReport, resamples: int = RESAMPLES, seed: int = SEED,
+                     aggregates: list[str] | None = None) -> dict:
     """The intervals a report carries (`EvalReport.intervals`): {"confidence", "resamples",
-    "seed", "mean": {METHOD: {AGG: [lo, hi]}}, "tasks": {TASK: {METHOD: {AGG: [lo, hi]}}}}.
-    The methods of an aggregate are resampled alike (the same tasks and blocks)."""
+    "seed", "mean": {METHOD: {AGG: [lo, hi]}}, "tasks": {TASK: {METHOD: {AGG: [lo, hi]}}}}, of every aggregate
+    (or those named). Each method is resampled on its own, from the seed and the aggregate alone: its interval
+    is a function of its numbers on the cache, whatever else the report scores."""
     out = {"confidence": CONFIDENCE, "resamples": resamples, "seed": seed, "mean": {m: {} for m in report.methods},
            "tasks": {task: {m: {} for m in report.methods} for task in report.tasks}}
-    methods = report.methods
-    bounds = [(1.0, float(report.max_tau(m))) for m in methods]
-    for aggregate, resampled in _resampled([(report, m) for m in methods], list(report.tasks), seed, resamples).items():
-        overall = resampled.run_level(_same, np.eye(len(methods)), bounds)
-        per_task = resampled.per_task(_same, bounds)
-        for a, method in enumerate(methods):  # 4 decimals: well inside the resampling's own error, half the bytes
-            out["mean"][method][aggregate] = [round(overall[a].lo, 4), round(overall[a].hi, 4)]
-            for task, one in zip(report.tasks, per_task[a]):
+    for method in report.methods:
+        bounds = [(1.0, float(report.max_tau(method)))]
+        for aggregate, resampled in _resampled([(report, method)], list(report.tasks), seed, resamples,
+                                               aggregates).items():
+            value, gradient = arm_values(aggregate, 1)
+            overall = resampled.run_level(value, gradient(resampled.means.mean(axis=1)), bounds)[0]
+            per_task = resampled.per_task(value, bounds)[0]
+            # 4 decimals: well inside the resampling's own error, half the bytes
+            out["mean"][method][aggregate] = [round(overall.lo, 4), round(overall.hi, 4)]
+            for task, one in zip(report.tasks, per_task):
                 out["tasks"][task][method][aggregate] = [round(one.lo, 4), round(one.hi, 4)]
     return out
 
@@ -380,28 +411,26 @@ def paired_comparison(ours: EvalReport, other: EvalReport, resamples: int = RESA
     if uneven:
         raise ValueError(f"tasks {uneven} were scored on other anchors in the two reports (another cache, window or "
                          "block size): a paired comparison needs the same anchors")
-    tops = [float(max(ours.max_tau(m), other.max_tau(m))) for m in methods]
     out: dict[str, dict[str, Comparison]] = {f"{m}/{agg}": {} for m in methods for agg in AGGREGATES}
-    arms = [(report, m) for m in methods for report in (ours, other)]  # arm 2i: ours' method i, 2i + 1: the other's
+    for method in methods:  # each pair on its own: the same draws whatever else the reports score
+        top = float(max(ours.max_tau(method), other.max_tau(method)))
+        bounds = [(1 - top, top - 1), (1 / top, top)]
+        for aggregate, resampled in _resampled([(ours, method), (other, method)], tasks, seed, resamples).items():
+            value, gradient = arm_values(aggregate, 2)
 
-    def deltas_and_ratios(means: np.ndarray) -> np.ndarray:
-        return np.concatenate([means[0::2] - means[1::2], means[0::2] / means[1::2]])
+            def delta_and_ratio(means: np.ndarray, value=value) -> np.ndarray:
+                both = value(means)
+                return np.stack([both[0] - both[1], both[0] / both[1]])
 
-    count = len(methods)
-    bounds = [(1 - top, top - 1) for top in tops] + [(1 / top, top) for top in tops]
-    for aggregate, resampled in _resampled(arms, tasks, seed, resamples).items():
-        mean = resampled.means.mean(axis=1)
-        gradients = np.zeros((2 * count, 2 * count))
-        for i in range(count):
-            o, b = 2 * i, 2 * i + 1
-            gradients[i, [o, b]] = 1.0, -1.0
-            gradients[count + i, [o, b]] = 1 / mean[b], -mean[o] / mean[b] ** 2
-        overall = resampled.run_level(deltas_and_ratios, gradients, bounds)
-        per_task = resampled.per_task(deltas_and_ratios, bounds)
-        for i, method in enumerate(methods):
+            mean = resampled.means.mean(axis=1)
+            o, b = value(mean)
+            arms = gradient(mean)  # d(ours, other) / d(means)
+            gradients = np.stack([arms[0] - arms[1], arms[0] / b - o / b**2 * arms[1]])
+            overall = resampled.run_level(delta_and_ratio, gradients, bounds)
+            per_task = resampled.per_task(delta_and_ratio, bounds)
             monitor = f"{method}/{aggregate}"
-            out[monitor]["mean"] = Comparison(monitor, "mean", overall[i], overall[count + i], len(tasks))
-            for task, delta, ratio in zip(tasks, per_task[i], per_task[count + i]):
+            out[monitor]["mean"] = Comparison(monitor, "mean", overall[0], overall[1], len(tasks))
+            for task, delta, ratio in zip(tasks, per_task[0], per_task[1]):
                 out[monitor][task] = Comparison(monitor, task, delta, ratio)
     return out
 

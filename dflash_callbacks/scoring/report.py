@@ -25,13 +25,14 @@ from ..cache.tasks import task_name_problem
 from ..checks import is_int
 from ..files import atomic_write
 from ..cache.sampling import SAMPLING_KEYS, sampling_problems
-from .aggregates import AGGREGATES, task_streaks
+from .aggregates import AGGREGATES, pooled_numbers, task_streaks
 from .methods import Method, Monitor
 
-TASK_FIELDS = ("dense", "live", "curve", "live_rounds", "anchors", "streaks", "expected", "confidence_reach")
+TASK_FIELDS = ("dense", "live", "pooled", "curve", "live_rounds", "rounds", "anchors", "streaks", "expected",
+               "visits", "confidence_reach")
 
 
-SCORER_VERSION = 5
+SCORER_VERSION = 6
 """The version of the numbers' definitions as this library computes them, bumped when a fix
 changes a report's numbers for the same inputs (2: a DDTree prefix whose score ties the
 budget's threshold is resolved as Algorithm 1 does; before, a confident drafter's
@@ -42,7 +43,11 @@ for every mean, so a baseline cached without them is scored again. 5: the interv
 interval whose between-task shrinkage is 0 is widened by t(T - 1) as every other, where it was
 widened by t over the blocks (narrower); a task's live rounds are resampled in at least 3 blocks,
 where one block could span them all (a live interval of zero width); a cache of fewer than 3
-tasks carries the within-task interval as its mean's). A report of another version stands on
+tasks carries the within-task interval as its mean's). 6: the live schedule runs to the end of each answer
+(`max_rounds` None, where it stopped after 30 rounds); the aggregate `pooled` (vLLM's mean acceptance length);
+each method's interval is resampled on its own numbers alone, where every method of a report was resampled
+alike (one method's interval moved with what else was scored), and a paired one on the pair alone; a report of
+before is read with `pooled` made from the streaks it keeps (`upgrade_tasks`). A report of another version stands on
 another basis, and a cached baseline report of another version is scored again."""
 
 
@@ -100,13 +105,14 @@ class EvalReport:
 
     @property
     def mean(self) -> dict[str, dict[str, float]]:
-        """Run-level numbers: each task weighs the same."""
-        out = {}
-        for method in self.methods:
-            out[method] = {
-                agg: sum(t[method][agg] for t in self.tasks.values()) / len(self.tasks) for agg in AGGREGATES
-            }
-        return out
+        """Run-level numbers: each task weighs the same, or as its aggregate weighs it (`pooled`: by its rounds);
+        an aggregate some task does not hold (a report made by hand of dense and live alone) is left out."""
+        def held(numbers: dict, aggregate) -> bool:
+            return aggregate.name in numbers and (aggregate.weight is None or aggregate.weight in numbers)
+
+        return {method: {name: aggregate.run_level([t[method] for t in self.tasks.values()])
+                         for name, aggregate in AGGREGATES.items()
+                         if all(held(t[method], aggregate) for t in self.tasks.values())} for method in self.methods}
 
     def block(self, method: str | Method) -> int:
         """The block size `method` was scored at (its `:bB`, else the report's)."""
@@ -150,6 +156,18 @@ class EvalReport:
         """The settings the cache's answers were sampled at (`cache.sampling`), None for a greedy cache."""
         return self.cache.get("sampling")
 
+    @property
+    def estimators(self) -> str | None:
+        """On a sampled cache, how vanilla's numbers were estimated: "conditional" (the cache keeps the served
+        support: each streak term's last factor is its expectation given the text before it, live the expected
+        rounds over the acceptance coins) or "coin draws" (a cache of before, or max_rounds set: today's
+        estimators, the integer streaks of an argmax draft, one seeded draw of a sampled draft's coins); None
+        on a greedy cache."""
+        if self.sampling is None:
+            return None
+        first = next(iter(self.tasks.values()), {})
+        return "conditional" if any("visits" in n for n in first.values()) else "coin draws"
+
     def served(self) -> str:
         """One line saying what this report's numbers stand for: the attention rule, and the cache's settings."""
         rule = self.scoring.get("attention", "auto")
@@ -158,6 +176,7 @@ class EvalReport:
         line = f"attention {rule}, cache {text}"
         if sampling is not None:
             line += f", draft rule {self.scoring.get('draft_rule', 'greedy')}, coin seed {self.scoring.get('coin_seed', 0)}"
+            line += f", estimators: {self.estimators}"
         if self.attention_patterns is not None:
             shown = {**self.attention_patterns, f"scored ({rule})": self.attention or []}
             line += ("; the drafter's patterns differ: " + "; ".join(
@@ -182,10 +201,19 @@ class EvalReport:
         missing = [k for k in ("drafter", "cache", "block_size", "tasks") if k not in raw]
         if missing:
             raise ValueError(f"not a report: it has no {', '.join(repr(k) for k in missing)}")
-        _check_shape(raw)
+        added = _upgrade(raw)
+        _check_shape(raw, added)
         extra = {k: raw.pop(k) for k in list(raw) if k not in cls.__dataclass_fields__}
         report = cls(**raw)
         report.extra = {**report.extra, **extra}  # a new dict: the caller's `extra` is left as it was
+        if added and report.intervals is not None:
+            from .intervals import report_intervals
+
+            found = report_intervals(report, report.intervals["resamples"], report.intervals["seed"], added)
+            report.intervals = {**report.intervals, **{where: {
+                task: {m: {**per[m], **found[where][task][m]} for m in per} for task, per in report.intervals[where].items()}
+                if where == "tasks" else {m: {**per, **found[where][m]} for m, per in report.intervals[where].items()}
+                for where in ("mean", "tasks")}}
         return report
 
     @classmethod
@@ -199,6 +227,32 @@ class EvalReport:
             raise ValueError(f"{path} is not a JSON report: {e}") from None
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
+
+
+def _upgrade(raw: dict) -> list[str]:
+    """A report written before an aggregate was added (scorer version 5 and before: no `pooled`) gets it, in
+    place in `raw` (its `tasks` copied, the caller's left as they were): from the streaks it keeps, as the
+    scorer makes it, else from the live rounds it keeps (a report of before version 4 keeps no streaks).
+    Returns the aggregates added, whose intervals `from_dict` then computes."""
+    tasks = raw.get("tasks")
+    numbers = [n for per in tasks.values() if isinstance(per, dict) for n in per.values() if isinstance(n, dict)] \
+        if isinstance(tasks, dict) else []
+    if not numbers or all("pooled" in n for n in numbers):
+        return []
+    raw["tasks"] = {task: {m: dict(n) for m, n in per.items()} for task, per in tasks.items()}
+    for task, per in raw["tasks"].items():
+        for method, n in per.items():
+            if "pooled" in n:
+                continue
+            try:
+                streaks = task_streaks(n, _max_tau(raw, method)) if "streaks" in n else None
+            except (ValueError, KeyError, TypeError):
+                return []  # the strict reader then says what is wrong with it
+            if streaks is not None:
+                n["pooled"], n["rounds"] = pooled_numbers(streaks)
+            elif isinstance(n.get("live_rounds"), list) and n["live_rounds"]:
+                n["pooled"], n["rounds"] = sum(n["live_rounds"]) / len(n["live_rounds"]), len(n["live_rounds"])
+    return ["pooled"] if "streaks" in numbers[0] else []
 
 
 def _layers(patterns: list[str]) -> str:
@@ -245,7 +299,7 @@ def _strict_json_problem(value: Any, where: str) -> str | None:
     return None
 
 
-def _check_shape(raw: dict) -> None:
+def _check_shape(raw: dict, added: list[str] = ()) -> None:
     if (problem := _strict_json_problem(raw, "")) is not None:
         raise _bad(problem)
     if not isinstance(raw["drafter"], str):
@@ -297,14 +351,16 @@ def _check_shape(raw: dict) -> None:
         for method, numbers in per_method.items():
             if not isinstance(numbers, dict):
                 raise _bad(f"task {task!r}, {method}: not an object of {list(TASK_FIELDS)}")
+            scoring = raw.get("scoring", {})  # max_rounds None: to the answer's end, no limit (absent: not known)
             _check_numbers(numbers, f"task {task!r}, {method}: ", _max_tau(raw, method),
-                           raw.get("scoring", {}).get("max_rounds"))
+                           math.inf if "max_rounds" in scoring and scoring["max_rounds"] is None else
+                           scoring.get("max_rounds"), older=(raw.get("scorer_version") or 0) < SCORER_VERSION)
     if raw.get("intervals") is not None:
         bare = [f"{task}/{m}" for task, per_method in tasks.items() for m, numbers in per_method.items()
                 if "streaks" not in numbers]
         if bare:
             raise _bad(f"'intervals' without the streaks they come from ({', '.join(bare[:3])} keep none)")
-        _check_intervals(raw["intervals"], tasks, {m: _max_tau(raw, m) for m in methods})
+        _check_intervals(raw["intervals"], tasks, {m: _max_tau(raw, m) for m in methods}, added)
 
 
 def _check_sampling(sampling: Any) -> None:
@@ -346,12 +402,15 @@ def _max_tau(raw: dict, method: str) -> int:
     return family["proposals"][str(block)] + 1
 
 
-def _check_numbers(numbers: dict, where: str, max_tau: int, max_rounds: Any = None) -> None:
+def _check_numbers(numbers: dict, where: str, max_tau: int, max_rounds: Any = None, older: bool = False) -> None:
     """One task's numbers of one method (DESIGN.md, "Aggregates per task"): tau = streak + 1 is 1 to
     `max_tau` at every anchor, so each aggregate and each live round are too; the acceptance curve holds
     shares (0 to 1) for depths 1 to max_tau - 1; and the streaks, where kept, are the ones these numbers were
-    made from (each aggregate's `check`)."""
+    made from (each aggregate's `check`). A report `older` than this scorer that keeps neither streaks nor live
+    rounds to make `pooled` from (`_upgrade`) holds none."""
     for agg in AGGREGATES:
+        if older and agg == "pooled" and agg not in numbers:
+            continue
         _check_number(numbers.get(agg), f"{where}{agg!r}", 1, max_tau)
     curve = numbers.get("curve", [])
     if not isinstance(curve, list) or len(curve) > max_tau - 1:
@@ -363,13 +422,16 @@ def _check_numbers(numbers: dict, where: str, max_tau: int, max_rounds: Any = No
         raise _bad(f"{where}'live_rounds' must be a non-empty list of taus")
     for i, tau in enumerate(rounds):
         _check_number(tau, f"{where}'live_rounds'[{i}]", 1, max_tau, integer=True)
+    _check_number(numbers.get("rounds"), f"{where}'rounds'", 1, optional=older and "pooled" not in numbers)
     _check_number(numbers.get("anchors"), f"{where}'anchors'", 1, integer=True, optional=True)
     if "confidence_reach" in numbers:
         _check_reach(numbers["confidence_reach"], curve, where, max_tau)
     if "streaks" not in numbers:
-        if "expected" in numbers:
-            raise _bad(f"{where}'expected' without the 'streaks' of the coins drawn")
+        if "expected" in numbers or "visits" in numbers:
+            raise _bad(f"{where}'expected' or 'visits' without the 'streaks' of the coins drawn")
         return
+    if "visits" in numbers and "expected" not in numbers:
+        raise _bad(f"{where}'visits' without the 'expected' streaks")
     try:
         streaks = task_streaks(numbers, max_tau)
     except ValueError as e:
@@ -377,7 +439,7 @@ def _check_numbers(numbers: dict, where: str, max_tau: int, max_rounds: Any = No
     if numbers.get("anchors") != len(streaks.drawn):
         raise _bad(f"{where}'streaks' holds {len(streaks.drawn)} anchors; 'anchors' says {numbers.get('anchors')}")
     for aggregate in AGGREGATES.values():
-        problem = aggregate.check(numbers, streaks, max_rounds if is_int(max_rounds) else None)
+        problem = aggregate.check(numbers, streaks, max_rounds if is_int(max_rounds) or max_rounds == math.inf else None)
         if problem is not None:
             raise _bad(f"{where}{problem}")
 
@@ -397,9 +459,10 @@ def _check_reach(reach: Any, curve: list, where: str, max_tau: int) -> None:
                        f"({share!r}): a streak never passes its anchor's confidence cut")
 
 
-def _check_intervals(intervals: Any, tasks: dict, max_taus: dict[str, int]) -> None:
+def _check_intervals(intervals: Any, tasks: dict, max_taus: dict[str, int], added: list[str] = ()) -> None:
     """`intervals` is {"confidence", "resamples", "seed", "mean", "tasks"} over the report's own tasks and
-    methods (`max_taus`: method -> its largest tau), each interval [lo, hi] with 1 <= lo <= hi <= max_tau."""
+    methods (`max_taus`: method -> its largest tau), each interval [lo, hi] with 1 <= lo <= hi <= max_tau; the
+    aggregates `added` to a report of before (`_upgrade`) have none yet."""
     methods = list(max_taus)
     if not isinstance(intervals, dict) or set(intervals) != {"confidence", "resamples", "seed", "mean", "tasks"}:
         raise _bad("'intervals' is not an object of 'confidence', 'resamples', 'seed', 'mean' and 'tasks'")
@@ -414,7 +477,7 @@ def _check_intervals(intervals: Any, tasks: dict, max_taus: dict[str, int]) -> N
         if not isinstance(per_method, dict) or sorted(per_method) != sorted(methods):
             raise _bad(f"'intervals.{where}' does not hold the report's methods {methods}")
         for method, per_agg in per_method.items():
-            if not isinstance(per_agg, dict) or sorted(per_agg) != sorted(AGGREGATES):
+            if not isinstance(per_agg, dict) or sorted(per_agg) != sorted(set(AGGREGATES) - set(added)):
                 raise _bad(f"'intervals.{where}.{method}' is not an object of {list(AGGREGATES)}")
             for agg, pair in per_agg.items():
                 name = f"'intervals.{where}.{method}.{agg}'"

@@ -12,7 +12,7 @@ labels are tok[a+1 .. a+B-1], invalid past the end of the sequence.
   each layer's attention pattern allows (`ScoringConfig.attention`: "auto" is as vLLM
   serves the drafter, `model.attention`).
 - On a sampled cache, where the family samples its proposal at the cache's temperature
-  (`served.ServedDraft`: DFlash 2's selector walk, DFlash's probabilistic draft rule), vanilla's
+  (`acceptance.ServedDraft`: DFlash 2's selector walk, DFlash's probabilistic draft rule), vanilla's
   acceptance at each slot is a coin of chance min(1, q / p): the report keeps the expected
   streak of every anchor and one seeded draw of the coins (`summarize`).
 - A pruned draft vocabulary (`DFlashDrafter.vocab_ids`) is scored over its own target
@@ -49,13 +49,12 @@ from ..model import DFlashDrafter, TargetHead
 from ..model.attention import describe, resolve_attention
 from ..model.families.dspark import confidence_cut
 from ..model.geometry import anchor_range, block_inputs
-from .aggregates import AGGREGATES, Streaks, acceptance_curve, encode_expected, encode_streaks, live_rounds, \
-    quantize_expected
+from .aggregates import Streaks, acceptance_curve, encode_expected, encode_streaks, quantize_expected, task_numbers
 from .config import ScoringConfig, block_size_problems
 from .intervals import report_intervals
 from .methods import Method, scored_methods
 from .report import SCORER_VERSION, EvalReport
-from .served import ServedDraft, coins, expected_streaks, served_problems
+from .acceptance import ServedDraft, coins, conditional_streaks, expected_streaks, served_problems, slot_chances
 
 
 class NonFiniteError(ValueError):
@@ -156,8 +155,12 @@ class TaskStreaks:
     streaks: dict[str, torch.Tensor]  # method -> int64 [n_anchors] (cpu)
     accept: dict[str, torch.Tensor] = field(default_factory=dict)
     """method -> float64 [n_anchors, P] (cpu): each slot's chance of acceptance where the draft is sampled
-    (`served.ServedDraft.acceptance`); such a method's `streaks` entry is replaced by a draw of its coins."""
+    (`acceptance.ServedDraft.acceptance`); such a method's `streaks` entry is replaced by a draw of its coins."""
     cuts: dict[str, torch.Tensor] | None = None  # method -> the confidence cut per anchor (with a threshold)
+    alpha: dict[str, torch.Tensor] = field(default_factory=dict)
+    """method -> float64 [n_anchors, P] (cpu): each slot's chance of acceptance given the text before it, on a
+    cache that keeps the served support (`acceptance.slot_chances`); the method is then scored by the conditional
+    estimators (`acceptance.conditional_streaks`), its `accept` entry c given the emitted token."""
 
 
 @torch.no_grad()  # grad mode and autocast are the calling thread's: set here, restored on return
@@ -182,6 +185,7 @@ def score_task(
     sampled = served is not None and served.sampled
     if sampled and task.target_logprob is None:
         raise ValueError(f"task {task.name!r} has no target_logprob: a sampled draft is scored on a sampled cache")
+    conditional = conditional_scoring(served, task, config)
     device, dtype = drafter.input_weight.device, drafter.input_weight.dtype
     anchors = anchor_range(task.prompt_len, task.num_tokens, config.window)
     if len(anchors) == 0:
@@ -191,28 +195,35 @@ def score_task(
     target_hidden = task.hidden[:context_len].to(device=device, dtype=dtype)[None]
     context = drafter.encode_context(target_hidden, torch.arange(context_len, device=device)[None])
     top_n = max(config.ddtree_budgets, default=0)
-    attention = resolve_attention(drafter.config, attention_rule or config.attention)
+    attention = resolve_attention(drafter.config, attention_rule or config.attention, head.model_window)
     vocab_ids = drafter.vocab_ids
     proposals = len(drafter.draft_rows(block_size))
     weight = drafter.head_weight(head.lm_head.weight)
     threshold = config.confidence_threshold
     parts: dict[str, list[torch.Tensor]] = {}
     accepts: list[torch.Tensor] = []
+    alphas: list[torch.Tensor] = []
     cuts: list[torch.Tensor] = []
-    pending: list[tuple[torch.Tensor, ...]] = []  # (slot features, labels, predecessors, valid, cut, log p) per chunk
+    pending: list[tuple[torch.Tensor, ...]] = []  # (slot features, labels, predecessors, valid, cut, log p, support) per chunk
     tempered = {} if served is None or served.head_temperature is None else {"temperature": served.head_temperature}
-    logprob = task.target_logprob.to(device) if sampled else None
+    logprob = task.target_logprob.to(device) if sampled or conditional else None
+    support = (task.support_ids.to(device), task.support_probs.to(device)) if conditional else None
 
     def flush() -> None:
-        features, labels, previous, valid, cut, logp = (torch.cat(t) for t in zip(*pending))  # [n, P, ...] of all
+        features, labels, previous, valid, cut, logp, ids, probs = (torch.cat(t) for t in zip(*pending))  # [n, P, ...]
         pending.clear()
         stats = drafter.slot_stats(features, weight, labels, previous, top_n, config.backend, config.vocab_chunk,
                                    **tempered)
         for method, values in streaks_from_stats(stats, valid, config, drafter.ddtree_streaks).items():
             parts.setdefault(method, []).append((values if threshold is None else torch.minimum(values, cut)).cpu())
         cuts.append(cut.cpu())
-        if sampled:  # a slot past the confidence cut is never proposed: its chance is 0
-            inside = valid & (torch.arange(proposals, device=valid.device) < cut[:, None])
+        # a slot past the confidence cut is never proposed: its chance is 0
+        inside = valid & (torch.arange(proposals, device=valid.device) < cut[:, None])
+        if conditional:
+            accept, alpha = slot_chances(served, stats, features, weight, vocab_ids, logp, (ids, probs), inside)
+            accepts.append(accept.cpu())
+            alphas.append(alpha.cpu())
+        elif sampled:
             accepts.append(served.acceptance(stats, logp, inside).cpu())
 
     chunks = range(0, len(anchors), plan.anchors_per_forward)
@@ -230,15 +241,25 @@ def score_task(
             confidence_cut(drafter.confidence_logits(hidden, previous), threshold)
         if pending and sum(p[0].shape[0] * proposals for p in pending) + features.shape[0] * proposals > plan.head_rows:
             flush()
-        # each label's served log p (the token at a + 1 + j); unread without a sampled draft
-        logp = logprob[(chunk[:, None] + torch.arange(1, proposals + 1, device=device)).clamp(max=task.num_tokens - 1)] \
-            if sampled else valid
-        pending.append((features, labels, previous, valid, cut, logp))
+        # each label's position (the token at a + 1 + j): its served log p and support; unread without them
+        where = (chunk[:, None] + torch.arange(1, proposals + 1, device=device)).clamp(max=task.num_tokens - 1)
+        logp = logprob[where] if logprob is not None else valid
+        ids, probs = (support[0][where], support[1][where]) if conditional else (valid, valid)
+        pending.append((features, labels, previous, valid, cut, logp, ids, probs))
     flush()
-    accept = {"vanilla": torch.cat(accepts)} if sampled else {}
+    accept = {"vanilla": torch.cat(accepts)} if accepts else {}
+    alpha = {"vanilla": torch.cat(alphas)} if alphas else {}
     cut = None if threshold is None else torch.cat(cuts)
     return TaskStreaks(task.name, anchors[0], {m: torch.cat(v) for m, v in parts.items()}, accept,
-                       None if cut is None else dict.fromkeys(parts, cut))
+                       None if cut is None else dict.fromkeys(parts, cut), alpha)
+
+
+def conditional_scoring(served: ServedDraft | None, task, config: ScoringConfig) -> bool:
+    """Whether vanilla is scored with the conditional estimators (`acceptance.slot_chances`): a sampled cache that
+    keeps the served support, a live schedule that runs to the answers' ends. Else a sampled cache's vanilla
+    is scored as before (the coin draw, the integer streaks of an argmax draft), and the report says which."""
+    return served is not None and served.temperature > 0 and task.support_ids is not None \
+        and config.max_rounds is None and config.estimators == "conditional"
 
 
 def draft_labels(labels: torch.Tensor, valid: torch.Tensor, vocab_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,22 +276,29 @@ def summarize(task: TaskStreaks, config: ScoringConfig, max_taus: dict[str, int]
     threshold, the share of anchors whose confidence cut reaches each depth (`confidence_reach`, as
     `families.dspark.cut_reach`); `max_taus`: each method's largest tau. A method with chances of acceptance
     (`TaskStreaks.accept`, a sampled draft) keeps its expected streaks (`expected`, as the report stores them:
-    every number is made from those) and, as `streaks`, one draw of the coins (`served.coins`, seeded with
-    scoring.coin_seed); its curve is the mean chance of reaching each depth."""
+    every number is made from those) and, as `streaks`, one draw of the coins (`acceptance.coins`, seeded with
+    scoring.coin_seed); its curve is the mean chance of reaching each depth. A method with chances given the
+    text before each slot too (`TaskStreaks.alpha`, a cache that keeps the served support) keeps the conditional
+    expected streaks and the live schedule's expected visits of each anchor (`visits`)."""
     out = {}
     for method, values in task.streaks.items():
         top = max_taus[method]
-        accept = task.accept.get(method)
+        accept, alpha = task.accept.get(method), task.alpha.get(method)
         if accept is None:
             streaks, curve, kept = Streaks(values.numpy()), acceptance_curve(values.numpy(), top - 1), {}
+        elif alpha is not None:  # the conditional estimators: no coin in dense, the expected rounds in live
+            drawn = expected_streaks(accept.numpy(), coins(config.coin_seed, task.name, *accept.shape)).drawn
+            found = conditional_streaks(accept.numpy(), alpha.numpy())
+            streaks = Streaks(drawn, quantize_expected(found.expected), quantize_expected(found.visits))
+            curve = found.reach.mean(axis=0).tolist()
+            kept = {"expected": encode_expected(found.expected, top), "visits": encode_expected(found.visits, 2)}
         else:
             found = expected_streaks(accept.numpy(), coins(config.coin_seed, task.name, *accept.shape))
             streaks = Streaks(found.drawn, quantize_expected(found.expected))
             curve, kept = found.reach.mean(axis=0).tolist(), {"expected": encode_expected(found.expected, top)}
-        out[method] = {name: aggregate.value(streaks, task.first_anchor, config.max_rounds)
-                       for name, aggregate in AGGREGATES.items()}
-        out[method].update(curve=curve, live_rounds=live_rounds(streaks.drawn, task.first_anchor, config.max_rounds),
-                           anchors=int(streaks.drawn.size), streaks=encode_streaks(streaks.drawn, top), **kept)
+        out[method] = task_numbers(streaks, task.first_anchor, config.max_rounds)
+        out[method].update(curve=curve, anchors=int(streaks.drawn.size), streaks=encode_streaks(streaks.drawn, top),
+                           **kept)
         if task.cuts is not None:
             out[method]["confidence_reach"] = acceptance_curve(task.cuts[method].numpy(), top - 1)
     return out
@@ -320,19 +348,22 @@ def _report_cache(cache, head: TargetHead) -> dict:
     return out
 
 
-def attention_patterns(drafter_config, rule: str, block_size: int) -> dict[str, list[str]] | None:
+def attention_patterns(drafter_config, rule: str, block_size: int,
+                       target_window: int | None = None) -> dict[str, list[str]] | None:
     """Each layer's pattern as its trainer trained it (`model.attention`'s "trained") and as vLLM serves it
-    ("vllm"), where the two, or either and the scored `rule`'s, differ for blocks of up to `block_size`; None
-    where all three agree (what `EvalReport.attention_patterns` records: the report says so once, and
-    `scoring.attentions` scores the others as methods of their own)."""
+    ("vllm", its layers without a window given the engine's `target_window`), where the two, or either and the
+    scored `rule`'s, differ for blocks of up to `block_size`; None where all three agree (what
+    `EvalReport.attention_patterns` records: the report says so once, and `scoring.attentions` scores the
+    others as methods of their own, e.g. `attention: vllm` beside `attentions: [auto]` what the target's
+    window costs)."""
     def seen(name: str) -> list[str]:  # a window over the context only hides nothing more when the block fits in it
         return [str(replace(a, context_only=False) if a.context_only and block_size <= a.window else a)
-                for a in resolve_attention(drafter_config, name)]
+                for a in resolve_attention(drafter_config, name, target_window)]
 
     found = {name: seen(name) for name in ("trained", "vllm")}
     if found["trained"] == found["vllm"] == seen(rule):
         return None
-    return {name: describe(resolve_attention(drafter_config, name)) for name in found}
+    return {name: describe(resolve_attention(drafter_config, name, target_window)) for name in found}
 
 
 class Cancelled(RuntimeError):
@@ -392,10 +423,14 @@ def score_drafter(
     family = family_of(drafter, blocks)
     max_taus = {m: family["proposals"][str(Method.parse(m).block or block_size)] + 1 for m in config.methods}
     tasks = {}
+    # one estimator for the whole report: the conditional ones only where every task scored keeps the support
+    supported = all("support" in cache.entry(n) for n in names)
     for task_name in shown(names, desc=f"scoring {name or 'drafter'}", enabled=progress, unit="task"):
         if cancel is not None and cancel.is_set():
             raise Cancelled(f"scoring was cancelled before task {task_name!r}")
-        task, streaks, accept, cuts = cache.task(task_name), {}, {}, {}
+        task, streaks, accept, alpha, cuts = cache.task(task_name), {}, {}, {}, {}
+        if not supported:
+            task = dataclasses.replace(task, support_ids=None, support_probs=None)
         for rule in rules:
             for block in blocks:
                 try:
@@ -405,8 +440,9 @@ def score_drafter(
                 named = lambda m: str(Method.parse(m).at(None if block == block_size else block).under(rule))  # noqa: E731
                 streaks.update({named(m): v for m, v in found.streaks.items()})
                 accept.update({named(m): v for m, v in found.accept.items()})
+                alpha.update({named(m): v for m, v in found.alpha.items()})
                 cuts.update({named(m): v for m, v in (found.cuts or {}).items()})
-        tasks[task_name] = summarize(TaskStreaks(task_name, found.first_anchor, streaks, accept, cuts or None),
+        tasks[task_name] = summarize(TaskStreaks(task_name, found.first_anchor, streaks, accept, cuts or None, alpha),
                                      config, max_taus)
     report = EvalReport(
         drafter=name or "drafter",
@@ -421,9 +457,9 @@ def score_drafter(
         peak_memory=torch.cuda.max_memory_allocated(device) if measure_peak else None,
         created=started,
         scorer_version=SCORER_VERSION,
-        attention=describe(resolve_attention(drafter.config, config.attention)),
+        attention=describe(resolve_attention(drafter.config, config.attention, head.model_window)),
         family=family,
-        attention_patterns=attention_patterns(drafter.config, config.attention, max(blocks)),
+        attention_patterns=attention_patterns(drafter.config, config.attention, max(blocks), head.model_window),
     )
     report.intervals = report_intervals(report)
     report.seconds = time.perf_counter() - clock

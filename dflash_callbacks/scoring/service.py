@@ -47,7 +47,7 @@ from .basis import Basis
 from .config import ScoringConfig
 from .report import SCORER_VERSION, EvalReport
 from .scorer import NonFiniteError, block_problems, memory_plan, score_drafter
-from .served import draft_rule_problems, served_problems
+from .acceptance import draft_rule_problems, engine_settings_warning, served_problems
 
 VERIFY_BYTES = 4 << 30
 """Preflight reads every cache file (sha256, finite hidden states) when they total at most this;
@@ -182,7 +182,8 @@ def preflight(spec: ServiceSpec, drafter: DrafterConfig | None, drafter_shapes: 
         problems.append(f"baseline {spec.baseline} does not exist (give a drafter folder or a saved report JSON)")
     if problems:
         raise PreflightError("the scoring inputs do not fit together:\n  " + "\n  ".join(problems))
-    for line in _attention_notes(config, drafter, spec.baseline):
+    engine = engine_settings_warning(config.served_engine_settings)
+    for line in [*_attention_notes(config, drafter, spec.baseline), *([engine] if engine else [])]:
         (warn or (lambda text: warnings.warn(text, UserWarning, stacklevel=3)))(line)
     return Basis.of_run(config, cache, block, head)
 

@@ -72,7 +72,7 @@ def test_every_bad_scoring_value_is_one_error_line(world, tmp_path, capsys):
                                 f"error: config key 'topk' in {config}: topk is a list: write topk: [4]",
                                 f"error: config key 'windw' in {config}: Key 'windw' not in 'ScoringConfig'. Did you mean: 'window'?",
                                 "error: window must be None or an integer >= 1; got 0",
-                                "error: max_rounds must be an integer >= 1; got 0"]
+                                "error: max_rounds must be None or an integer >= 1; got 0"]
 
 
 def test_every_problem_of_one_invocation_is_listed_together(world, tmp_path, capsys):

@@ -295,7 +295,8 @@ def test_a_jetspec_baseline_against_a_dflare_drafter_names_each_side(tmp_path, t
     note = "the drafters are of two families (ours: DFlare; the baseline: JetSpec)"
     assert warned[1].startswith(f"warning: {note}")
     assert "ours a DFlare drafter, the baseline a JetSpec one" in printed.out
-    assert EvalReport.load(base).attention_patterns == {"trained": ["causal"], "vllm": ["bidirectional"]}
+    # the toy target slides on every layer: vLLM serves the full layer with its window of 64 (docs/numbers.md)
+    assert EvalReport.load(base).attention_patterns == {"trained": ["causal"], "vllm": ["bidirectional, window 64 from the query"]}
     assert cli_main(["compare", str(ours), str(base)]) == 0
     printed = capsys.readouterr()
     assert note in printed.err and "a DFlare drafter" in printed.out

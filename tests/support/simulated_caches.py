@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from dflash_callbacks.scoring import intervals
-from dflash_callbacks.scoring.aggregates import encode_streaks, live_rounds
+from dflash_callbacks.scoring.aggregates import Streaks, encode_streaks, live_rounds, task_numbers
 from dflash_callbacks.scoring.intervals import RESAMPLES, paired_comparison, report_intervals
 from dflash_callbacks.scoring.report import EvalReport
 
@@ -71,9 +71,8 @@ def report_of(streaks, block_size: int, max_rounds: int = 30, name: str = "sim")
     rows of any lengths), as the scorer makes it."""
     tasks = {}
     for i, row in enumerate(torch.as_tensor(np.asarray(one)) for one in streaks):
-        rounds = live_rounds(row, 0, max_rounds)
-        tasks[f"t{i}"] = {"vanilla": {"dense": float(row.double().mean() + 1), "live": sum(rounds) / len(rounds),
-                                      "curve": [], "live_rounds": rounds, "anchors": len(row),
+        numbers = task_numbers(Streaks.of(row), 0, max_rounds)
+        tasks[f"t{i}"] = {"vanilla": {**numbers, "curve": [], "anchors": len(row),
                                       "streaks": encode_streaks(row, block_size)}}
     return EvalReport(drafter=name, cache={"path": "sim", "fingerprint": "sim"}, block_size=block_size, tasks=tasks,
                       scoring={"max_rounds": max_rounds})
@@ -103,7 +102,7 @@ def ratio_shrinkage(ours: EvalReport, other: EvalReport, resamples: int = RESAMP
     computes it (the same draws): 0 where the spread of the task ratios is within-task noise."""
     found = {}
     for aggregate, resampled in intervals._resampled([(ours, "vanilla"), (other, "vanilla")], list(ours.tasks),
-                                                     intervals.SEED, resamples).items():
+                                                     intervals.SEED, resamples, ["dense", "live"]).items():
         mean = resampled.means.mean(axis=1)
         gradient = np.array([[1 / mean[1], -mean[0] / mean[1] ** 2]])
         found[aggregate] = float(resampled.shrinkage(lambda means: (means[0] / means[1])[None], gradient)[0])

@@ -33,12 +33,14 @@ TASKS, METHODS = ("gsm8k", "py3.11"), ("vanilla", "ddtree@4")
 def made_report(step: int) -> EvalReport:
     """A report whose every number moves with the step."""
     value = {(t, m): 1.5 + 0.01 * step + 0.3 * i + 0.7 * j for i, t in enumerate(TASKS) for j, m in enumerate(METHODS)}
-    tasks = {t: {m: {"dense": value[t, m] + 0.2, "live": value[t, m], "curve": [1.0, 0.5]} for m in METHODS} for t in TASKS}
-    mean = {m: {a: sum(tasks[t][m][a] for t in TASKS) / len(TASKS) for a in ("dense", "live")} for m in METHODS}
+    tasks = {t: {m: {"dense": value[t, m] + 0.2, "live": value[t, m], "pooled": value[t, m] - 0.1, "rounds": 10.0,
+                     "curve": [1.0, 0.5]} for m in METHODS} for t in TASKS}
+    aggregates = ("dense", "live", "pooled")  # pooled: every task of 10 rounds, its run-level number the plain mean
+    mean = {m: {a: sum(tasks[t][m][a] for t in TASKS) / len(TASKS) for a in aggregates} for m in METHODS}
     spread = lambda x: [round(x - 0.1, 6), round(x + 0.1, 6)]  # noqa: E731
     intervals = {"confidence": 0.95, "resamples": 100, "seed": 0,
                  "mean": {m: {a: spread(mean[m][a]) for a in mean[m]} for m in METHODS},
-                 "tasks": {t: {m: {a: spread(tasks[t][m][a]) for a in ("dense", "live")} for m in METHODS} for t in TASKS}}
+                 "tasks": {t: {m: {a: spread(tasks[t][m][a]) for a in aggregates} for m in METHODS} for t in TASKS}}
     return EvalReport(drafter="made", cache={"path": "c", "fingerprint": "f"}, block_size=4, tasks=tasks, step=step,
                       intervals=intervals)
 

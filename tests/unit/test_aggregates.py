@@ -64,7 +64,7 @@ def test_property_against_plain_loops():
         (lambda: dense_tau(torch.tensor(3)), "1-D array"),
         (lambda: dense_tau(torch.tensor([1.0, 2.0])), "must hold integers"),
         (lambda: dense_tau(torch.tensor([1, -1])), "must be >= 0"),
-        (lambda: live_rounds(torch.tensor([1]), 0, 0), "max_rounds must be an integer >= 1"),
+        (lambda: live_rounds(torch.tensor([1]), 0, 0), "max_rounds must be None or an integer >= 1"),
         (lambda: live_rounds(torch.tensor([1]), -1, 3), "first_anchor must be an integer >= 0"),
         (lambda: acceptance_curve(torch.tensor([1]), 0), "max_depth must be an integer >= 1"),
     ],

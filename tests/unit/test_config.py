@@ -40,7 +40,7 @@ def test_default_yaml_with_overrides_builds_both_callbacks():
     ("eval.bogus=1", r"^override 'eval.bogus=1': Key 'bogus' not in 'EvalConfig'"),
     ("eval.every_n_train_steps=abc", r"^override 'eval.every_n_train_steps=abc': .*could not be converted to Integer"),
     ("eval.scoring.ddtree_budgets=[0]", r"ddtree_budgets must be a list of integers >= 1; got 0 in \[0\]"),
-    ("eval.scoring.max_rounds=0", "max_rounds must be an integer >= 1; got 0"),
+    ("eval.scoring.max_rounds=0", "max_rounds must be None or an integer >= 1; got 0"),
     ("eval.scoring.ddtree_budgets=16", r"^override 'eval.scoring.ddtree_budgets=16': ddtree_budgets is a list: "
                                        r"write eval.scoring.ddtree_budgets=\[16\]$"),
     ("eval.scoring.tasks=a,b", r"tasks is a list: write eval.scoring.tasks=\[a,b\]$"),
@@ -116,7 +116,7 @@ def test_every_problem_of_a_yaml_file_and_its_overrides_is_named_at_once(tmp_pat
     with pytest.raises(ValueError) as error:
         load_config(CallbacksConfig, path, REQUIRED + ["eval.scoring.anchors_per_forward=0"])
     assert str(error.value).splitlines() == ["window must be None or an integer >= 1; got 0",
-                                             "max_rounds must be an integer >= 1; got 0",
+                                             "max_rounds must be None or an integer >= 1; got 0",
                                              "anchors_per_forward must be an integer >= 1; got 0"]
     path.write_text("eval:\n  scoring:\n    window: ${nope}\n")
     with pytest.raises(ValueError, match=r"^config key 'eval.scoring.window' in .*: Interpolation key 'nope' not found$"):

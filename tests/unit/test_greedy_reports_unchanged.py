@@ -4,6 +4,12 @@ copies holding each family's greedy draft (so that streaks reach into the block)
 greedy_reports.json, written by `write_golden` below run against that checkout): every aggregate, curve,
 live round, streak, interval, mean, the family and the attention recorded.
 
+Updated once since, by scorer version 6 (`write_golden` run against this checkout): every task and method
+gained `pooled` and `rounds` (and the run-level `mean` and `intervals` their `pooled`); each method's
+intervals are now its own resampling (they equal what the code of before gave a report of that method alone,
+checked when the file was rewritten), where every method of a report was resampled alike; `scorer_version` 6.
+Every other number (dense, live, curve, live rounds, streaks, means) is as it was.
+
 The fields the served scoring added to a report (`scoring`'s new settings, `attention_patterns` where the
 trained and served patterns differ) are not numbers and are left out of the comparison; a greedy report has
 no `cache.sampling` and no `expected` anywhere."""

@@ -353,7 +353,7 @@ def toy_reports(toy_cache, toy_target):
 def test_the_toy_baseline_against_itself_and_against_a_worse_drafter(toy_reports):
     baseline, _, worse = toy_reports
     itself = paired_comparison(baseline, baseline)
-    assert len(itself) == 6  # vanilla, ddtree@4, ddtree@8; dense and live
+    assert len(itself) == 9  # vanilla, ddtree@4, ddtree@8; dense, live and pooled
     for per_task in itself.values():
         for found in per_task.values():
             assert found.ratio.lo <= 1.0 <= found.ratio.hi and found.delta.lo <= 0.0 <= found.delta.hi

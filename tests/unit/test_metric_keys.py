@@ -28,7 +28,7 @@ def test_the_logged_interval_keys_sit_beside_each_run_level_mean():
     ours, base = reports()
     versus = paired_comparison(ours, base, resamples=200)
     keys = report_bounds("dflash", ours, base, versus)
-    monitors = [f"vanilla/{agg}" for agg in ("dense", "live")]
+    monitors = [f"vanilla/{agg}" for agg in ("dense", "live", "pooled")]
     assert set(keys) == {f"dflash/{kind}{monitor}/mean_{end}" for kind in ("", "baseline/", "delta/", "ratio/")
                          for monitor in monitors for end in ("lo", "hi")}
     for monitor in monitors:

@@ -110,7 +110,7 @@ def test_exact_boundaries_stay_legal_and_the_largest_legal_numbers_keep_the_mean
     for task in huge["tasks"].values():
         for numbers in task.values():
             streaks = encode_streaks(torch.full((numbers["anchors"],), INT_MAX - 1), INT_MAX)  # 13 digits each
-            numbers.update(dense=INT_MAX, live=INT_MAX, live_rounds=[INT_MAX], streaks=streaks)
+            numbers.update(dense=INT_MAX, live=INT_MAX, pooled=INT_MAX, live_rounds=[INT_MAX], rounds=1, streaks=streaks)
     means = EvalReport.from_dict(huge).mean
     assert all(math.isfinite(v) for per_method in means.values() for v in per_method.values())
 

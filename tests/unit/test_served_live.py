@@ -13,8 +13,8 @@ from dflash_callbacks.model import TargetHead, load_drafter
 from dflash_callbacks.scoring.aggregates import decode_streaks
 from dflash_callbacks.scoring.config import ScoringConfig
 from dflash_callbacks.scoring.scorer import score_drafter
-from dflash_callbacks.served.live import live_runs, live_tau, mean_interval, speculative_verify
-from dflash_callbacks.served.teacher_forced import teacher_forced_taus
+from served_live import live_runs, live_tau, mean_interval, speculative_verify
+from teacher_forced import teacher_forced_taus
 
 
 @pytest.fixture(autouse=True)

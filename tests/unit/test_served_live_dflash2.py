@@ -21,7 +21,7 @@ from dflash_callbacks.demos.toy.world import TOY_LAYER_IDS, build_toy_cache, bui
 from dflash_callbacks.model import TargetHead
 from dflash_callbacks.scoring.config import ScoringConfig
 from dflash_callbacks.scoring.scorer import score_drafter
-from dflash_callbacks.served.live import live_runs, live_tau, selector_walk
+from served_live import live_runs, live_tau, selector_walk
 
 FAMILIES = Path(__file__).resolve().parents[1] / "fixtures" / "families"
 

@@ -1,4 +1,4 @@
-"""tau as served at T > 0 (scoring.served): a sampled draft's chance of acceptance min(1, q / p) against
+"""tau as served at T > 0 (scoring.acceptance): a sampled draft's chance of acceptance min(1, q / p) against
 vLLM's own q (the DFlash 2 fixture's T = 0.8 tensors) and a plain per-anchor reference, the expected
 streaks a report keeps, the coins live runs along, and the refusals."""
 
@@ -28,7 +28,7 @@ from dflash_callbacks.scoring.config import ScoringConfig
 from dflash_callbacks.scoring.intervals import paired_comparison, report_intervals, taus
 from dflash_callbacks.scoring.report import EvalReport
 from dflash_callbacks.scoring.scorer import score_drafter, score_task
-from dflash_callbacks.scoring.served import ServedDraft, coins, expected_streaks
+from dflash_callbacks.scoring.acceptance import ServedDraft, coins, expected_streaks
 from made_reports import judged_by
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -173,8 +173,8 @@ def test_the_expected_streaks_a_report_keeps_are_the_plain_per_anchor_ones(famil
     assert other.mean["vanilla"]["dense"] == report.mean["vanilla"]["dense"]  # the expectation has no coins
     assert Basis.of_report(other).differences(Basis.of_report(report)) == [
         "served sampling temperature 0.8, top_p 1, top_k 0, draft rule "
-        f"{config.draft_rule}, coin seed 7 (this run: temperature 0.8, top_p 1, top_k 0, draft rule "
-        f"{config.draft_rule}, coin seed 8)"]
+        f"{config.draft_rule}, coin seed 7, estimators coin draws (this run: temperature 0.8, top_p 1, top_k 0, "
+        f"draft rule {config.draft_rule}, coin seed 8, estimators coin draws)"]
 
 
 def test_an_argmax_draft_keeps_integer_streaks_and_a_greedy_cache_every_report_as_it_was(tmp_path, capsys):
@@ -196,11 +196,11 @@ def test_an_argmax_draft_keeps_integer_streaks_and_a_greedy_cache_every_report_a
     on_greedy.to_json(tmp_path / "greedy.json")
     assert cli_main(["compare", str(tmp_path / "sampled.json"), str(tmp_path / "greedy.json")]) == 2
     assert "was scored with served sampling none (a greedy cache) (this run: temperature 0.8, top_p 1, top_k 0, " \
-        "draft rule greedy, coin seed 0)" in capsys.readouterr().err
+        "draft rule greedy, coin seed 0, estimators coin draws)" in capsys.readouterr().err
     assert cli_main(["compare", str(tmp_path / "sampled.json"), str(tmp_path / "greedy.json"), "--force"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[-2].startswith("ours: attention auto, cache temperature 0.8, top_p 1.0, top_k 0, samples 1, seed 0, "
-                              "draft rule greedy, coin seed 0; the drafter's patterns differ: trained bidirectional x3; "
+                              "draft rule greedy, coin seed 0, estimators: coin draws; the drafter's patterns differ: trained bidirectional x3; "
                               "vllm causal x3; scored (auto) bidirectional x3")  # speculators' flag false: vLLM causal
     assert out[-1].startswith("drafter: attention auto, cache greedy;")
     dflash2 = load_drafter(FIXTURES / "families" / "dflash2-full" / "checkpoint")
@@ -244,7 +244,7 @@ def test_settings_the_cache_was_not_sampled_at_are_refused(tmp_path):
     lines = str(found.value).splitlines()
     assert len(lines) == 4 and lines[0].startswith("served_temperature must be >= 0") and lines[1].startswith("served_top_p must be in (0, 1]")
     dspark = load_drafter(FIXTURES / "families" / "dspark" / "checkpoint")
-    with pytest.raises(ValueError, match="draft_rule 'probabilistic' can not be scored for a dspark drafter"):
+    with pytest.raises(ValueError, match="draft_rule 'probabilistic' can not be scored for a dspark drafter: .*where dspark_draft_topk is set"):
         score_drafter(dspark, cache, head, ScoringConfig(ddtree_budgets=[], device="cpu", draft_rule="probabilistic"))
 
 
@@ -276,3 +276,23 @@ def test_expected_streaks_carry_through_the_intervals_the_comparison_and_the_sto
     stop = TrailingBaselineStop(monitor="vanilla/dense", min_ratio=0.9)
     judged_by(stop)(ours, other, Moment(step=1, horizon=10), print, print, versus=dense)
     assert stop.history == [(1, ours.mean["vanilla"]["dense"])] and stop.bounds == {1: dense.ratio.hi}
+
+
+def test_engine_settings_under_which_the_scores_are_not_exact_give_one_warning_naming_them():
+    """vLLM's block verification and SGLang's acceptance thresholds below 1, declared in
+    scoring.served_engine_settings, are named in one line; exact settings, and none declared, say nothing; a
+    setting that is not KEY=VALUE is refused."""
+    from dflash_callbacks.scoring.acceptance import engine_settings_warning
+
+    assert engine_settings_warning([]) is None
+    assert engine_settings_warning(["rejection_sample_method=standard", "speculative_accept_threshold_acc=1.0",
+                                    "num_speculative_tokens=7"]) is None
+    line = engine_settings_warning(["rejection_sample_method = block", "speculative_accept_threshold_single=0.8",
+                                    "speculative_accept_threshold_acc=1"])
+    assert "\n" not in line and "rejection_sample_method=block" in line \
+        and "speculative_accept_threshold_single=0.8" in line and "threshold_acc" not in line
+    config = ScoringConfig(served_engine_settings=["rejection_sample_method=block"])
+    assert config.served_engine_settings == ["rejection_sample_method=block"]
+    assert ScoringConfig.from_dict(config.to_dict()) == config
+    with pytest.raises(ValueError, match="served_engine_settings holds 'block': give each setting as KEY=VALUE"):
+        ScoringConfig(served_engine_settings=["block"])

@@ -136,7 +136,7 @@ def test_too_few_points_for_projection_does_not_stop():
                                       "trained); got 'ddtree8'"),
         ({"monitor": "ddtree@8"}, "METHOD/AGGREGATE"),
         ({"monitor": "top@0/live"}, "got 'top@0'"),
-        ({"monitor": "vanilla/mean"}, "an aggregate is one of ['dense', 'live']; got 'mean'"),
+        ({"monitor": "vanilla/mean"}, "an aggregate is one of ['dense', 'live', 'pooled']; got 'mean'"),
         ({"min_ratio": 0.9, "min_delta": -0.5}, "not both"),
         ({"min_ratio": 0.0}, "`min_ratio` must be None or a finite number > 0"),
         ({"min_ratio": "0.9"}, "`min_ratio` must be None or a finite number > 0; got '0.9'"),

@@ -1,6 +1,6 @@
 """A toy DFlash 2 drafter: the toy baseline's backbone, convolutions at the identity, a fresh selector, trained a
 few dozen steps on the toy target's own answers (the selector's loss with the backbone's). What the served-tau
-checks decode live and score offline (`served.live`, `benchmarks/bench_served_tau.py`); not a drafter to ship.
+checks decode live and score offline (`tests/support/served_live.py`, `benchmarks/bench_served_tau.py`); not a drafter to ship.
 """
 
 from __future__ import annotations

@@ -37,12 +37,12 @@ import torch
 
 from transformers import DynamicCache
 
-from ..cache.extract import cache_argument, crop_cache, load_target, prompt_token_ids, resolve_tasks, stop_token_ids
-from ..cache.sampling import Sampling, served_logprobs
-from ..cache.tasks import Task
-from ..checks import check_choice
-from ..model import DFlashDrafter
-from ..scoring.intervals import CONFIDENCE, t_quantile
+from dflash_callbacks.cache.extract import cache_argument, crop_cache, load_target, prompt_token_ids, resolve_tasks, stop_token_ids
+from dflash_callbacks.cache.sampling import Sampling, served_logprobs
+from dflash_callbacks.cache.tasks import Task
+from dflash_callbacks.checks import check_choice
+from dflash_callbacks.model import DFlashDrafter
+from dflash_callbacks.scoring.intervals import CONFIDENCE, t_quantile
 
 DRAFT_RULES = ("argmax", "sample")
 LIVE_FAMILIES = ("dflash", "dflash2")

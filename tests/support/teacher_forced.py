@@ -3,7 +3,7 @@
 Along a cache's text (usually greedy), at every anchor a (the scorer's anchors and blocks,
 `model.geometry`): p_j the target's served distribution of the token at a + j given the text
 before it (`served_logprobs`), q_j the drafter's tempered one at slot j (softmax(logits / T), the
-proposal of the "sample" draft rule in `served.live`), and
+proposal of the "sample" draft rule in `served_live`), and
 
     tau(a) = 1 + sum_k prod_{j <= k} (1 - TV(p_j, q_j)),   TV(p, q) = sum |p - q| / 2,
 
@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.sampling import Sampling, served_logprobs
-from ..model import DFlashDrafter
-from ..model.geometry import anchor_range, block_inputs
+from dflash_callbacks.cache.sampling import Sampling, served_logprobs
+from dflash_callbacks.model import DFlashDrafter
+from dflash_callbacks.model.geometry import anchor_range, block_inputs
 
 
 @torch.no_grad()
