@@ -53,15 +53,29 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from statistics import NormalDist
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 
 from .aggregates import AGGREGATES, task_streaks
-from .methods import Monitor
+from .methods import Method, Monitor
 
-if TYPE_CHECKING:  # report.py renders these intervals in its table, so it imports this module
-    from .report import EvalReport
+
+class EvalReport(Protocol):
+    """What the intervals read of a report (`report.EvalReport` is one; report.py computes the intervals a
+    report carries with this module, which therefore never imports it)."""
+
+    drafter: str
+    tasks: dict[str, dict[str, dict[str, Any]]]
+
+    @property
+    def methods(self) -> list[str]: ...
+
+    def max_tau(self, method: str | Method) -> int: ...
+
+    def value(self, monitor: str | Monitor, task: str = "mean") -> float: ...
+
+    def interval(self, monitor: str | Monitor, task: str = "mean") -> tuple[float, float]: ...
 
 CONFIDENCE = 0.95
 RESAMPLES = 1000
