@@ -1,6 +1,7 @@
 """The one grammar of the logged metric keys: every key a report is logged under is built here.
 
-    PREFIX/{method}/{AGG}/{TASK}          ours (PREFIX: the evaluation's `name`; AGG live or dense;
+    PREFIX/{method}/{AGG}/{TASK}          ours (PREFIX: the evaluation's `name`; AGG an aggregate:
+                                          live, dense or pooled;
                                           TASK a task name or `mean`)
     PREFIX/baseline/{method}/{AGG}/{TASK} the baseline (logged with every report)
     PREFIX/delta/{method}/{AGG}/{TASK}    ours - baseline

@@ -424,7 +424,7 @@ def score_drafter(
     max_taus = {m: family["proposals"][str(Method.parse(m).block or block_size)] + 1 for m in config.methods}
     tasks = {}
     # one estimator for the whole report: the conditional ones only where every task scored keeps the support
-    supported = all("support" in cache.entry(n) for n in names)
+    supported = cache.sampling is not None and all("support" in cache.entry(n) for n in names)
     for task_name in shown(names, desc=f"scoring {name or 'drafter'}", enabled=progress, unit="task"):
         if cancel is not None and cancel.is_set():
             raise Cancelled(f"scoring was cancelled before task {task_name!r}")
