@@ -24,8 +24,8 @@ def world(tmp_path_factory) -> SimpleNamespace:
 def test_snapshots_queued_in_memory_when_the_loop_raises_are_scored_by_the_resume(world, tmp_path):
     slow = write_cache(world.cache.parent, tmp_path / "slow-cache", [("slow", 200, 4)])  # about a second per snapshot
 
-    def evaluator() -> DrafterEvaluator:
-        return DrafterEvaluator(cache=slow, target=world.target, every_n_steps=1, busy="queue", max_pending=4,
+    def evaluator(max_pending: int = 4) -> DrafterEvaluator:
+        return DrafterEvaluator(cache=slow, target=world.target, every_n_steps=1, busy="queue", max_pending=max_pending,
                                 dirpath=tmp_path / "eval", scoring={**SCORING, "anchors_per_forward": 1},
                                 verbose=False, wait_timeout=300)
 
@@ -43,9 +43,11 @@ def test_snapshots_queued_in_memory_when_the_loop_raises_are_scored_by_the_resum
     assert all("error" not in r for r in records(tmp_path / "eval")) and first.errors == 0
     assert {2, 3, 4} <= on_disk - scored and scored | on_disk == {1, 2, 3, 4}
 
-    second = evaluator()
+    # room for every snapshot the first run left (up to 4, step 1's too when it was not scored in time) beside
+    # step 5's: with max_pending=4 a resume holding 4 of them skips step 5 as busy, as it should
+    second = evaluator(max_pending=8)
     plain_fit(world, 6, second, resume=tmp_path / "ckpt" / "step=3.pt")
     lines = records(tmp_path / "eval")
     assert [(r["step"], "tasks" in r) for r in lines] == [(step, True) for step in range(1, 7)]
-    assert second.errors == 0
+    assert second.errors == 0 and second.skipped == 0
     assert_clean(tmp_path / "eval", [*first.reports, *second.reports])
