@@ -78,6 +78,11 @@ def main(argv=None) -> int:
                "history": [h["step"] for h in cb.history], "errors": cb.errors,
                "metrics_step": cb.metrics.get("dflash/step"), "run_id": cb.engine.state_dict()["run_id"]}
         (args.root / f"rank{rank}.json").write_text(json.dumps(out, indent=1))
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():  # every rank leaves together (see train_run.py)
+        dist.barrier()
+        dist.destroy_process_group()
     return 0
 
 

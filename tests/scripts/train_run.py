@@ -401,6 +401,14 @@ def main(argv=None) -> int:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(out, indent=1))
         os.replace(tmp, path)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        # every rank leaves together, the group torn down while all live: a rank that exits while rank 0 still
+        # waits for its last report (or gloo threads finishing at interpreter exit) aborts with "terminate called
+        # without an active exception", and Lightning then kills every process
+        dist.barrier()
+        dist.destroy_process_group()
     return 0
 
 
