@@ -8,4 +8,7 @@ class UsageError(ValueError):
     """A command-line argument that can not work; printed as one `error:` line."""
 
 
-USER_ERRORS = (ValueError, OSError)  # bad input: CacheError, PreflightError, UsageError, missing files, ...
+from ..engine.trackers.optional import MissingExtra  # noqa: E402  (stdlib only: no torch)
+
+# bad input: CacheError, PreflightError, UsageError, missing files, a tracker asked for without its extra, ...
+USER_ERRORS = (ValueError, OSError, MissingExtra)

@@ -189,13 +189,10 @@ def checkpoint_settings(args: argparse.Namespace, scoring: ScoringConfig | None 
         problems.append(f"--max-steps must be an integer >= 1; got {s['max_steps']}")
     if s["wandb_project"] is None and given & {"wandb_name", "wandb_group"}:
         problems.append("--wandb-name and --wandb-group name a run of --wandb-project: give the project")
-    try:
-        from ..engine.trackers.flags import watcher_trackers
+    from ..engine.trackers.flags import tracker_flag_problems
 
-        watcher_trackers(None if s["tensorboard"] is None else str(s["tensorboard"]), s["mlflow_uri"],
-                         s["mlflow_experiment"], s["mlflow_run_id"])
-    except ValueError as e:
-        problems.append(str(e))
+    problems += tracker_flag_problems(None if s["tensorboard"] is None else str(s["tensorboard"]), s["mlflow_uri"],
+                                      s["mlflow_experiment"], s["mlflow_run_id"])
     s["out"] = s["out"] if s["out"] is not None else root / "dflash-eval"
     if s["out"].exists() and not s["out"].is_dir():
         problems.append(f"--out {s['out']} is a file: give the folder the reports go to")

@@ -120,6 +120,8 @@ def refused_values(tmp_path) -> list[tuple[list, list[str]]]:
          ["--drafter", "--cache", "--target"]),
         ([*watch, "--monitor", "ddtree@16/live"], ["did you mean 'ddtree@8/live'?"]),
         ([*watch, "--max-steps", "0"], ["--max-steps must be an integer >= 1"]),
+        ([*watch, "--tensorboard", tmp_path / "tb", "--mlflow-experiment", "x"],
+         ["--mlflow-experiment and --mlflow-run-id need --mlflow-uri"]),
         (["watch", "--dir", tmp_path, "--once", "--cache", TOY / "target", "--target", TOY / "target"],
          ["holds no run folder"]),
         (["plot", run, "--monitor", "ddtree@16/live"], ["did you mean 'ddtree@8/live'?"]),

@@ -58,3 +58,34 @@ def test_pandas_is_part_of_the_mlflow_extra_and_installed_packages_make_the_trac
     assert got["mlflow"][0] == "MissingExtra" and "'mlflow' extra" in got["mlflow"][1]  # log_table needs pandas
     assert got["tensorboard"] == ["made", "tensorboard"]
     assert asked("nothing", tmp_path) == {"tensorboard": ["made", "tensorboard"], "mlflow": ["made", "mlflow"]}
+
+
+CLI = r"""
+import sys
+
+class Refuse:
+    '''mlflow is not installed: a probe (importlib.util.find_spec, as accelerate's) finds nothing, an import fails.'''
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "mlflow":
+            if "importlib.util" in sys._getframe(2).f_code.co_filename:
+                return None
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, Refuse())
+from dflash_callbacks.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_the_watcher_asked_for_mlflow_without_its_extra_says_so_in_one_error_line(tmp_path):
+    from dflash_callbacks.demos.toy import toy_target_path
+
+    target = toy_target_path()
+    (tmp_path / "ckpts").mkdir()
+    done = subprocess.run([sys.executable, "-c", CLI, "watch", "--checkpoints", str(tmp_path / "ckpts"), "--cache",
+                           str(target), "--target", str(target), "--once", "--mlflow-uri", "http://127.0.0.1:1",
+                           "--mlflow-experiment", "x"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines() == [
+        "error: the mlflow tracker needs the 'mlflow' extra: pip install 'dflash-callbacks[mlflow]' "
+        "(ModuleNotFoundError: No module named 'mlflow')"]

@@ -9,10 +9,10 @@ from .mlflow import MlflowTracker
 from .tensorboard import TensorBoardTracker
 
 
-def watcher_trackers(tensorboard: str | None = None, mlflow_uri: str | None = None,
-                     mlflow_experiment: str | None = None, mlflow_run_id: str | None = None,
-                     run_name: str | None = None) -> list:
-    """The trackers the flags ask for (none: []); `run_name` names a run MLflow makes (the run folder's)."""
+def tracker_flag_problems(tensorboard: str | None = None, mlflow_uri: str | None = None,
+                          mlflow_experiment: str | None = None, mlflow_run_id: str | None = None) -> list[str]:
+    """Every mistake in the flags, one line each ([]: none); nothing imported (the CLI checks them before torch
+    loads)."""
     problems = []
     if tensorboard is not None and not str(tensorboard).strip():
         problems.append("--tensorboard needs a folder")
@@ -24,6 +24,14 @@ def watcher_trackers(tensorboard: str | None = None, mlflow_uri: str | None = No
         if mlflow_experiment is None and mlflow_run_id is None:
             problems.append("--mlflow-uri needs --mlflow-experiment NAME (the run is made there) or --mlflow-run-id "
                             "ID (the run to attach to)")
+    return problems
+
+
+def watcher_trackers(tensorboard: str | None = None, mlflow_uri: str | None = None,
+                     mlflow_experiment: str | None = None, mlflow_run_id: str | None = None,
+                     run_name: str | None = None) -> list:
+    """The trackers the flags ask for (none: []); `run_name` names a run MLflow makes (the run folder's)."""
+    problems = tracker_flag_problems(tensorboard, mlflow_uri, mlflow_experiment, mlflow_run_id)
     if problems:
         raise ValueError("; ".join(problems))
     trackers = []
