@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from ..scoring.methods import AGGREGATES
 from ..scoring.report import EvalReport
-from ..scoring.table import ratio
+from ..scoring.table import comparison, ratio
 
 COMPARED = ("baseline", "delta", "ratio")  # the kinds of key a baseline adds beside ours
 SPEEDUP = "speedup"  # the family of the predicted speed-ups: PREFIX/speedup/[baseline/ | ratio/]METHOD/AGG/TASK
@@ -58,6 +58,13 @@ def errors_key(prefix: str) -> str:
 
 def table_key(prefix: str) -> str:
     return f"{prefix}/live_table"
+
+
+def live_table(report: EvalReport, baseline: EvalReport | None) -> tuple[list[str], list[list]]:
+    """The per-task table every tracker logs under `table_key`: `scoring.table.comparison` of the live
+    aggregate, its numbers to 4 decimals."""
+    columns, rows = comparison(report, baseline)
+    return columns, [[row[0], *(round(x, 4) for x in row[1:])] for row in rows]
 
 
 def curve_key(prefix: str, method: str) -> str:
@@ -115,13 +122,9 @@ def report_speedups(prefix: str, report: EvalReport, baseline: EvalReport | None
     """With scoring.costs: the predicted speed-up of every method, aggregate and task, the baseline's and the
     paired ratio (`scoring.speed.speedup_metrics`, on `versus`: no bootstrap here); empty without costs, and
     where the costs do not hold a method's round (preflight refuses that; the fastest line says it)."""
-    from ..scoring.costs import CostsError
     from ..scoring.speed import report_speedups as speedups, speedup_metrics
 
-    try:
-        values = speedups(report, baseline, versus)
-    except (CostsError, KeyError):
-        return {}
+    values = speedups(report, baseline, versus)
     if values is None:
         return {}
     return {k: v for k, v in speedup_metrics(prefix, values).items() if not math.isnan(v)}

@@ -20,7 +20,7 @@ from ..scoring.intervals import resolution_warning
 from ..scoring.report import EvalReport
 from ..settings import EvalSettings
 from .host import Host
-from .metric_keys import errors_key, held_means, report_metrics, run_counts, table_key
+from .metric_keys import errors_key, held_means, live_table, report_metrics, run_counts, table_key
 from .run_folder import ResultsRecordError, ResultsWriteError, RunFolder
 from .run_state import RunState, history_entry
 from .results_line import results_record, speedup_of, summary_line, versus_baseline, versus_record
@@ -29,7 +29,6 @@ from .runners.jobs import BaselineOutcome, SnapshotOutcome, is_non_finite
 from .stop import Moment, StopPolicy
 from .trackers.delivery import Delivery, Table
 from .trackers.wandb import WandbTracker
-from ..scoring.table import comparison
 
 Subscriber = Callable[[EvalReport, "EvalReport | None"], object]
 
@@ -247,9 +246,7 @@ class Publisher:
         if self.delivery is None:
             self.delivery = Delivery(self.host.trackers(), self.host.warn)
         if self.delivery.destinations:  # a tracker's failure is its own warning and count (`Delivery.errors`)
-            columns, rows = comparison(report, baseline)
-            rows = [[row[0], *(round(x, 4) for x in row[1:])] for row in rows]
-            self.delivery.send(report.step, metrics, Table(table_key(self.prefix), columns, rows))
+            self.delivery.send(report.step, metrics, Table(table_key(self.prefix), *live_table(report, baseline)))
         return metrics
 
     def finish_trackers(self, plot: bool) -> None:
@@ -274,7 +271,8 @@ class Publisher:
         stopped, reason = (self.stopped_by[1], self.stopped_by[2]) if self.stopped_by else (None, None)
         title = f"{self.settings.name}: live tau of ours against the baseline ({len(self.reports)} reports)"
         return plot_live_tau(sorted(self.reports, key=lambda r: r.step), self.baseline, path, title=title,
-                             stop=policy if self.baseline is not None else None, stop_step=stopped, stop_reason=reason, horizon=self.host.horizon())
+                             stop=policy if self.baseline is not None else None, stop_step=stopped, stop_reason=reason,
+                             horizon=self.host.horizon())
 
     def _guarded(self, name: str, step: int, log: Callable[[], object]) -> None:
         try:

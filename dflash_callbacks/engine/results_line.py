@@ -29,13 +29,9 @@ def speedup_of(report: EvalReport, baseline: EvalReport | None, versus: dict | N
     paired ratio (on `versus`, the comparison made already), as results.jsonl keeps them beside
     `versus_baseline` (`speed.speedup_record`; `digits` None: as computed, what the history holds); None
     without costs, or where the costs do not hold a method's round."""
-    from ..scoring.costs import CostsError
     from ..scoring.speed import report_speedups, speedup_record
 
-    try:
-        values = report_speedups(report, baseline, versus)
-    except (CostsError, KeyError):
-        return None
+    values = report_speedups(report, baseline, versus)
     if values is None:
         return None
     verdicts = {monitor: per_task["mean"].verdict for monitor, per_task in (versus or {}).items()}

@@ -385,14 +385,18 @@ def report_speedups(report: EvalReport, baseline: EvalReport | None,
     """`speedup_values` of a report on the costs its scoring names (None: it names none), each task at its mean
     context in its cache; `versus`, the paired comparison with the baseline the runner made already, is never
     made here: without it, a baseline both of whose reports hold intervals (scored on other anchors) is left
-    out. CostsError where the costs do not hold a scored method's round."""
-    costs = report_costs(report)
-    if costs is None:
+    out. None too where the costs do not hold a scored method's round (preflight refuses that; the fastest
+    line says it), or a costs file gone since the run started."""
+    try:
+        costs = report_costs(report)
+        if costs is None:
+            return None
+        paired = baseline is not None and baseline.intervals is not None and report.intervals is not None
+        if paired and versus is None:
+            baseline = None
+        return speedup_values(report, baseline, costs, report_contexts(report), comparisons=versus)
+    except (CostsError, KeyError):
         return None
-    paired = baseline is not None and baseline.intervals is not None and report.intervals is not None
-    if paired and versus is None:
-        baseline = None
-    return speedup_values(report, baseline, costs, report_contexts(report), comparisons=versus)
 
 
 def speedup_record(values: dict[tuple[str, str, str], SpeedUp], verdicts: Mapping[str, str] | None = None,

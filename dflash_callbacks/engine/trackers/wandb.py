@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ...scoring.report import EvalReport
-from ...scoring.table import comparison
-from ..metric_keys import band_key, curve_key, errors_key, seconds_key, step_key, table_key
+from ..metric_keys import band_key, curve_key, errors_key, live_table, seconds_key, step_key, table_key
 
 
 def wandb_name(key: str) -> str:
@@ -77,9 +76,8 @@ class WandbTracker:
             summary = "max" if key not in (seconds_key(p), errors_key(p)) else None
             run.define_metric(wandb_name(key), step_metric=wandb_name(step_key(p)), **({"summary": summary} if summary else {}))
             defined.add(key)
-        columns, rows = comparison(report, baseline)
-        extras = {table_key(p): wandb.Table(columns=columns, data=[[row[0], *(round(x, 4) for x in row[1:])]
-                                                                        for row in rows])}
+        columns, rows = live_table(report, baseline)
+        extras = {table_key(p): wandb.Table(columns=columns, data=rows)}
         for method in report.methods:
             ys, keys = [mean_curve(report, method)], ["ours"]
             if baseline is not None and method in baseline.methods:
