@@ -1,10 +1,10 @@
-"""TensorBoard and MLflow through every entry point, read back from what they wrote: Lightning's own
-TensorBoardLogger and MLFlowLogger, the plain loop's `trackers=`, the transformers Trainer's own `report_to`
-integrations, `watch --checkpoints --tensorboard/--mlflow-uri`, and `watch --dir` (the external runner:
+"""TensorBoard and MLflow through every entry point, read back from what they wrote: the plain loop's
+`trackers=`, the transformers Trainer's own `report_to` integrations, `watch --checkpoints --tensorboard/--mlflow-uri`, and `watch --dir` (the external runner:
 the training process's trackers get what the watcher scored). Every report's keys at its step, with the
 values the `log=` functions got (results.jsonl's numbers), the per-task table, the live-tau plot at the
 end. A tracker that fails costs warnings, never the run nor the engine's error count, and gets what it
-missed once it is back."""
+missed once it is back. Lightning reaches them through its own TensorBoardLogger and MLFlowLogger:
+test_trackers_mlflow.py::test_lightnings_own_tensorboard_and_mlflow_loggers_hold_the_same_keys_as_the_trackers."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from dflash_callbacks.model import DFlashDrafter, save_drafter
 from loops import SCORING, hf_fit, plain_fit
 from runs import records
 from tracker_reports import read_events, scalars
-from train_run import eval_cb, fit, shared_world, world_paths
+from train_run import shared_world, world_paths
 
 
 @pytest.fixture(autouse=True)
@@ -194,23 +194,6 @@ def test_the_watchers_tracker_flags_are_checked_before_anything_is_scored(world,
                      str(world.target), "--once", "--mlflow-experiment", "x"])
     assert code == 2
     assert "--mlflow-experiment and --mlflow-run-id need --mlflow-uri URI" in capsys.readouterr().err
-
-
-def test_lightnings_own_tensorboard_and_mlflow_loggers_get_every_report_at_its_step(world, tmp_path):
-    from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger
-    from mlflow.tracking import MlflowClient
-
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    loggers = [TensorBoardLogger(tmp_path / "tb", name="run", version=0), MLFlowLogger("lightning", tracking_uri=uri)]
-    cb = eval_cb(world.path, tmp_path, baseline=world.baseline, baseline_cache_dir=tmp_path / "bc", busy="queue",
-                 max_pending=8)
-    fit(world.path, tmp_path, [cb], max_steps=6, logger=loggers)
-    values = {r.step: r.value("ddtree@4/live") for r in RunFolder(cb.run.path).read_results().reports}
-    assert sorted(values) == [2, 4, 6]
-    tb = scalars(read_events(tmp_path / "tb" / "run" / "version_0"))["dflash/ddtree@4/live/mean"]
-    assert tb == [(s, float(np.float32(values[s]))) for s in (2, 4, 6)]
-    ml = mlflow_history(uri, loggers[1].run_id, "dflash/ddtree4/live/mean")  # MLFlowLogger drops the '@'
-    assert [s for s, _ in ml] == [2, 4, 6] and np.allclose([v for _, v in ml], [values[s] for s in (2, 4, 6)])
 
 
 def test_with_the_external_runner_the_training_process_trackers_get_what_watch_dir_scored(world, tmp_path):
