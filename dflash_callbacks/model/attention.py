@@ -28,6 +28,9 @@ stack runs it; three name a stack and read the config as it does:
   `Attention` then takes the engine's model-level window, `cache_config.sliding_window`: the
   target's window where every target layer slides (`vllm_model_window`; the toy target's 64), else
   none. `resolve_attention(..., target_window=)` gives it to those layers.
+- "vllm-as-written": "vllm" without the engine's window: the config as written (vLLM on a target without
+  a model-level window). Scored beside "vllm" where the target has one (`ScoringConfig.rules`), so a
+  report says what the window costs.
 - "sglang": as SGLang resolves it: an explicit `is_causal` for every layer (SGLang reads no
   `dflash_config.causal` and no `sliding_window_non_causal`), else sliding layers causal
   and full ones bidirectional; the window counted back from each query. SGLang builds a full
@@ -65,6 +68,9 @@ RULES = {
             "every layer, full layers included; else is_causal / dflash_config.causal every layer; else sliding "
             "layers causal, full layers bidirectional; the window counted back from each query, and a layer "
             "without a window of its own given the target's model-level window (vLLM's cache_config.sliding_window)",
+    "vllm-as-written": "as vllm, but a layer without a window of its own keeps none: the config as written, which "
+                       "vLLM serves where the target has no model-level window (scored beside vllm by default where "
+                       "the target has one, ScoringConfig.score_as_written)",
     "sglang": "as SGLang resolves the config: is_causal every layer; else sliding layers causal, full layers "
               "bidirectional; the window counted back from each query",
     "trained": "as the checkpoint's trainer trained it: the family's own pattern where it names one (JetSpec: every "
@@ -123,6 +129,8 @@ def resolve_attention(config: DrafterConfig, rule: str = "auto", target_window: 
         raise ValueError(f"attention rule {rule!r} is not one of {list(RULES)}")
     if rule == "trained":
         return _trained(config)
+    if rule == "vllm-as-written":
+        return resolve_attention(config, "vllm")
     override = {"vllm": vllm_causal(config), "sglang": config.is_causal, "auto": config.causal}.get(rule)
     out = []
     for kind in config.layer_types:

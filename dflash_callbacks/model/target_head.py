@@ -53,6 +53,16 @@ def read_target_config(folder: Path) -> dict:
     return config
 
 
+def target_model_window(target: str | os.PathLike) -> int | None:
+    """The window vLLM's engine gives a drafter layer that declares none when serving the target folder `target`
+    (`attention.vllm_model_window` of its config.json); None where it has none, or its config can not be read
+    (the target's checks say why)."""
+    try:
+        return vllm_model_window(read_target_config(Path(target)))
+    except (OSError, ValueError):
+        return None
+
+
 def locate_keys(folder: Path) -> dict[str, Path]:
     """Which file holds each tensor name: from the shard index when there is one,
     else from the headers of the folder's safetensors files (headers only)."""
@@ -114,7 +124,7 @@ class TargetHead(nn.Module):
         head = cls(embed, head_weight)
         head.source = str(folder)
         head.fingerprint = head_fingerprint(folder)
-        head.model_window = vllm_model_window(read_target_config(folder))
+        head.model_window = target_model_window(folder)
         return head.eval()
 
 

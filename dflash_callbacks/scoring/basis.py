@@ -60,11 +60,14 @@ class Basis:
     sampling: str | None = None  # `served_sampling` (None: a greedy cache)
 
     @classmethod
-    def of_run(cls, config: ScoringConfig, cache, block_size: int | None, target: str | None = None) -> Basis:
-        """A run's basis: `config` scoring `cache` (a HiddenStateCache) at `block_size`."""
+    def of_run(cls, config: ScoringConfig, cache, block_size: int | None, target: str | None = None,
+               target_window: int | None = None) -> Basis:
+        """A run's basis: `config` scoring `cache` (a HiddenStateCache) at `block_size`, for the target of head
+        fingerprint `target` and model-level window `target_window` (`ScoringConfig.methods_on`)."""
         sampling = None if cache.sampling is None else cache.sampling.to_dict()
         return cls(cache.fingerprint, target, block_size, tuple(sorted(config.tasks or cache.task_names)),
-                   config.window, config.max_rounds, config.dtype, tuple(config.methods), attention=config.attention,
+                   config.window, config.max_rounds, config.dtype, tuple(config.methods_on(target_window)),
+                   attention=config.attention,
                    confidence_threshold=config.confidence_threshold,
                    sampling=served_sampling(sampling, config.draft_rule, config.coin_seed,
                                             run_estimators(config, cache) if sampling is not None else "coin draws"))

@@ -114,6 +114,11 @@ class ScoringConfig:
     attentions: list[str] = _field(factory=list, numbers=True,
                                    help="other attention rules to score every method under, each a method of its own "
                                         "(METHOD:RULE), e.g. trained beside vllm: the cost of serving another pattern")
+    score_as_written: bool = _field(True, numbers=True,
+                                    help="under attention vllm, where the target's model-level window reaches drafter "
+                                         "layers that declare none, also score every method as the config is written "
+                                         "(METHOD:vllm-as-written), so the report says what the window costs; false: "
+                                         "the served rule alone (half the scoring time on such a target)")
     served_temperature: float | None = _field(None, help="the temperature the requests are served at (None: the "
                                                           "cache's, 0 for a greedy cache); a cache sampled at another "
                                                           "is refused")
@@ -173,6 +178,7 @@ class ScoringConfig:
                 f"attentions holds a rule twice: {self.attentions}"),
             lambda: self.attention not in self.attentions or _bad(
                 f"attentions holds attention {self.attention!r}, which every method is scored under already"),
+            lambda: check_bool("score_as_written", self.score_as_written),
             lambda: check_number("served_temperature", self.served_temperature, optional=True) is None
             or self.served_temperature >= 0 or _bad(
                 f"served_temperature must be >= 0 (0: greedy); got {self.served_temperature!r}: give the temperature "
@@ -210,8 +216,23 @@ class ScoringConfig:
 
     @property
     def methods(self) -> list[str]:
-        """The names of the methods scored, in report order (`scored_methods` gives the values)."""
-        return [str(m) for m in scored_methods(self.ddtree_budgets, self.topk, self.block_sizes, self.attentions)]
+        """The names of the methods scored, in report order (`scored_methods` gives the values), on a target
+        without a model-level window (`methods_on` for one)."""
+        return self.methods_on(None)
+
+    def rules(self, target_window: int | None) -> list[str | None]:
+        """The attention rules every method is scored under, on a target whose model-level window is
+        `target_window` (`model.attention.vllm_model_window`): the run's (None), `attentions`, and under "vllm"
+        with `score_as_written` on a target with one, "vllm-as-written" (the config as written, beside what
+        the engine serves: the window's cost, `EvalReport.window_cost`)."""
+        extra = (["vllm-as-written"] if self.attention == "vllm" and self.score_as_written and target_window
+                 is not None and "vllm-as-written" not in self.attentions else [])
+        return [None, *self.attentions, *extra]
+
+    def methods_on(self, target_window: int | None) -> list[str]:
+        """The names of the methods scored on a target whose model-level window is `target_window`."""
+        rules = [rule for rule in self.rules(target_window) if rule is not None]
+        return [str(m) for m in scored_methods(self.ddtree_budgets, self.topk, self.block_sizes, rules)]
 
     @property
     def torch_dtype(self):

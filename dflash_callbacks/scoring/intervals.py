@@ -425,27 +425,46 @@ def paired_comparison(ours: EvalReport, other: EvalReport, resamples: int = RESA
     if uneven:
         raise ValueError(f"tasks {uneven} were scored on other anchors in the two reports (another cache, window or "
                          "block size): a paired comparison needs the same anchors")
-    out: dict[str, dict[str, Comparison]] = {f"{m}/{agg}": {} for m in methods for agg in AGGREGATES}
+    out: dict[str, dict[str, Comparison]] = {}
     for method in methods:  # each pair on its own: the same draws whatever else the reports score
-        top = float(max(ours.max_tau(method), other.max_tau(method)))
-        bounds = [(1 - top, top - 1), (1 / top, top)]
-        for aggregate, resampled in _resampled([(ours, method), (other, method)], tasks, seed, resamples).items():
-            value, gradient = arm_values(aggregate, 2)
+        out.update(_paired([(ours, method), (other, method)], tasks, resamples, seed))
+    return out
 
-            def delta_and_ratio(means: np.ndarray, value=value) -> np.ndarray:
-                both = value(means)
-                return np.stack([both[0] - both[1], both[0] / both[1]])
 
-            mean = resampled.means.mean(axis=1)
-            o, b = value(mean)
-            arms = gradient(mean)  # d(ours, other) / d(means)
-            gradients = np.stack([arms[0] - arms[1], arms[0] / b - o / b**2 * arms[1]])
-            overall = resampled.run_level(delta_and_ratio, gradients, bounds)
-            per_task = resampled.per_task(delta_and_ratio, bounds)
-            monitor = f"{method}/{aggregate}"
-            out[monitor]["mean"] = Comparison(monitor, "mean", overall[0], overall[1], len(tasks))
-            for task, delta, ratio in zip(tasks, per_task[0], per_task[1]):
-                out[monitor][task] = Comparison(monitor, task, delta, ratio)
+def method_comparison(report: EvalReport, ours: str, other: str, aggregate: str, resamples: int = RESAMPLES,
+                      seed: int = SEED) -> Comparison:
+    """Two methods of one report (e.g. `vanilla` against `vanilla:vllm-as-written`), paired as two reports
+    are (`paired_comparison`: the same tasks and stretches of text): the run-level delta and ratio of
+    `aggregate`, ours - other and ours / other, named by `ours`."""
+    paired = _paired([(report, ours), (report, other)], list(report.tasks), resamples, seed, [aggregate])
+    return paired[f"{ours}/{aggregate}"]["mean"]
+
+
+def _paired(arms: list[tuple[EvalReport, str]], tasks: list[str], resamples: int, seed: int,
+            aggregates: list[str] | None = None) -> dict[str, dict[str, Comparison]]:
+    """The paired comparison of two arms (report, method), for each aggregate (default: all), at the run level
+    ("mean") and per task, named by the first arm's method."""
+    (ours, method), (other, theirs) = arms
+    top = float(max(ours.max_tau(method), other.max_tau(theirs)))
+    bounds = [(1 - top, top - 1), (1 / top, top)]
+    out: dict[str, dict[str, Comparison]] = {}
+    for aggregate, resampled in _resampled(arms, tasks, seed, resamples, aggregates).items():
+        value, gradient = arm_values(aggregate, 2)
+
+        def delta_and_ratio(means: np.ndarray, value=value) -> np.ndarray:
+            both = value(means)
+            return np.stack([both[0] - both[1], both[0] / both[1]])
+
+        mean = resampled.means.mean(axis=1)
+        o, b = value(mean)
+        grads = gradient(mean)  # d(ours, other) / d(means)
+        gradients = np.stack([grads[0] - grads[1], grads[0] / b - o / b**2 * grads[1]])
+        overall = resampled.run_level(delta_and_ratio, gradients, bounds)
+        per_task = resampled.per_task(delta_and_ratio, bounds)
+        monitor = f"{method}/{aggregate}"
+        out[monitor] = {"mean": Comparison(monitor, "mean", overall[0], overall[1], len(tasks))}
+        for task, delta, ratio in zip(tasks, per_task[0], per_task[1]):
+            out[monitor][task] = Comparison(monitor, task, delta, ratio)
     return out
 
 

@@ -182,7 +182,24 @@ class EvalReport:
             line += ("; the drafter's patterns differ: " + "; ".join(
                 f"{name} {_layers(layers)}" for name, layers in shown.items())
                 + " (scoring.attentions scores the others beside it, METHOD:RULE)")
-        return line
+        cost = self.window_cost()
+        return line if cost is None else f"{line}; {cost}"
+
+    def window_cost(self, aggregate: str = "live") -> str | None:
+        """Under attention vllm, where the target's model-level window reached layers that declare none and the
+        config as written was scored beside it (`ScoringConfig.score_as_written`), what the window does to the
+        first method's `aggregate`: the paired delta with its 95% interval (`intervals.method_comparison`) and
+        both numbers; None otherwise."""
+        method = next(iter(self.methods), None)
+        written = f"{method}:vllm-as-written"
+        if self.scoring.get("attention") != "vllm" or written not in self.methods or self.intervals is None:
+            return None
+        from .intervals import method_comparison
+
+        delta = method_comparison(self, method, written, aggregate).delta
+        return (f"the target's window on the layers without their own moves {method} {aggregate} by "
+                f"{delta.show(sign=True)} ({self.value(f'{method}/{aggregate}'):.2f} served, "
+                f"{self.value(f'{written}/{aggregate}'):.2f} as written: {written})")
 
     def to_json(self, path: str | Path | None = None) -> str:
         """The report as JSON text; with `path`, also written there atomically."""

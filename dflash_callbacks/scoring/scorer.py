@@ -403,7 +403,7 @@ def score_drafter(
     if problems:
         raise ValueError("; ".join(problems))
     served = ServedDraft.of(config, cache.sampling, drafter.family)
-    rules = [None, *config.attentions]  # every method under each: `:RULE` past the first
+    rules = config.rules(head.model_window)  # every method under each: `:RULE` past the first
     cache.check_compatible(drafter.config, block_size=block_size)
     problems = drafter.head_problems(head.embed_tokens.weight, head.lm_head.weight)
     if problems:
@@ -421,7 +421,8 @@ def score_drafter(
     if measure_peak:
         torch.cuda.reset_peak_memory_stats(device)
     family = family_of(drafter, blocks)
-    max_taus = {m: family["proposals"][str(Method.parse(m).block or block_size)] + 1 for m in config.methods}
+    max_taus = {m: family["proposals"][str(Method.parse(m).block or block_size)] + 1
+                for m in config.methods_on(head.model_window)}
     tasks = {}
     # one estimator for the whole report: the conditional ones only where every task scored keeps the support
     supported = cache.sampling is not None and all("support" in cache.entry(n) for n in names)

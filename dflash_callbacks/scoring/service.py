@@ -38,11 +38,11 @@ import torch
 from ..cache.format import CacheError, HiddenStateCache
 from ..checks import check_device
 from ..model import DFlashDrafter, DrafterConfig, TargetHead, build_drafter, drafter_class, load_drafter
-from ..model.attention import attention_note
+from ..model.attention import attention_note, resolve_attention
 from ..model.drafter import check_state_dict
 from ..model.geometry import anchor_range
 from ..model.io import read_config, read_snapshot_meta, read_state_shapes, safetensors_files
-from ..model.target_head import head_fingerprint, head_shapes
+from ..model.target_head import head_fingerprint, head_shapes, target_model_window
 from .basis import Basis
 from .config import ScoringConfig
 from .report import SCORER_VERSION, EvalReport
@@ -177,15 +177,23 @@ def preflight(spec: ServiceSpec, drafter: DrafterConfig | None, drafter_shapes: 
         except ValueError as e:
             problems.append(str(e))
     if spec.baseline is not None and cache is not None:
-        problems += _baseline_problems(Path(spec.baseline), cache, config, block, head)
+        problems += _baseline_problems(Path(spec.baseline), cache, config, block, head,
+                                       target_model_window(spec.target))
     elif spec.baseline is not None and not Path(spec.baseline).exists():  # what can be checked without the cache
         problems.append(f"baseline {spec.baseline} does not exist (give a drafter folder or a saved report JSON)")
     if problems:
         raise PreflightError("the scoring inputs do not fit together:\n  " + "\n  ".join(problems))
     engine = engine_settings_warning(config.served_engine_settings)
-    for line in [*_attention_notes(config, drafter, spec.baseline), *([engine] if engine else [])]:
+    window = target_model_window(spec.target)
+    added = ("vllm-as-written" in config.rules(window) and "vllm-as-written" not in config.attentions
+             and drafter is not None and resolve_attention(drafter, "vllm", window) != resolve_attention(drafter, "vllm"))
+    both = (f"attention vllm: the target's model-level window ({window}) reaches the drafter's layers that declare "
+            "none, so every method is also scored as the config is written (METHOD:vllm-as-written), the window's "
+            "cost in each report's line; scoring.score_as_written: false scores the served rule alone")
+    for line in [*_attention_notes(config, drafter, spec.baseline), *([engine] if engine else []),
+                 *([both] if added else [])]:
         (warn or (lambda text: warnings.warn(text, UserWarning, stacklevel=3)))(line)
-    return Basis.of_run(config, cache, block, head)
+    return Basis.of_run(config, cache, block, head, window)
 
 
 def _attention_notes(config: ScoringConfig, drafter: DrafterConfig | None, baseline: str | None) -> list[str]:
@@ -284,7 +292,7 @@ def _target_problems(target: str, vocab: int | None, hidden: int | None, whose: 
 
 
 def _baseline_problems(source: Path, cache: HiddenStateCache, config: ScoringConfig, block: int | None,
-                       head: str | None) -> list[str]:
+                       head: str | None, target_window: int | None) -> list[str]:
     if not source.exists():
         return [f"baseline {source} does not exist (give a drafter folder or a saved report JSON)"]
     if source.is_file():
@@ -292,7 +300,8 @@ def _baseline_problems(source: Path, cache: HiddenStateCache, config: ScoringCon
             report = EvalReport.load(source)
         except ValueError as e:
             return [f"baseline: {e}"]
-        return Basis.of_run(config, cache, block, head).mismatches(report, f"baseline {source}")  # head None: unread
+        return Basis.of_run(config, cache, block, head, target_window).mismatches(  # head None: unread
+            report, f"baseline {source}")
     try:
         drafter = read_config(source)
         problems = _shape_problems(drafter, read_state_shapes(source), f"baseline {source}")
@@ -329,7 +338,8 @@ class ScoringService:
 
     def basis(self, block_size: int | None) -> Basis:
         """What this service's reports stand on, for a drafter of `block_size` (None: not known)."""
-        return Basis.of_run(self.config, self.cache, self.config.block_size or block_size, self.head.fingerprint)
+        return Basis.of_run(self.config, self.cache, self.config.block_size or block_size, self.head.fingerprint,
+                            self.head.model_window)
 
     def score(
         self, config: DrafterConfig, state: Mapping[str, torch.Tensor], *, step: int | None = None,

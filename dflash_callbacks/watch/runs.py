@@ -105,7 +105,8 @@ class Watcher:
                                     "to a watcher without it")
         # the basis its service would have (ScoringService.basis), before a service, and a head, is made for it
         differences = [] if basis is None else basis.differences(Basis.of_run(
-            config, self.service.cache, config.block_size or basis.block_size, self.service.head.fingerprint))
+            config, self.service.cache, config.block_size or basis.block_size, self.service.head.fingerprint,
+            self.service.head.model_window))
         if differences:
             settings = "" if "scoring" in about else ", scoring flags"  # an older run's come from the flags
             return self.refuse(run, f"this watcher would score it with {'; '.join(differences)}: start a watcher with "

@@ -134,3 +134,28 @@ def test_two_ranks_score_on_rank0_alone_and_stop_together(world, tmp_path, paral
     steps = [r["step"] for r in records(root / "dflash")]
     assert steps == sorted(set(steps)) == r0["reports"]
     assert_clean(root / "dflash")
+
+
+def test_under_vllm_on_a_windowed_target_every_method_is_scored_as_written_beside_its_baseline(world, tmp_path):
+    """A target whose layers all slide (Mistral-style: a window, no layer types) gives its window to the drafter's
+    full layer under "vllm": the run scores each method as the config is written beside it, for the drafter and
+    its baseline alike, so the run's basis holds both, the report's line says what the window costs, and each
+    METHOD:vllm-as-written key is logged with its ratio to the baseline's."""
+    import json
+    import shutil
+
+    target = tmp_path / "windowed-target"
+    shutil.copytree(world.target, target)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "sliding_window": 5}))
+    logged = []
+    ev = evaluator(world, tmp_path, target=target, scoring={**SCORING, "attention": "vllm"}, max_steps=2,
+                   log=lambda metrics, step: logged.append(dict(metrics)))
+    plain_fit(world, 2, ev)
+    (report,) = ev.reports
+    assert report.methods == ["vanilla", "ddtree@4", "vanilla:vllm-as-written", "ddtree@4:vllm-as-written"]
+    assert ev.baseline_report.methods == report.methods and ev.errors == 0
+    assert "the target's window on the layers without their own moves vanilla live by" in report.served()
+    for method in report.methods:
+        assert logged[-1][f"dflash/{method}/live/mean"] == pytest.approx(report.value(f"{method}/live"))
+        assert f"dflash/ratio/{method}/live/mean" in logged[-1]

@@ -132,7 +132,8 @@ def test_too_few_points_for_projection_does_not_stop():
     [
         ({"monitor": "ddtree8/live"}, "vanilla, ddtree@N (node budget N >= 1) or top@K (width K >= 1), optionally :bB "
                                       "(block size B >= 2), then optionally :RULE (an attention rule: auto, causal, "
-                                      "bidirectional, anchored-causal, anchored-bidirectional, no-window, vllm, sglang, "
+                                      "bidirectional, anchored-causal, anchored-bidirectional, no-window, vllm, vllm-as-written, "
+                                      "sglang, "
                                       "trained); got 'ddtree8'"),
         ({"monitor": "ddtree@8"}, "METHOD/AGGREGATE"),
         ({"monitor": "top@0/live"}, "got 'top@0'"),
