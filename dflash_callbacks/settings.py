@@ -217,8 +217,6 @@ def normalise_paths(settings: Any, required: Iterable[str], optional: Iterable[s
 
 
 # ------------------------------------------------------------------ the evaluation
-
-
 def scoring_config(scoring: Any, device: str | None) -> ScoringConfig:
     """The caller's scoring config (a ScoringConfig, a mapping of its fields, an OmegaConf DictConfig, or
     None), copied, never changed, with `device` applied and `costs` made absolute (a watcher started in another
