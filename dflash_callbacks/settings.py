@@ -27,9 +27,9 @@ import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
-from typing_extensions import TypedDict
+from typing_extensions import TypedDict, dataclass_transform
 
 from .checks import check_bool, check_choice, check_int, check_number, problems_of
 from .scoring.config import ScoringConfig
@@ -155,7 +155,51 @@ def _flag_type(hint: Any):
     return hint if hint in (int, float, str, bool, Path) else str
 
 
-# ------------------------------------------------------------------ the evaluation
+# ------------------------------------------------------------------ path fields
+if TYPE_CHECKING:
+    class PathField:
+        """A path setting as a type checker sees it: given as a str or an os.PathLike (`__set__`, what a
+        dataclass's __init__ takes), read as a Path (`__get__`: `__post_init__` made it one). At run time it
+        is `Path` itself (the CLI flags and the YAML schemas read the field's type)."""
+
+        @overload
+        def __get__(self, obj: None, owner: Any) -> PathField: ...
+        @overload
+        def __get__(self, obj: object, owner: Any) -> Path: ...
+        def __get__(self, obj: object, owner: Any) -> Any: ...
+        def __set__(self, obj: object, value: str | os.PathLike[str]) -> None: ...
+
+    class OptionalPathField:
+        """`PathField`, or None."""
+
+        @overload
+        def __get__(self, obj: None, owner: Any) -> OptionalPathField: ...
+        @overload
+        def __get__(self, obj: object, owner: Any) -> Path | None: ...
+        def __get__(self, obj: object, owner: Any) -> Any: ...
+        def __set__(self, obj: object, value: str | os.PathLike[str] | None) -> None: ...
+else:
+    PathField = Path
+    OptionalPathField = Path | None
+
+
+def path_field(*, default: Any = MISSING) -> Any:
+    """A `frozen_settings` field of type PathField or OptionalPathField with a default: `field(default=...)`,
+    typed Any so that a type checker takes e.g. `out: OptionalPathField = path_field(default=None)`."""
+    return field(default=default)
+
+
+_T = TypeVar("_T")
+
+
+@dataclass_transform(frozen_default=True, field_specifiers=(field, path_field))
+def frozen_settings(cls: type[_T]) -> type[_T]:
+    """`@dataclass(frozen=True)`, which a type checker reads through PEP 681: there a required PathField (no
+    default) is a descriptor too, given as a str, read as a Path (under a plain `@dataclass` mypy reads it
+    as a plain attribute of type PathField)."""
+    return dataclass(frozen=True)(cls)
+
+
 def _path(name: str, value: Any, optional: bool = False) -> Path | None:
     if optional and value is None:
         return None
@@ -164,6 +208,15 @@ def _path(name: str, value: Any, optional: bool = False) -> Path | None:
     return Path(value)
 
 
+def normalise_paths(settings: Any, required: Iterable[str], optional: Iterable[str]) -> None:
+    """Make each named field of the frozen dataclass `settings` a Path (an optional one: or None); a value
+    that is not a path raises TypeError naming the field."""
+    for names, is_optional in ((required, False), (optional, True)):
+        for name in names:
+            object.__setattr__(settings, name, _path(name, getattr(settings, name), optional=is_optional))
+
+
+# ------------------------------------------------------------------ the evaluation
 def scoring_config(scoring: Any, device: str | None) -> ScoringConfig:
     """The caller's scoring config (a ScoringConfig, a mapping of its fields, an OmegaConf DictConfig, or
     None), copied, never changed, with `device` applied and `costs` made absolute (a watcher started in another
@@ -195,9 +248,9 @@ class EvalSettings:
 
     POSITIONAL = 3  # cache, target and baseline may be given by position
 
-    cache: Path = setting(help="hidden-state cache folder (`dflash-callbacks extract`)")
-    target: Path = setting(help="the target's folder; only its embed_tokens and lm_head are read")
-    baseline: Path | None = setting(None, help="a published drafter folder (scored once, cached) or a saved report "
+    cache: PathField = setting(help="hidden-state cache folder (`dflash-callbacks extract`)")
+    target: PathField = setting(help="the target's folder; only its embed_tokens and lm_head are read")
+    baseline: OptionalPathField = setting(None, help="a published drafter folder (scored once, cached) or a saved report "
                                                "JSON; None: no baseline")
     every_n_steps: int = setting(500, help="snapshot cadence in optimizer steps (>= 1)",
                                  aliases=("every_n_train_steps",))
@@ -212,9 +265,9 @@ class EvalSettings:
     keep_last: int = setting(2, help="snapshots kept on disk (0: none written; runner 'thread' only)")
     on_error: str = setting("warn", help="'warn' (training goes on) or 'raise'")
     wait_on_end: bool = setting(True, help="score and log the last step before training returns")
-    dirpath: Path | None = setting(None, help="the folder that holds this evaluation's runs, one subfolder per run "
+    dirpath: OptionalPathField = setting(None, help="the folder that holds this evaluation's runs, one subfolder per run "
                                               "(default: the loop's, e.g. <default_root_dir>/<name>)")
-    baseline_cache_dir: Path | None = setting(None, help="where baseline reports are cached across runs (default: "
+    baseline_cache_dir: OptionalPathField = setting(None, help="where baseline reports are cached across runs (default: "
                                                          "$XDG_CACHE_HOME/dflash_callbacks/baselines, ~/.cache/... "
                                                          "without it)")
     wait_timeout: float = setting(3600.0, help="seconds the end of training waits for pending reports (> 0); what "
@@ -228,10 +281,7 @@ class EvalSettings:
     def __post_init__(self) -> None:
         """Every bad value at once, one line each (a path of the wrong type raises TypeError at once)."""
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen: normalised once, here)
-        put("cache", _path("cache", self.cache))
-        put("target", _path("target", self.target))
-        for name in ("baseline", "dirpath", "baseline_cache_dir"):
-            put(name, _path(name, getattr(self, name), optional=True))
+        normalise_paths(self, ("cache", "target"), ("baseline", "dirpath", "baseline_cache_dir"))
         put("scoring", scoring_config(self.scoring, self.device))
         problems = problems_of(
             lambda: check_int("every_n_steps", self.every_n_steps, 1),

@@ -234,7 +234,8 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
                                                         "--costs file was measured in another dtype")
     p.add_argument("--costs", type=Path, default=None,
                    help="a costs file of the serving device (`dflash-callbacks profile`): also print each method's "
-                        "predicted speed-up, ours, the baseline's and the paired ratio, and the fastest configuration")
+                        "predicted speed-up, ours, the baseline's and the paired ratio, and the fastest configuration "
+                        "(default: the costs our report was scored with, its scoring.costs, when that file is here)")
 
 
 def load_ours(path: Path, step: int | None):
@@ -306,12 +307,36 @@ def run_compare(args: argparse.Namespace) -> int:
               file=sys.stderr)
     print(comparison_table(ours, baseline, args.aggregate, other=baseline.drafter))
     print(f"ours: {ours.served()}\n{baseline.drafter}: {baseline.served()}")  # each side's rule and cache settings
-    if args.costs is not None:
-        from ..scoring.costs import Costs, check_costs_fit
+    costs, named = compare_costs(args, ours)
+    if costs is not None:
+        from ..scoring.costs import check_costs_fit
 
-        costs = Costs.load(args.costs)
-        for line in check_costs_fit(costs, args.force, dtype=ours.scoring.get("dtype")):
-            print(f"warning: --costs {args.costs}: {line}", file=sys.stderr)
+        forced = args.force or (args.costs is None and bool(ours.scoring.get("force_costs")))  # as it was scored
+        for line in check_costs_fit(costs, forced, dtype=ours.scoring.get("dtype")):
+            print(f"warning: {named}: {line}", file=sys.stderr)
         cache = Path(ours.cache["path"]) if ours.cache.get("path") else None
         print_speedups(ours, baseline, costs, args.aggregate, cache if cache is not None and cache.is_dir() else None)
     return 0
+
+
+def compare_costs(args: argparse.Namespace, ours):
+    """(the costs compare predicts the speed-ups on, how a warning names them): `--costs`, or else the costs
+    file our report was scored with (its `scoring.costs`); (None, "") where neither names one, or where the
+    recorded file is not here or not a costs file (one warning line; --costs gives one)."""
+    from ..scoring.costs import Costs, CostsError
+
+    if args.costs is not None:
+        return Costs.load(args.costs), f"--costs {args.costs}"
+    recorded = ours.scoring.get("costs")
+    if not recorded:
+        return None, ""
+    named = f"the costs {args.ours} was scored with ({recorded})"
+    if not Path(recorded).is_file():
+        print(f"warning: no predicted speed-up: {named} is not here; give the costs file with --costs FILE",
+              file=sys.stderr)
+        return None, ""
+    try:
+        return Costs.load(recorded), named
+    except CostsError as e:
+        print(f"warning: no predicted speed-up: {e}; give a costs file with --costs FILE", file=sys.stderr)
+        return None, ""

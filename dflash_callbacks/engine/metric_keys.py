@@ -16,14 +16,17 @@
     PREFIX/errors                         failed evaluations so far
     PREFIX/live_table, PREFIX/curve/{method}, PREFIX/band/{method}   W&B's table and plots
 
-A report's keys are the families in `REPORT_FAMILIES`, in order: a new family of keys is one
-function `(prefix, report, baseline, versus) -> {key: value}` added there.
+A report's keys are the families in `REPORT_FAMILIES`, in order (a new family of keys is one
+function `(prefix, report, baseline, versus) -> {key: value}` added there), then its predicted speed-ups
+(`report_speedups`), of the values the publisher makes once per report for these keys and its history entry.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+
+from typing import Any
 
 from ..scoring.methods import AGGREGATES
 from ..scoring.report import EvalReport
@@ -118,27 +121,46 @@ def report_bounds(prefix: str, report: EvalReport, baseline: EvalReport | None, 
     return out
 
 
-def report_speedups(prefix: str, report: EvalReport, baseline: EvalReport | None, versus: dict | None) -> dict[str, float]:
-    """With scoring.costs: the predicted speed-up of every method, aggregate and task, the baseline's and the
-    paired ratio (`scoring.speed.speedup_metrics`, on `versus`: no bootstrap here); empty without costs, and
-    where the costs do not hold a method's round (preflight refuses that; the fastest line says it)."""
-    from ..scoring.speed import report_speedups as speedups, speedup_metrics
+MADE_HERE: Any = object()
+"""`speedups=` not given: the speed-ups are made from the report (`speedup_values`)."""
 
-    values = speedups(report, baseline, versus)
+
+def speedup_values(report: EvalReport, baseline: EvalReport | None, versus: dict | None,
+                   speedups: Any = MADE_HERE) -> dict | None:
+    """`speedups` where given, else the report's predicted speed-ups, `scoring.speed.report_speedups` (on
+    `versus`: no bootstrap; ~0.6 ms, so the publisher makes them once per report); None without costs, and
+    where the costs do not hold a method's round (preflight refuses that; the fastest line says it)."""
+    if speedups is not MADE_HERE:
+        return speedups
+    from ..scoring.speed import report_speedups as made
+
+    return made(report, baseline, versus)
+
+
+def report_speedups(prefix: str, report: EvalReport, baseline: EvalReport | None, versus: dict | None,
+                    speedups: Any = MADE_HERE) -> dict[str, float]:
+    """With scoring.costs: the predicted speed-up of every method, aggregate and task, the baseline's and the
+    paired ratio (`scoring.speed.speedup_metrics` of `speedup_values`); empty without them."""
+    from ..scoring.speed import speedup_metrics
+
+    values = speedup_values(report, baseline, versus, speedups)
     if values is None:
         return {}
     return {k: v for k, v in speedup_metrics(prefix, values).items() if not math.isnan(v)}
 
 
 Family = Callable[[str, EvalReport, "EvalReport | None", "dict | None"], dict]
-REPORT_FAMILIES: list[Family] = [report_values, report_bounds, report_speedups]
+REPORT_FAMILIES: list[Family] = [report_values, report_bounds]
 
 
-def report_metrics(prefix: str, report: EvalReport, baseline: EvalReport | None, versus: dict | None) -> dict[str, float]:
-    """Every key a report is logged under, family by family (`REPORT_FAMILIES`)."""
+def report_metrics(prefix: str, report: EvalReport, baseline: EvalReport | None, versus: dict | None,
+                   speedups: Any = MADE_HERE) -> dict[str, float]:
+    """Every key a report is logged under, family by family (`REPORT_FAMILIES`), then its speed-ups
+    (`speedups`: `speedup_values` made already; not given: made here)."""
     out: dict[str, float] = {}
     for family in REPORT_FAMILIES:
         out.update(family(prefix, report, baseline, versus))
+    out.update(report_speedups(prefix, report, baseline, versus, speedups))
     return out
 
 

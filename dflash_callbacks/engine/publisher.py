@@ -20,10 +20,12 @@ from ..scoring.intervals import resolution_warning
 from ..scoring.report import EvalReport
 from ..settings import EvalSettings
 from .host import Host
-from .metric_keys import errors_key, held_means, live_table, report_metrics, run_counts, table_key
+from .metric_keys import (
+    MADE_HERE, errors_key, held_means, live_table, report_metrics, run_counts, speedup_values, table_key,
+)
 from .run_folder import ResultsRecordError, ResultsWriteError, RunFolder
 from .run_state import RunState, history_entry
-from .results_line import results_record, speedup_of, summary_line, versus_baseline, versus_record
+from .results_line import results_record, speedup_entry, summary_line, versus_baseline, versus_record
 from .runners.background import BackgroundRunner
 from .runners.jobs import BaselineOutcome, SnapshotOutcome, is_non_finite
 from .stop import Moment, StopPolicy
@@ -146,12 +148,13 @@ class Publisher:
         if versus is None:  # the runner had no baseline yet: the comparison, and a line with it, made here
             versus = versus_baseline(report, self.baseline)
             record = record if versus is None else None
-        metrics = self.write(report, self.baseline, seconds, versus, record)
+        speedups = speedup_values(report, self.baseline, versus)  # once: the keys, the history (and a line made here)
+        metrics = self.write(report, self.baseline, seconds, versus, record, speedups)
         if metrics is None:
             return  # refused: an error line, nothing logged
         self.state.set(report.step, held_means(metrics), self.host, self.closing)
         self.state.add(history_entry(report, versus_record(versus, digits=None) if versus else None,
-                                     speedup_of(report, self.baseline, versus, digits=None)), outgoing=True)
+                                     speedup_entry(speedups, versus, digits=None)), outgoing=True)
         self.reports.append(report)
         if self.settings.verbose:
             self.host.info(summary_line(self.settings.name, report, self.baseline))
@@ -215,12 +218,12 @@ class Publisher:
         return written
 
     def record_report(self, report: EvalReport, score_seconds: float, versus: dict | None = None,
-                      prepared: tuple[dict, str | None] | None = None) -> bool:
-        """Append the report's results.jsonl line (`prepared`: made already, by the runner). A report the
-        reader would refuse is an error line instead (and a failure): False, and none of its numbers may
-        be logged."""
-        record, refused = prepared or results_record(report, score_seconds, versus,
-                                                     speedup_of(report, self.baseline, versus))
+                      prepared: tuple[dict, str | None] | None = None, speedups: object = MADE_HERE) -> bool:
+        """Append the report's results.jsonl line (`prepared`: made already, by the runner; else made here, on
+        `speedups`, `metric_keys.speedup_values`). A report the reader would refuse is an error line instead
+        (and a failure): False, and none of its numbers may be logged."""
+        record, refused = prepared or results_record(report, score_seconds, versus, speedup_entry(
+            speedup_values(report, self.baseline, versus, speedups), versus))
         if refused is not None:
             error = f"step {report.step}: the report is refused, none of its numbers is logged: {refused}"
             self.record({"step": report.step, "snapshot_id": report.snapshot_id, "error": error})
@@ -230,13 +233,16 @@ class Publisher:
         return True
 
     def write(self, report: EvalReport, baseline: EvalReport | None, score_seconds: float,
-              versus: dict | None = None, prepared: tuple[dict, str | None] | None = None) -> dict[str, float] | None:
+              versus: dict | None = None, prepared: tuple[dict, str | None] | None = None,
+              speedups: object = MADE_HERE) -> dict[str, float] | None:
         """Record, then log to every logger and W&B run at the report's step (`versus`: the paired comparison
-        with the baseline, for the intervals of the deltas and ratios); returns what was logged (None, and
+        with the baseline, for the intervals of the deltas and ratios; `speedups`: the report's predicted
+        speed-ups, `metric_keys.speedup_values`, made here where not given); returns what was logged (None, and
         nothing logged, for a refused report)."""
-        if not self.record_report(report, score_seconds, versus, prepared):
+        speedups = speedup_values(report, baseline, versus, speedups)
+        if not self.record_report(report, score_seconds, versus, prepared, speedups):
             return None
-        metrics = report_metrics(self.prefix, report, baseline, versus)
+        metrics = report_metrics(self.prefix, report, baseline, versus, speedups)
         metrics.update(run_counts(self.prefix, report.step, score_seconds, self.state.errors))
         for name, log in self.host.loggers():
             self._guarded(name, report.step, lambda: log(metrics, report.step))

@@ -29,9 +29,16 @@ def speedup_of(report: EvalReport, baseline: EvalReport | None, versus: dict | N
     paired ratio (on `versus`, the comparison made already), as results.jsonl keeps them beside
     `versus_baseline` (`speed.speedup_record`; `digits` None: as computed, what the history holds); None
     without costs, or where the costs do not hold a method's round."""
-    from ..scoring.speed import report_speedups, speedup_record
+    from ..scoring.speed import report_speedups
 
-    values = report_speedups(report, baseline, versus)
+    return speedup_entry(report_speedups(report, baseline, versus), versus, digits)
+
+
+def speedup_entry(values: dict | None, versus: dict | None, digits: int | None = 6) -> dict | None:
+    """`speedup_of` of the speed-ups made already (`scoring.speed.report_speedups`; None: none), each with the
+    verdict of `versus` on its monitor."""
+    from ..scoring.speed import speedup_record
+
     if values is None:
         return None
     verdicts = {monitor: per_task["mean"].verdict for monitor, per_task in (versus or {}).items()}

@@ -5,12 +5,11 @@ a program may build one itself. No torch here."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..scoring.config import ScoringConfig
-from ..settings import StopSettings
+from ..settings import OptionalPathField, PathField, StopSettings, frozen_settings, normalise_paths, path_field
 
 DEFAULTS: dict[str, Any] = {  # the settings only `watch --checkpoints` takes, and their defaults
     "out": None, "state_key": None, "state_file": "training_state.pt", "drafter_config": None, "step_pattern": None,
@@ -19,19 +18,19 @@ DEFAULTS: dict[str, Any] = {  # the settings only `watch --checkpoints` takes, a
 }
 
 
-@dataclass(frozen=True)
+@frozen_settings
 class WatchSettings:
     """The checkpoints to watch (`checkpoints`, a trainer's folder), what to score them with, where the
     reports go (`out`: default CHECKPOINTS/dflash-eval), how to read and poll, and the stop (`stop`: with
     a baseline) and W&B run of the reports."""
 
-    checkpoints: Path
-    cache: Path
-    target: Path
+    checkpoints: PathField
+    cache: PathField
+    target: PathField
     scoring: ScoringConfig
-    baseline: Path | None = None
-    baseline_cache_dir: Path | None = None
-    out: Path | None = None
+    baseline: OptionalPathField = path_field(default=None)
+    baseline_cache_dir: OptionalPathField = path_field(default=None)
+    out: OptionalPathField = path_field(default=None)
     poll_seconds: float = 5.0
     idle_exit: float | None = None
     once: bool = False
@@ -39,17 +38,23 @@ class WatchSettings:
     step_pattern: re.Pattern | None = None  # its first group (or match) is the step; None: the name's last integer
     state_key: str | None = None  # torch checkpoint files, the drafter's state dict under this key; None: HF folders
     state_file: str = DEFAULTS["state_file"]
-    drafter_config: Path | None = None  # with state_key: the drafter's config.json (what `config` was read from)
+    drafter_config: OptionalPathField = path_field(default=None)  # with state_key: the drafter's config.json
+    # (what `config` was read from)
     config: Any = None  # the DrafterConfig of `drafter_config`
     max_steps: int | None = None
     stop: StopSettings | None = None
     wandb_project: str | None = None
     wandb_name: str | None = None
     wandb_group: str | None = None
-    tensorboard: Path | None = None  # a TensorBoard folder the reports go to as well
+    tensorboard: OptionalPathField = path_field(default=None)  # a TensorBoard folder the reports go to as well
     mlflow_uri: str | None = None  # an MLflow tracking URI, with mlflow_experiment (a run made there) or mlflow_run_id
     mlflow_experiment: str | None = None
     mlflow_run_id: str | None = None
+
+    def __post_init__(self) -> None:
+        """Every path given as a str or an os.PathLike is a Path from here on."""
+        normalise_paths(self, ("checkpoints", "cache", "target"),
+                        ("baseline", "baseline_cache_dir", "out", "drafter_config", "tensorboard"))
 
     def trackers(self) -> list:
         """The TensorBoard and MLflow trackers these settings ask for (`engine/trackers/flags.py`)."""

@@ -2,6 +2,7 @@
 computation on costs made by hand, its interval and the paired ratio with the baseline, the fastest line, the
 logged keys, and `score --costs` end to end on the toy world."""
 
+import dataclasses
 import re
 
 import pytest
@@ -176,6 +177,36 @@ def test_score_with_costs_prints_the_speedups_and_the_fastest_line(toy_cache_dir
     assert cli_main(["compare", str(ours), str(base), "--costs", str(path)]) == 0
     compared = capsys.readouterr().out.splitlines()
     assert compared[-len(added):] == added
+
+
+def test_compare_falls_back_on_the_costs_the_report_was_scored_with(report, tmp_path, capsys):
+    """No --costs: the costs file our report's scoring names (scoring.costs); --costs wins over it; a recorded
+    file gone since is one warning line and no speed-up, not a failure."""
+    recorded, other = tmp_path / "recorded.json", tmp_path / "other.json"
+    hand_costs().to_json(recorded)
+    hand_costs(slope=0.004).to_json(other)
+    ours, base = tmp_path / "ours.json", tmp_path / "base.json"
+    dataclasses.replace(report, scoring={**report.scoring, "costs": str(recorded)}).to_json(ours)
+    report.to_json(base)
+
+    def compare(*more: str) -> tuple[str, str]:
+        code = cli_main(["compare", str(ours), str(base), *more])
+        captured = capsys.readouterr()
+        assert code == 0, captured.err
+        return captured.out, captured.err
+
+    fallback, err = compare()
+    assert "predicted speed-up (live) on hand" in fallback and "fastest: " in fallback and err == ""
+    assert compare("--costs", str(recorded)) == (fallback, "")
+    given = compare("--costs", str(other))[0]
+    table = fallback.split("predicted speed-up")[0]
+    assert given != fallback and given.startswith(table)  # the same tau table, other speed-ups
+    recorded.unlink()
+    out, err = compare()
+    assert out == table and err.splitlines() == [
+        f"warning: no predicted speed-up: the costs {ours} was scored with ({recorded}) is not here; give the costs "
+        "file with --costs FILE"]
+    assert compare("--costs", str(other)) == (given, "")
 
 
 def test_score_refuses_costs_of_another_dtype_or_target_in_one_line_unless_forced(toy_cache_dir, toy_target, tmp_path,

@@ -10,6 +10,7 @@ import inspect
 import subprocess
 import sys
 import typing
+from pathlib import Path
 
 import pytest
 
@@ -19,9 +20,11 @@ from dflash_callbacks.engine.adapter import EvalAdapter
 from dflash_callbacks.engine.stop import StopPolicy
 from dflash_callbacks.hf import DrafterEvalTrainerCallback
 from dflash_callbacks.loop import DrafterEvaluator
+from dflash_callbacks.scoring.config import ScoringConfig
 from dflash_callbacks.settings import (
     LIGHTNING_NAMES, EvalFields, EvalSettings, LightningEvalFields, StopFields, StopSettings,
 )
+from dflash_callbacks.watch.watch_settings import WatchSettings
 
 from suite_paths import REPO
 
@@ -79,12 +82,22 @@ from pathlib import Path
 
 from dflash_callbacks.callbacks.stopping import TrailingBaselineStop
 from dflash_callbacks.loop import DrafterEvaluator
+from dflash_callbacks.scoring.config import ScoringConfig
 from dflash_callbacks.settings import EvalSettings
+from dflash_callbacks.watch.watch_settings import WatchSettings
 
 DrafterEvaluator("cache", "target", every_n_stpes=500)
 TrailingBaselineStop(monitor="ddtree@8/live", patience="3")
 DrafterEvaluator(settings=EvalSettings(Path("c"), Path("t")), stop=TrailingBaselineStop(patience=3))
 DrafterEvaluator("cache", "target", runner="thread", every_n_steps=100, wait_timeout=60.0)
+settings = EvalSettings("cache", "target", baseline="base.json", dirpath=Path("runs"), baseline_cache_dir="baselines")
+folder: Path = settings.cache / "meta.json"
+found: Path | None = settings.baseline
+watch = WatchSettings(checkpoints="ckpt", cache="cache", target=Path("target"), scoring=ScoringConfig(),
+                      out="out", tensorboard="tb", drafter_config=None)
+place: Path = watch.checkpoints / watch.cache.name
+reveal_type(watch.out)
+WatchSettings(cache="cache", target="target", scoring=ScoringConfig())
 '''
 
 MYPY_INI = """[mypy]
@@ -96,6 +109,8 @@ follow_imports = skip
 
 
 def test_mypy_reports_a_misspelled_setting_and_a_setting_of_the_wrong_type(tmp_path):
+    """Those two errors (and a WatchSettings without its checkpoints) and no other: every path setting of
+    EvalSettings and WatchSettings takes a str (or os.PathLike) and is read back as a Path (one mypy run)."""
     pytest.importorskip("mypy", reason="mypy is in the [dev] extra")
     (tmp_path / "user.py").write_text(SCRIPT)
     (tmp_path / "mypy.ini").write_text(MYPY_INI)
@@ -103,9 +118,22 @@ def test_mypy_reports_a_misspelled_setting_and_a_setting_of_the_wrong_type(tmp_p
                             "--cache-dir", str(tmp_path / "cache"), "--no-error-summary", "--hide-error-context",
                             str(tmp_path / "user.py")], capture_output=True, text=True, timeout=300, cwd=REPO)
     errors = [line for line in found.stdout.splitlines() if ": error:" in line]
-    assert len(errors) == 2, found.stdout + found.stderr
-    assert "user.py:8:" in errors[0] and '"every_n_stpes"' in errors[0], errors
-    assert "user.py:9:" in errors[1] and '"patience"' in errors[1] and '"str"' in errors[1] and '"int"' in errors[1], errors
+    assert len(errors) == 3, found.stdout + found.stderr
+    assert "user.py:10:" in errors[0] and '"every_n_stpes"' in errors[0], errors
+    assert "user.py:11:" in errors[1] and '"patience"' in errors[1] and '"str"' in errors[1] and '"int"' in errors[1], errors
+    assert "user.py:21:" in errors[2] and '"checkpoints"' in errors[2], errors  # a required path stays required
+    assert 'user.py:20: note: Revealed type is "pathlib.Path | None"' in found.stdout, found.stdout
+
+
+def test_a_path_setting_given_as_a_str_is_a_path(tmp_path):
+    settings = EvalSettings(str(tmp_path / "c"), "t", baseline="b.json", dirpath=str(tmp_path / "runs"))
+    assert (settings.cache, settings.target, settings.baseline) == (tmp_path / "c", Path("t"), Path("b.json"))
+    assert settings.dirpath == tmp_path / "runs" and settings.baseline_cache_dir is None
+    watch = WatchSettings(checkpoints=str(tmp_path), cache="c", target="t", scoring=ScoringConfig(), tensorboard="tb")
+    assert watch.out_folder == tmp_path / "dflash-eval" and watch.tensorboard == Path("tb") and watch.out is None
+    assert isinstance(watch.cache, Path) and isinstance(watch.target, Path)
+    with pytest.raises(TypeError, match="checkpoints must be a path"):
+        WatchSettings(checkpoints=3, cache="c", target="t", scoring=ScoringConfig())  # type: ignore[arg-type]
 
 
 def test_every_adapter_shows_the_run_under_the_same_names():
