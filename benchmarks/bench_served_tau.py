@@ -42,7 +42,11 @@ token was EOS):
 - of each offline report (conditional, coins, pre-issue) and aggregate (live, dense), the two parts of
   `scoring/intervals.py`'s two-stage bootstrap: s^2, the variance of the task means (ddof 1), and w, the
   mean over tasks of the within-task block-bootstrap variance of the task's mean (its own seeded draws
-  of `intervals.Resampled`, not the report's; the run-level variance is max(s^2, w) / tasks).
+  of `intervals.Resampled`, not the report's; the run-level variance is max(s^2, w) / tasks);
+- with `--samples` > 1, the same decomposition of each offline report's task numbers (live, dense), the
+  cache's answers grouped by their prompt (`Sampling.answer_names`): for the conditional estimators, which
+  are functions of the text alone, the between-prompt part is the variation no estimator on these prompts
+  removes, whatever it computes from each answer and however many answers it is given.
 
     python benchmarks/bench_served_tau.py [--temperatures 0.7 1.0] [--top-p 0.95] [--runs 5] [--samples 5] [--sample-rule]
     python benchmarks/bench_served_tau.py --family dflash2 --temperatures 1.0
@@ -63,7 +67,7 @@ import torch
 
 from dflash_callbacks import TargetHead, load_drafter
 from dflash_callbacks.cache.extract import extract_cache, load_target
-from dflash_callbacks.cache.sampling import Sampling
+from dflash_callbacks.cache.sampling import SAMPLING_KEYS, Sampling
 from dflash_callbacks.demos.toy.dflash2 import toy_dflash2_drafter
 from dflash_callbacks.demos.toy.world import (
     TOY_LAYER_IDS, build_toy_cache, build_toy_training_cache, toy_baseline_path, toy_target_path,
@@ -135,14 +139,22 @@ def task_spread(report, aggregate: str) -> dict:
     return {"s2": float(resampled.means[0].var(ddof=1)), "w": float(resampled.within[0].var(axis=1, ddof=1).mean())}
 
 
+def offline_groups(report, prompts: list[str], aggregate: str) -> list[list[float]]:
+    """vanilla's `aggregate` of each answer in `report`, grouped by prompt (the cache's names of its answers)."""
+    sampling = Sampling(**{k: report.sampling[k] for k in SAMPLING_KEYS})
+    return [[report.value(f"vanilla/{aggregate}", name) for name in sampling.answer_names(p)] for p in prompts]
+
+
 def spread(runs, reports: dict, samples: int) -> dict:
     """What the widths are made of (the module's doc): the decomposition, the floors, and each report's parts."""
     groups = per_prompt(runs)
+    prompts = list(dict.fromkeys(r.task for r in runs))
     floors = {"1": floor(groups, 1), str(samples): floor(groups, samples)}
     floors30 = {"1": floor(per_prompt(runs, 30), 1), str(samples): floor(per_prompt(runs, 30), samples)}
     return {"decomposition": decomposition(groups), "floor": floors, "floor30": floors30,
-            "report_parts": {name: {agg: task_spread(report, agg) for agg in ("live", "dense")}
-                             for name, report in reports.items()}}
+            "report_parts": {name: {agg: {**task_spread(report, agg),
+                                          "decomposition": decomposition(offline_groups(report, prompts, agg))}
+                                    for agg in ("live", "dense")} for name, report in reports.items()}}
 
 
 def row(T: float, args: argparse.Namespace, drafter) -> dict:
@@ -221,12 +233,19 @@ def print_spread(rows: list[dict]) -> None:
               f"{show(fl30)} | {ratio(r['offline_live'], fl)} | {ratio(r['offline_dense'], fl)} | "
               f"{ratio(r['coins_live'], fl)} | {ratio(r['before_live'], fl30)} | {ratio(r['before_live'], fl)} |")
     print("\nthe report's two parts (s^2: the variance of the task means; w: the mean within-task bootstrap variance)")
-    print("| T | estimators | live s^2 | live w | dense s^2 | dense w |")
-    print("|---|---|---|---|---|---|")
+    print("and, with several answers per prompt, the same decomposition of the task numbers (sigma_b^2, sigma_w^2, "
+          "between share)")
+    print("| T | estimators | live s^2 | live w | live sigma_b^2, sigma_w^2 (share) | dense s^2 | dense w | "
+          "dense sigma_b^2, sigma_w^2 (share) |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         for name, parts in r["spread"]["report_parts"].items():
-            print(f"| {r['temperature']:g} | {name} | {parts['live']['s2']:.5f} | {parts['live']['w']:.5f} | "
-                  f"{parts['dense']['s2']:.5f} | {parts['dense']['w']:.5f} |")
+            cells = []
+            for agg in ("live", "dense"):
+                d = parts[agg]["decomposition"]
+                cells += [f"{parts[agg]['s2']:.5f}", f"{parts[agg]['w']:.5f}",
+                          "-" if d is None else f"{d['between']:.5f}, {d['within']:.5f} ({d['between_share']:.2f})"]
+            print(f"| {r['temperature']:g} | {name} | {' | '.join(cells)} |")
 
 
 def main() -> list[dict]:
