@@ -42,7 +42,8 @@ token was EOS):
 - of each offline report (conditional, coins, pre-issue) and aggregate (live, dense), the two parts of
   `scoring/intervals.py`'s two-stage bootstrap: s^2, the variance of the task means (ddof 1), and w, the
   mean over tasks of the within-task block-bootstrap variance of the task's mean (its own seeded draws
-  of `intervals.Resampled`, not the report's; the run-level variance is max(s^2, w) / tasks);
+  of `intervals.Resampled`, not the report's; the run-level variance is max(s^2, w) / tasks), and
+  `t_width`, the width of the Student-t interval of the same task numbers (the floor's rule, no bootstrap);
 - with `--samples` > 1, the same decomposition of each offline report's task numbers (live, dense), the
   cache's answers grouped by their prompt (`Sampling.answer_names`): for the conditional estimators, which
   are functions of the text alone, the between-prompt part is the variation no estimator on these prompts
@@ -136,7 +137,9 @@ def task_spread(report, aggregate: str) -> dict:
     found = [positions([(report, "vanilla")], task, [aggregate]) for task in report.tasks]
     resampled = Resampled([series[aggregate] for _, series in found], [lengths[aggregate] for lengths, _ in found],
                           np.random.default_rng(SEED), RESAMPLES)
-    return {"s2": float(resampled.means[0].var(ddof=1)), "w": float(resampled.within[0].var(axis=1, ddof=1).mean())}
+    _, lo, hi = mean_interval(resampled.means[0].tolist())
+    return {"s2": float(resampled.means[0].var(ddof=1)), "w": float(resampled.within[0].var(axis=1, ddof=1).mean()),
+            "t_width": hi - lo}
 
 
 def offline_groups(report, prompts: list[str], aggregate: str) -> list[list[float]]:
@@ -235,15 +238,18 @@ def print_spread(rows: list[dict]) -> None:
     print("\nthe report's two parts (s^2: the variance of the task means; w: the mean within-task bootstrap variance)")
     print("and, with several answers per prompt, the same decomposition of the task numbers (sigma_b^2, sigma_w^2, "
           "between share)")
-    print("| T | estimators | live s^2 | live w | live sigma_b^2, sigma_w^2 (share) | dense s^2 | dense w | "
-          "dense sigma_b^2, sigma_w^2 (share) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("and the width of the t interval over the same task numbers, over the floor at S")
+    print("| T | estimators | live s^2 | live w | live t width / floor | live sigma_b^2, sigma_w^2 (share) | dense s^2 | "
+          "dense w | dense t width / floor | dense sigma_b^2, sigma_w^2 (share) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        fl = r["spread"]["floor"][str(r["samples"])]
         for name, parts in r["spread"]["report_parts"].items():
             cells = []
             for agg in ("live", "dense"):
                 d = parts[agg]["decomposition"]
                 cells += [f"{parts[agg]['s2']:.5f}", f"{parts[agg]['w']:.5f}",
+                          "-" if fl is None else f"{parts[agg]['t_width'] / fl['mean']:.2f}",
                           "-" if d is None else f"{d['between']:.5f}, {d['within']:.5f} ({d['between_share']:.2f})"]
             print(f"| {r['temperature']:g} | {name} | {' | '.join(cells)} |")
 
