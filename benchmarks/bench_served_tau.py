@@ -21,7 +21,7 @@ it: its selector walk sampled at T, verified with q over its candidates (the liv
 offline, the scorer's expected streaks (dense) and its live schedule on a seeded draw of the acceptance
 coins (live); no teacher-forced column (that estimate reads DFlash's logits).
 
-What the interval's width is made of (a second table; the JSON's "spread"). From the live requests, y_ij the
+What the interval's width is made of (two more tables; the JSON's "spread"). From the live requests, y_ij the
 mean tau per round of request j to prompt i (n_i requests with a round; `--runs` each, less any whose first
 token was EOS):
 - the variance decomposition of y (one-way random effects, by the method of moments): within-prompt
@@ -32,8 +32,8 @@ token was EOS):
 - the floor: the width hi - lo of the Student-t 95% interval (`served_live.mean_interval`) of the mean of
   S requests per prompt, every request one task (10 S values, 10 S - 1 degrees of freedom: as the report's
   interval counts a cache's answers), at S = 1 and S = `--samples`, averaged over the `--runs` ways to pick them:
-  pick g takes requests g, g + 1, ..., g + S - 1 (mod `--runs`) of each prompt (with the smallest and largest
-  of the `--runs` widths). That is the width of served tau measured directly, with no estimator, on as many
+  pick g takes requests g, g + 1, ..., g + S - 1 of each prompt, modulo the fewest requests a prompt has
+  (`--runs`, unless a request began with EOS), with the smallest and largest of the widths. That is the width of served tau measured directly, with no estimator, on as many
   served answers as the cache holds. For argmax drafts a request's acceptances are fixed by its text (the
   emitted token equals the draft exactly when the draft was accepted), so y is a function of the text alone
   and the floor is the sampled text's own variation; the offline widths are shown as ratios to it
@@ -115,7 +115,8 @@ def decomposition(groups: list[list[float]]) -> dict | None:
     means = np.array([np.mean(g) for g in groups])
     within = sum(((np.array(g) - m) ** 2).sum() for g, m in zip(groups, means)) / sum(len(g) - 1 for g in groups)
     between = max(0.0, means.var(ddof=1) - within * np.mean([1 / len(g) for g in groups]))
-    return {"between": float(between), "within": float(within), "between_share": float(between / (between + within))}
+    total = between + within
+    return {"between": float(between), "within": float(within), "between_share": float(between / total) if total else 0.0}
 
 
 def floor(groups: list[list[float]], per_prompt: int) -> dict | None:
@@ -144,7 +145,7 @@ def task_spread(report, aggregate: str) -> dict:
 
 def offline_groups(report, prompts: list[str], aggregate: str) -> list[list[float]]:
     """vanilla's `aggregate` of each answer in `report`, grouped by prompt (the cache's names of its answers)."""
-    sampling = Sampling(**{k: report.sampling[k] for k in SAMPLING_KEYS})
+    sampling = Sampling(**{k: report.sampling[k] for k in SAMPLING_KEYS}) if report.sampling else Sampling()
     return [[report.value(f"vanilla/{aggregate}", name) for name in sampling.answer_names(p)] for p in prompts]
 
 
@@ -231,7 +232,8 @@ def print_spread(rows: list[dict]) -> None:
         fl, fl30 = s["floor"][S], s["floor30"][S]
         show = lambda f: "-" if f is None else f"{f['mean']:.3f} [{f['min']:.3f}, {f['max']:.3f}]"  # noqa: E731
         ratio = lambda v, f: "-" if f is None else f"{(v[2] - v[1]) / f['mean']:.2f}"  # noqa: E731
-        parts = ("-", "-", "-") if d is None else (f"{d['between']:.5f}", f"{d['within']:.5f}", f"{d['between_share']:.2f}")
+        parts = ("-", "-", "-") if d is None else \
+            (f"{d['between']:.5f}", f"{d['within']:.5f}", f"{d['between_share']:.2f}")
         print(f"| {r['temperature']:g} | {' | '.join(parts)} | {show(s['floor']['1'])} | {show(fl)} (S = {S}) | "
               f"{show(fl30)} | {ratio(r['offline_live'], fl)} | {ratio(r['offline_dense'], fl)} | "
               f"{ratio(r['coins_live'], fl)} | {ratio(r['before_live'], fl30)} | {ratio(r['before_live'], fl)} |")
@@ -239,8 +241,8 @@ def print_spread(rows: list[dict]) -> None:
     print("and, with several answers per prompt, the same decomposition of the task numbers (sigma_b^2, sigma_w^2, "
           "between share)")
     print("and the width of the t interval over the same task numbers, over the floor at S")
-    print("| T | estimators | live s^2 | live w | live t width / floor | live sigma_b^2, sigma_w^2 (share) | dense s^2 | "
-          "dense w | dense t width / floor | dense sigma_b^2, sigma_w^2 (share) |")
+    print("| T | estimators | live s^2 | live w | live t width / floor | live sigma_b^2, sigma_w^2 (share) | "
+          "dense s^2 | dense w | dense t width / floor | dense sigma_b^2, sigma_w^2 (share) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         fl = r["spread"]["floor"][str(r["samples"])]
