@@ -26,6 +26,7 @@ def test_the_wheel_ships_conf_and_an_install_finds_it(tmp_path):
     assert shipped == sorted(f"dflash_callbacks/conf/{p.relative_to(REPO / 'conf')}"
                              for p in (REPO / "conf").rglob("*.yaml"))
     assert "dflash_callbacks/demos/toy/assets/target/model.safetensors" in names
+    assert "dflash_callbacks/py.typed" in names  # PEP 561: a user's mypy reads the typed settings of an install
     modules = sorted(str(p.relative_to(REPO)) for p in (REPO / "dflash_callbacks").rglob("*.py"))
     assert [m for m in modules if m not in names] == []  # every subpackage ships (the engine, the watcher)
     assert not any(n.startswith(("tests/", "tools/", "conf/")) for n in names)
