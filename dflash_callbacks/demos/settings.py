@@ -12,7 +12,7 @@ from ..callbacks.schema import EvalConfig, StopConfig
 from ..checks import check_choice, check_int, check_number, problems_of
 from ..config_files import CONF_DIR, load_config
 from ..scoring.methods import unscored_monitor
-from ..settings import EvalSettings, StopSettings, settings_from
+from ..settings import EvalSettings, StopSettings, settings_from, split_monitor
 
 DEMO_YAML = CONF_DIR / "demo.yaml"
 WANDB_MODES = ("offline", "online", "disabled")
@@ -99,7 +99,12 @@ def check_demo(cfg: DemoConfig) -> None:
     except (ValueError, TypeError) as e:
         problems += [f"stop: {line}" for line in str(e).splitlines()]
     if evaluation is not None and stop is not None and cfg.stop.enabled:
-        line = unscored_monitor(stop.monitor, evaluation.scoring.methods, "stop.monitor", "eval.scoring")
+        speedup, monitor = split_monitor(stop.monitor)  # METHOD/AGGREGATE or speedup/METHOD/AGGREGATE
+        line = unscored_monitor(monitor, evaluation.scoring.methods, "stop.monitor", "eval.scoring")
         problems += [line] if line else []
+        if speedup and not evaluation.scoring.costs:
+            problems.append(f"stop.monitor={stop.monitor!r} is a predicted speed-up, but eval.scoring has no costs to "
+                            "predict it from: set eval.scoring.costs (`dflash-callbacks profile --out PATH`), or "
+                            f"monitor tau: {str(monitor)!r}")
     if problems:
         raise ValueError("\n".join(problems))

@@ -282,3 +282,18 @@ def test_a_misspelt_scoring_field_or_choice_names_the_one_meant():
         ScoringConfig(attention="vlm", attentions=["traned"], backend="trito")
     assert [line.rsplit("; ", 1)[1] for line in str(refused.value).splitlines()] == [
         "did you mean 'triton'?", "did you mean 'vllm'?", "did you mean 'trained'?"]
+
+
+def test_the_demo_stops_on_a_predicted_speedup_only_with_costs(tmp_path):
+    """stop.monitor takes the speed-up form as every entry point does: with eval.scoring.costs it passes the
+    demo's own check, without it one line says what to set; an unscored method is named either way."""
+    from dflash_callbacks.demos.settings import check_demo
+
+    costs = tmp_path / "costs.json"
+    costs.write_text("{}")  # the check reads the setting, not the file (the engine reads it before training)
+    check_demo(demo_config(["stop.monitor=speedup/ddtree@8/live", f"eval.scoring.costs={costs}"]))
+    with pytest.raises(ValueError, match=r"stop.monitor='speedup/ddtree@8/live' is a predicted speed-up, but "
+                                         r"eval.scoring has no costs"):
+        check_demo(demo_config(["stop.monitor=speedup/ddtree@8/live"]))
+    with pytest.raises(ValueError, match=r"stop.monitor='ddtree@16/live', but eval.scoring scores only"):
+        check_demo(demo_config(["stop.monitor=speedup/ddtree@16/live", f"eval.scoring.costs={costs}"]))
