@@ -176,15 +176,14 @@ def preflight(spec: ServiceSpec, drafter: DrafterConfig | None, drafter_shapes: 
             memory_plan(config, sized, drafter.vocab_size, longest, block)
         except ValueError as e:
             problems.append(str(e))
+    window = target_model_window(spec.target)  # the engine's window for a drafter layer declaring none
     if spec.baseline is not None and cache is not None:
-        problems += _baseline_problems(Path(spec.baseline), cache, config, block, head,
-                                       target_model_window(spec.target))
+        problems += _baseline_problems(Path(spec.baseline), cache, config, block, head, window)
     elif spec.baseline is not None and not Path(spec.baseline).exists():  # what can be checked without the cache
         problems.append(f"baseline {spec.baseline} does not exist (give a drafter folder or a saved report JSON)")
     if problems:
         raise PreflightError("the scoring inputs do not fit together:\n  " + "\n  ".join(problems))
     engine = engine_settings_warning(config.served_engine_settings)
-    window = target_model_window(spec.target)
     added = ("vllm-as-written" in config.rules(window) and "vllm-as-written" not in config.attentions
              and drafter is not None and resolve_attention(drafter, "vllm", window) != resolve_attention(drafter, "vllm"))
     both = (f"attention vllm: the target's model-level window ({window}) reaches the drafter's layers that declare "
