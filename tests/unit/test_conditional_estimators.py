@@ -75,6 +75,14 @@ def sampled_toy(tmp_path_factory, toy_target):
 
 
 @torch.no_grad()
+def block_hidden(drafter, head, task, anchor_token: int, a: int) -> torch.Tensor:
+    """The drafter's hidden states [B, H] of the block at anchor `a` (the anchor's token, then masks), read
+    with the plain forward under the default rule: what both plain references below score."""
+    block = torch.tensor([anchor_token] + [drafter.mask_token_id] * (drafter.block_size - 1))
+    return drafter(task.hidden[:a][None], head.embed_tokens(block)[None], torch.arange(a + drafter.block_size)[None],
+                   attention=resolve_attention(drafter.config, "auto"))[0]
+
+
 def plain_conditional(drafter, head, task, rule: str, temperature: float):
     """Per anchor, one block through the drafter's forward: c_j (argmax: [label = d_j]; sampled: min(1, q / p) of
     the label) and alpha_j (argmax: p(d_j); sampled: sum over the served support of min(p, q)), q softmax(logits / T)."""
@@ -82,9 +90,7 @@ def plain_conditional(drafter, head, task, rule: str, temperature: float):
     support_ids, support_probs = task.support_ids.long(), task.support_probs.double()
     accept, alpha = [], []
     for a in range(task.prompt_len, task.num_tokens - 1):
-        block = torch.tensor([int(ids[a])] + [drafter.mask_token_id] * (B - 1))
-        hidden = drafter(task.hidden[:a][None], head.embed_tokens(block)[None], torch.arange(a + B)[None],
-                         attention=resolve_attention(drafter.config, "auto"))[0]
+        hidden = block_hidden(drafter, head, task, int(ids[a]), a)
         c, al = np.zeros(B - 1), np.zeros(B - 1)
         for j in range(B - 1):
             at = a + 1 + j
@@ -224,9 +230,7 @@ def test_a_dflash2_slots_alpha_is_the_sum_of_min_p_q_over_the_served_support(tmp
     sel, k = drafter.candidate_selector, drafter.settings.selector_top_k
     accept, alpha = [], []
     for a in range(task.prompt_len, task.num_tokens - 1):
-        block = torch.tensor([int(tokens[a])] + [drafter.mask_token_id] * (B - 1))
-        hidden = drafter(task.hidden[:a][None], head.embed_tokens(block)[None], torch.arange(a + B)[None],
-                         attention=resolve_attention(drafter.config, "auto"))[0]
+        hidden = block_hidden(drafter, head, task, int(tokens[a]), a)
         c, al = np.zeros(B - 1), np.zeros(B - 1)
         for j in range(min(B - 1, task.num_tokens - 1 - a)):
             at, prev = a + 1 + j, int(tokens[a + j])
